@@ -358,8 +358,10 @@ def _register_linear(layout:type):
 # %% ../nbs/01_tensor.ipynb #ee507e36
 def check_finite(w:torch.Tensor, name:str='weight'):
     "Raise a clear `ValueError` if `w` holds inf or NaN, naming the tensor and counting the bad values."
-    bad = ~torch.isfinite(w)
-    if bad.any():
+    if w.numel() == 0: return
+    lo, hi = torch.aminmax(w)          # NaN and inf survive a min/max: one cheap pass in the common case
+    if not (torch.isfinite(lo) and torch.isfinite(hi)):
+        bad = ~torch.isfinite(w)
         n, idx = int(bad.sum()), tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(f"{name}: {n} non-finite value(s) (first at index {idx}: {w[idx].item()}); "
                          "quantizing them would poison the scales. Clean the tensor or pass allow_nonfinite=True.")
@@ -371,7 +373,7 @@ def round_stochastic(x:torch.Tensor, seed:int) -> torch.Tensor:
 
 def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:bool=False,
              name:str='weight', **options) -> QuantizedTensor:
-    "Quantize float tensor `w` to format `fmt` (a name in `FORMATS`) with the format's `options`."
+    "Quantize float tensor `w` (named `name` in errors, e.g. 'blocks.0.proj.weight') to format `fmt` with its `options`."
     spec = get_format(fmt)
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or isinstance(w, QuantizedTensor):
         raise format_error('', name, 'a floating-point torch.Tensor', type(w).__name__ if not isinstance(w, torch.Tensor) else f'dtype {w.dtype}')
@@ -380,7 +382,8 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
         raise format_error('', 'option stochastic_rounding', 'int seed (0 = off)', repr(stochastic_rounding))
     if not allow_nonfinite: check_finite(w, name)
     opts = spec.resolve(None, **options)
-    spec.layout.check_shape(tuple(w.shape), opts, name + ' ')
+    prefix = name[:-len('weight')] if name.endswith('weight') else name + ' '   # module prefix for error messages
+    spec.layout.check_shape(tuple(w.shape), opts, prefix)
     qdata, params = spec.layout.quantize(w, stochastic_rounding=stochastic_rounding, **spec.layout_kwargs, **opts)
     return QuantizedTensor(qdata, params, spec)
 
