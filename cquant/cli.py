@@ -10,6 +10,7 @@ __all__ = ['formats_table', 'build_parser', 'main']
 # %% ../nbs/20_cli.ipynb #a82e8daa
 import argparse, sys, json
 import cquant as cq
+from .checkpoint import add_inspect_parser
 
 # %% ../nbs/20_cli.ipynb #1403675a
 def formats_table(as_json:bool=False) -> str:
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser('formats', help='list the registered formats')
     f.add_argument('--json', action='store_true', help='machine-readable output')
     f.set_defaults(func=_cmd_formats)
+    add_inspect_parser(sub)
     return p
 
 def main(argv=None) -> int:

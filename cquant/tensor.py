@@ -61,6 +61,7 @@ def decode_json(t:torch.Tensor, key:str='comfy_quant'):
     try: return json.loads(raw.decode('utf-8'))
     except UnicodeDecodeError as e: raise format_error('', key, 'UTF-8 JSON bytes', f'invalid UTF-8 ({e.reason} at byte {e.start})') from None
     except json.JSONDecodeError as e: raise format_error('', key, 'valid JSON', f'{e.msg} at char {e.pos} in {raw[:80]!r}') from None
+    except RecursionError: raise format_error('', key, 'valid JSON', 'nesting too deep to decode') from None
 
 # %% ../nbs/01_tensor.ipynb #d3a64bbe
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ def register_format(spec:FormatSpec) -> FormatSpec:
 def get_format(fmt, prefix:str='') -> FormatSpec:
     "The `FormatSpec` for a name (or the spec itself); unknown names list the known ones."
     if isinstance(fmt, FormatSpec): return fmt
-    if fmt not in FORMATS: raise format_error(prefix, 'comfy_quant["format"]', f'one of {sorted(FORMATS)}', repr(fmt))
+    if not isinstance(fmt, str) or fmt not in FORMATS: raise format_error(prefix, 'comfy_quant["format"]', f'one of {sorted(FORMATS)}', repr(fmt))
     return FORMATS[fmt]
 
 # %% ../nbs/01_tensor.ipynb #4100bdd6
