@@ -1,0 +1,36 @@
+"""Every notebook in nbs/ is a test module: run each through nbdev's own runner (execnb, in process).
+
+This is what `nbdev-test` does, one pytest test per notebook: cells flagged with a `tst_flags` directive
+from pyproject.toml (`#| slow`, `#| gpu`, `#| notest`) are skipped, `#| eval: false` cells never run,
+frontmatter `skip_exec: true` skips a notebook, and a `.notest` file skips the notebooks beside it.
+
+    pytest -q tests/test_notebooks.py                  # like `nbdev-test`
+    pytest -q tests/test_notebooks.py -k numerics      # one notebook
+    NB_FLAGS="slow" pytest -q tests/test_notebooks.py  # also run `#| slow` cells (like `nbdev-test --flags slow`)
+"""
+import os
+from pathlib import Path
+
+import pytest
+from nbdev.config import get_config
+from nbdev.doclinks import nbglob
+from nbdev.test import test_nb as run_nb  # alias: pytest would collect a name starting with `test_` and fail
+
+CFG = get_config(Path(__file__).resolve().parent)
+NBS = sorted(nbglob(CFG.nbs_path, as_path=True, skip_file_re='^[_.]'), key=lambda p: p.relative_to(CFG.nbs_path).as_posix())
+NBS = [p for p in NBS if not (p.parent/'.notest').exists()]
+SKIP_FLAGS = CFG.tst_flags.split()
+FORCE_FLAGS = os.environ.get('NB_FLAGS', '').split()
+
+
+def test_there_are_notebooks():
+    assert any(p.name == CFG.readme_nb for p in NBS), f'{CFG.readme_nb} missing from {CFG.nbs_path}'
+
+
+@pytest.mark.parametrize('nb', NBS, ids=[p.relative_to(CFG.nbs_path).with_suffix('').as_posix() for p in NBS])
+def test_notebook(nb, monkeypatch):
+    monkeypatch.chdir(nb.parent)
+    ok, secs = run_nb(nb, skip_flags=SKIP_FLAGS, force_flags=FORCE_FLAGS, basepath=CFG.config_path,
+                      cell_timeout=int(CFG.get('cell_timeout', 600)))
+    print(f'{nb.name}: {secs:.1f}s')
+    assert ok, f'{nb.name} failed (the traceback of the failing cell is printed above)'

@@ -1,0 +1,355 @@
+#!/usr/bin/env python
+"""Build the cquant documentation site offline, from the notebooks, without Quarto.
+
+Usage (from anywhere inside the repo):
+
+    python tools/build_docs.py            # -> _docs/index.html (nbdev's doc_path); open it from the file system
+    python tools/build_docs.py --out DIR  # build somewhere else (the tests build into a temporary folder)
+    python tools/build_docs.py --force    # reprocess every notebook, e.g. after library code changed
+
+What it does:
+
+1. nbdev's own pre-render step, the one `nbdev-proc-nbs` and `nbdev-docs` run before Quarto: refresh
+   `nbs/nbdev.yml`, rebuild `_modidx.py`, write `nbs/sidebar.yml` (the page order), and process every
+   notebook into `_proc/` (frontmatter cell, `show_doc` rendered for exported names, `#| hide` cells and
+   exported code dropped, doc links). Quarto itself is not needed for this, so nbdev's Quarto installer
+   (which calls `sudo`/`curl`) is skipped.
+2. Stage `_proc/` for MkDocs, applying the nbdev/Quarto conventions that mkdocs-jupyter does not know:
+   the frontmatter `title`/`description` become the page heading; `#|` directive lines are removed from
+   the shown code; `echo: false` hides a cell's source, `output: false` its outputs, `include: false` the
+   whole cell; `output: asis` outputs (show_doc's API docs) become page markdown, so they get anchors and
+   join the table of contents; Pandoc link attributes (`[source](url){target="_blank"}`) become HTML;
+   headings get the ids nbdev's doc links and MkDocs' TOC expect; links to notebooks and to the hosted
+   docs point at the local pages; TeX becomes MathML when `latex2mathml` is installed; execnb's float
+   `metadata.execution` (rejected by nbformat) and widget state (needs a CDN) are dropped.
+3. Render with MkDocs + Material + mkdocs-jupyter (config: `mkdocs.yml` at the repo root, inherited by a
+   generated config that adds the pages and the nav, in nbdev's sidebar order), with the `search` and
+   `offline` plugins so that the site works opened from `file://`.
+
+Notebooks are not executed to build the site: pages show the outputs saved in the committed notebooks
+(plots included). The only cells that run are those nbdev's processing runs to render `show_doc` (exported
+cells, `show_doc` cells and every cell containing an import), exactly as under `nbdev-docs`.
+With Quarto installed, `nbdev-docs` builds nbdev's own site from the same notebooks (`nbs/_quarto.yml`).
+"""
+from __future__ import annotations
+
+import argparse, json, os, re, shutil, subprocess, sys, tempfile, time
+from html import escape
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_CONFIG = ROOT/'mkdocs.yml'
+# Files nbdev copies into _proc/ that are Quarto's business, not pages or assets of the MkDocs site
+_QUARTO_ONLY = {'_quarto.yml', 'nbdev.yml', 'sidebar.yml', '_brand.yml', '_metadata.yml', '_metadata.yaml'}
+_WIDGET_MIME = 'application/vnd.jupyter.widget-view+json'
+
+
+def _log(msg): print(f'[build_docs] {msg}', flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. nbdev processing
+def nbdev_process(n_workers: int | None = None) -> tuple[Path, object]:
+    "Run nbdev's pre-docs step (as `nbdev-proc-nbs`/`nbdev-docs` do) and return `(_proc path, config)`"
+    os.chdir(ROOT)
+    import nbdev.quarto as nq
+    from fastcore.parallel import defaults
+    if not hasattr(nq, '_pre_docs'):  # a future nbdev without this helper: fall back to the CLI
+        subprocess.run(['nbdev-proc-nbs'], check=True, cwd=ROOT)
+        from nbdev.config import get_config
+        cfg = get_config(ROOT)
+        return cfg.config_path/'_proc', cfg
+    nq._ensure_quarto = lambda: None  # Quarto renders; it is not needed to process notebooks
+    # the processing workers import the package, installed or not (like nbdev-test's basepath)
+    sys.path.insert(0, str(ROOT))
+    os.environ['PYTHONPATH'] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get('PYTHONPATH')] if p])
+    # `file_re` as `nbdev-docs` passes it: `nbdev-proc-nbs` leaves it empty, and then nbdev's sidebar
+    # lists nbdev.yml, sidebar.yml and styles.css as pages.
+    try: cache, cfg, _ = nq._pre_docs(n_workers=n_workers or defaults.cpus, file_re=nq._def_file_re)
+    except Exception as e:
+        raise SystemExit(f"\n[build_docs] nbdev could not process the notebooks: {type(e).__name__}: {e}\n"
+            "  (full traceback above). nbdev's docs processing, here and in `nbdev-docs`, executes every exported\n"
+            "  cell, every show_doc cell and EVERY CELL CONTAINING AN IMPORT, whatever its flags, but not the other\n"
+            "  cells. A cell that imports and also uses names made by ordinary cells fails with a NameError: move\n"
+            "  the import into its own cell (or the notebook's first import cell), or mark the cell `#| eval: false`.\n"
+            + _import_cells_report()) from e
+    return Path(cache), cfg
+
+
+def _import_cells_report() -> str:
+    "Name the notebook cells that nbdev's docs processing runs because they import, yet also do other work"
+    import ast, warnings
+    try:
+        from nbdev.config import get_config
+        from nbdev.doclinks import nbglob
+        from nbdev.process import NBProcessor
+        from nbdev.processors import _do_eval, _ast_contains
+    except ImportError: return ''
+    cfg, res = get_config(ROOT), []
+    safe = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)  # harmless out of context
+    for nb in nbglob(cfg.nbs_path, as_path=True, skip_file_re='^[_.]'):
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            cells = NBProcessor(nb, rm_directives=False).nb.cells
+            for c in cells:
+                if c.cell_type != 'code' or not _do_eval(c) or c.directives_.keys() & {'export', 'exports', 'exporti', 'exec_doc'}: continue
+                trees = c.parsed_() or []
+                if _ast_contains(trees, (ast.Import, ast.ImportFrom)) and not all(isinstance(t, safe) for t in trees):
+                    first = next((l for l in c.source.splitlines() if l.strip() and not l.startswith('#|')), '')
+                    res.append(f'    {nb.relative_to(cfg.nbs_path)} cell {c.get("id", c.idx_)}: {first[:80]}')
+    return ('  Cells that import (anywhere in the cell) and also run code; the docs build runs each one out of context:\n'
+            + '\n'.join(res)) if res else ''
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. staging: nbdev conventions -> plain notebooks mkdocs-jupyter renders as nbdev would
+def _page_name(rel: Path, fm: dict) -> Path:
+    "Page source name for notebook `rel`: nbdev's `output-file` (numbers stripped), as an .ipynb"
+    from nbdev.config import nbpath2html
+    out = fm.get('output-file') or nbpath2html(rel).name
+    return rel.parent/Path(out).with_suffix('.ipynb')
+
+
+def _fix_links(text: str, links: dict[str, str], site_url: str) -> str:
+    "Point links at notebooks / at the hosted site to the offline pages"
+    if site_url: text = text.replace(site_url.rstrip('/') + '/', '')
+    def sub(m):
+        page = links.get(m.group(2))
+        return m.group(1) + page if page else m.group(0)
+    # markdown `](x.ipynb`, html `href="x.ipynb`, also `x.ipynb#anchor`
+    return re.sub(r'''(\]\(|href=["'])([^)"'#\s]+\.ipynb)''', sub, text)
+
+
+def _pandoc_link_attrs(md: str) -> str:
+    "`[text](url){target=\"_blank\" .cls}` (Pandoc link attributes, e.g. show_doc's source links) as an HTML <a>"
+    def sub(m):
+        text, url, attrs = m.groups()
+        kv = re.findall(r'([\w-]+)=("[^"]*"|\S+)', attrs)
+        cls = re.findall(r'(?:^|\s)\.([\w-]+)', attrs)
+        ids = re.findall(r'(?:^|\s)#([\w.-]+)', attrs)
+        extra = ''.join(f' {k}="{escape(v.strip(chr(34)))}"' for k, v in kv)
+        extra += f' class="{" ".join(cls)}"' if cls else ''
+        extra += f' id="{ids[0]}"' if ids else ''
+        return f'<a href="{escape(url)}"{extra}>{text}</a>'
+    return re.sub(r'\[([^\]]*)\]\(([^)\s]*)\)\{([^}]*)\}', sub, md)
+
+
+_MATH_RE = re.compile(
+    r'(?P<fence>^[ ]{0,3}(?P<f>`{3,}|~{3,})[^\n]*\n.*?^[ ]{0,3}(?P=f)[ \t]*$)'   # fenced code: leave alone
+    r'|(?P<code>(?P<bt>`+)[^`].*?(?P=bt))'                                    # inline code: leave alone
+    r'|\$\$(?P<dtex>.+?)\$\$'                                                  # $$display$$
+    r'|(?<![\\$\w])\$(?=[^\s$])(?P<itex>[^$\n]+?)(?<=[^\s\\])\$(?!\d)',            # $inline$
+    re.S | re.M)
+
+
+def _tex_to_mathml(md: str) -> str:
+    """TeX math (`$...$`, `$$...$$`) as MathML, which browsers render with no script and no network.
+    Needs the `latex2mathml` package; without it (or for TeX it cannot convert) the TeX stays for MathJax,
+    which is loaded from a CDN and so only typesets when the reader is online."""
+    try: from latex2mathml.converter import convert
+    except ImportError: return md
+    def sub(m):
+        tex, display = (m.group('dtex'), 'block') if m.group('dtex') is not None else (m.group('itex'), 'inline')
+        if tex is None: return m.group(0)
+        try: return convert(tex.strip(), display=display)
+        except Exception: return m.group(0)
+    return _MATH_RE.sub(sub, md)
+
+
+def _map_headings(md: str, f) -> str:
+    "Replace each ATX heading line of markdown `md` (outside fenced code) by `f(hashes, text)`"
+    out, fence = [], None
+    for line in md.split('\n'):
+        m = re.match(r'\s{0,3}(`{3,}|~{3,})', line)
+        if m and (fence is None or m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence)):
+            fence = m.group(1) if fence is None else None
+        h = None if fence or m else re.match(r'(#{1,6})\s+(.*?)\s*#*\s*$', line)
+        out.append(f(h.group(1), h.group(2)) if h else line)
+    return '\n'.join(out)
+
+
+def _code_headings(md: str) -> str:
+    "Headings with `code` (often doc-linked by nbdev) get <code>: mkdocs-jupyter drops code spans from the TOC"
+    def f(hashes, t):
+        t = re.sub(r'\[`([^`]+)`\]\([^)]*\)', r'`\1`', t)  # no doc link inside a heading
+        return f"{hashes} " + re.sub(r'`([^`]+)`', lambda c: f'<code>{escape(c.group(1))}</code>', t)
+    return _map_headings(md, f)
+
+
+def _anchor_headings(cells, asis_ids) -> None:
+    """Give headings the ids that links expect, in place: MkDocs' TOC numbers repeated ids (`x_1`) but the
+    rendered page does not, and nbdev links methods as `#class.method` where MkDocs' id is `classmethod`"""
+    from markdown.extensions.toc import slugify, unique
+    seen = set()
+    for c in cells:
+        if c.cell_type != 'markdown': continue
+        def f(hashes, t):
+            text = re.sub(r'\[([^\]]*)\]\([^)]*\)', r'\1', t)
+            text = re.sub(r'<[^>]+>|[`*]', '', text)
+            slug = slugify(text, '-')
+            uid, extra = unique(slug, seen), []
+            if uid != slug: extra.append(uid)
+            name = text.strip()
+            if id(c) in asis_ids and re.fullmatch(r'[\w.]+', name) and name.lower() != slug: extra.append(name.lower())
+            return ''.join(f'<a id="{escape(i)}"></a>\n\n' for i in extra) + f'{hashes} {t}'
+        c.source = _map_headings(c.source, f)
+
+
+def _asis_markdown(cell) -> list[str]:
+    "Markdown text of a `#| output: asis` cell's outputs (what Quarto would inline)"
+    res = []
+    for o in cell.get('outputs', []):
+        if o.get('output_type') == 'stream': res.append(o.get('text', ''))
+        elif 'data' in o:
+            d = o['data']
+            txt = d.get('text/markdown') or d.get('text/html') or d.get('text/plain') or ''
+            res.append(txt if isinstance(txt, str) else ''.join(txt))
+    return [t for t in res if t.strip()]
+
+
+def _stage_notebook(src: Path, dst: Path, links: dict[str, str], site_url: str) -> dict:
+    "Write the nbdev-processed notebook `src` to `dst` with nbdev conventions applied; return its frontmatter"
+    from fastcore.nbio import read_nb, write_nb, nb_frontmatter, mk_cell
+    nb = read_nb(src)
+    fm = nb_frontmatter(nb)
+    cells, asis_ids = [], set()
+    for c in nb.cells:
+        if c.cell_type == 'raw' and c.source.strip().startswith('---'): continue  # frontmatter: becomes the heading
+        c.get('metadata', {}).pop('execution', None)  # execnb's float timings fail nbformat validation
+        if c.cell_type == 'markdown':
+            c.source = _code_headings(_tex_to_mathml(_pandoc_link_attrs(_fix_links(c.source, links, site_url))))
+        if c.cell_type == 'code':
+            d = c.directives
+            c.remove_directives()
+            if d.get('output') == 'asis' and d.get('echo') == 'false':
+                # Quarto inlines such outputs (show_doc's API docs) as page markdown: do the same, so their
+                # headings get anchors (nbdev's doc links point at them) and join the table of contents
+                new = [mk_cell(_code_headings(_tex_to_mathml(_pandoc_link_attrs(_fix_links(md, links, site_url)))), 'markdown')
+                       for md in _asis_markdown(c)]
+                asis_ids.update(id(n) for n in new)
+                cells += new
+                continue
+            tags = list(c.get('metadata', {}).get('tags', []))
+            if d.get('include') == 'false': continue
+            if d.get('echo') == 'false' or not c.source.strip(): tags.append('remove_input')
+            if d.get('output') == 'false': tags.append('remove_output')
+            outs = []
+            for o in c.get('outputs', []):
+                data = o.get('data')
+                if data is not None:
+                    if _WIDGET_MIME in data: continue  # live widgets need a kernel; their plots are separate outputs
+                    for k in ('text/markdown', 'text/html'):
+                        if isinstance(data.get(k), str): data[k] = _fix_links(data[k], links, site_url)
+                outs.append(o)
+            c.outputs = outs
+            if 'remove_input' in tags and not outs: continue  # nothing left to show
+            if tags: c.setdefault('metadata', {})['tags'] = tags
+        cells.append(c)
+    _anchor_headings(cells, asis_ids)
+    title, desc = fm.get('title') or dst.stem, fm.get('description')
+    head = f'# {title}' + (f'\n\n<p class="cq-description">{escape(str(desc))}</p>' if desc else '')
+    nb.cells = [mk_cell(head, 'markdown')] + cells
+    md = nb.setdefault('metadata', {})
+    md.pop('widgets', None)  # widget state makes nbconvert pull the widget manager from a CDN
+    md.setdefault('kernelspec', {'display_name': 'Python 3', 'language': 'python', 'name': 'python3'})
+    md.setdefault('language_info', {'name': 'python'})
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    write_nb(nb, dst)
+    return fm
+
+
+def _nav_from_sidebar(contents, pages: dict[str, tuple[str, str]]) -> list:
+    "MkDocs nav from nbdev's `sidebar.yml` contents (paths, `{section, contents}`, `{text, href}`)"
+    nav = []
+    for item in contents or []:
+        if isinstance(item, str):
+            if item in pages: nav.append({pages[item][1]: pages[item][0]})
+        elif isinstance(item, dict) and 'section' in item:
+            sub = _nav_from_sidebar(item.get('contents'), pages)
+            href = item.get('href')
+            if href in pages: sub.insert(0, {pages[href][1]: pages[href][0]})
+            if sub: nav.append({str(item['section']): sub})
+        elif isinstance(item, dict) and item.get('href') in pages:
+            p = pages[item['href']]
+            nav.append({str(item.get('text') or p[1]): p[0]})
+    return nav
+
+
+def stage(proc: Path, cfg, dest: Path) -> list:
+    "Copy `proc` into `dest` for MkDocs; return the nav"
+    nbs = sorted(p for p in proc.rglob('*.ipynb') if not any(s.startswith(('.', '_')) for s in p.relative_to(proc).parts))
+    fms = {}
+    from fastcore.nbio import read_nb, nb_frontmatter
+    for p in nbs: fms[p] = nb_frontmatter(read_nb(p))
+    names = {p: _page_name(p.relative_to(proc), fms[p]) for p in nbs}
+    links = {}
+    for p, n in names.items():
+        rel = p.relative_to(proc)
+        for key in {rel.as_posix(), rel.name}: links[key] = n.with_suffix('.html').as_posix()
+    site_url = f"{cfg.get('doc_host', '')}{cfg.get('doc_baseurl', '')}" if cfg.get('doc_host') else ''
+    pages = {}
+    for p in nbs:
+        fm = _stage_notebook(p, dest/names[p], links, site_url)
+        pages[p.relative_to(proc).as_posix()] = (names[p].as_posix(), str(fm.get('title') or names[p].stem))
+    for f in proc.rglob('*'):  # images and other files the notebooks refer to; styles.css becomes extra_css
+        rel = f.relative_to(proc)
+        if (f.is_dir() or f.suffix in ('.ipynb', '.qmd') or f.name in _QUARTO_ONLY
+                or any(s.startswith('.') for s in rel.parts)): continue
+        (dest/rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, dest/rel)
+    sidebar = proc/'sidebar.yml'
+    contents = (yaml.safe_load(sidebar.read_text()) or {}).get('website', {}).get('sidebar', {}).get('contents') if sidebar.exists() else None
+    nav = _nav_from_sidebar(contents, pages)
+    listed = json.dumps(nav)
+    nav += [{t: n} for k, (n, t) in pages.items() if json.dumps(n) not in listed]  # pages the sidebar misses
+    if not nav: raise SystemExit(f'No notebooks found in {proc}')
+    return nav
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. MkDocs
+def build(out: Path, n_workers: int | None = None, quiet: bool = False) -> Path:
+    t0 = time.time()
+    proc, cfg = nbdev_process(n_workers)
+    _log(f'nbdev processed notebooks into {proc.relative_to(ROOT)}/ in {time.time()-t0:.1f}s')
+    t1 = time.time()
+    with tempfile.TemporaryDirectory(prefix='cquant-docs-') as tmp:
+        src = Path(tmp)/'pages'
+        nav = stage(proc, cfg, src)
+        site_cfg = {
+            'INHERIT': str(BASE_CONFIG),
+            'site_name': str(cfg.get('title') or cfg.get('lib_name')),
+            'site_description': str(cfg.get('description', '')),
+            'docs_dir': str(src), 'site_dir': str(out),
+            'nav': nav,
+        }
+        if (src/'styles.css').exists(): site_cfg['extra_css'] = ['styles.css']
+        if cfg.get('git_url'): site_cfg['repo_url'] = cfg.git_url
+        cfg_file = Path(tmp)/'mkdocs.yml'
+        cfg_file.write_text(yaml.safe_dump(site_cfg, sort_keys=False))
+        cmd = [sys.executable, '-m', 'mkdocs', 'build', '--clean', '-f', str(cfg_file)] + (['-q'] if quiet else [])
+        subprocess.run(cmd, check=True, cwd=tmp)
+    _log(f'mkdocs rendered {len(list(out.glob("**/*.html")))} pages into {out} in {time.time()-t1:.1f}s')
+    _log(f'open file://{(out/"index.html").resolve()}  (total {time.time()-t0:.1f}s)')
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    ap.add_argument('--out', type=Path, default=None, help="output folder (default: nbdev's doc_path, _docs/)")
+    ap.add_argument('--n-workers', type=int, default=None, help='workers for nbdev notebook processing')
+    ap.add_argument('-q', '--quiet', action='store_true', help='quieter: mkdocs prints errors only')
+    ap.add_argument('--force', action='store_true',
+                    help="reprocess every notebook (nbdev otherwise only reprocesses notebooks newer than _proc/)")
+    a = ap.parse_args(argv)
+    if a.force: shutil.rmtree(ROOT/'_proc', ignore_errors=True)
+    out = a.out
+    if out is None:
+        from nbdev.config import get_config
+        out = get_config(ROOT).doc_path
+    build(Path(out).resolve(), a.n_workers, a.quiet)
+
+
+if __name__ == '__main__': main()
