@@ -1,6 +1,4 @@
-"""Read and write Comfy quantized safetensors files: validated headers, lazy per-tensor access, a
-per-module view checked against the format registry, legacy conversion, attention preferences, atomic
-saves and `cquant inspect`.
+"""Read and write Comfy quantized safetensors: validated headers, lazy access, per-module validation, legacy conversion, attention preferences, atomic saves.
 
 Docs: https://cquant-dev.github.io/cquant/checkpoint.html.md"""
 

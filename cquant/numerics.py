@@ -1,6 +1,4 @@
-"""The numeric primitives every Comfy quantization format is built from: FP8 casts, FP4 (E2M1) codes,
-nibble and 6-bit packing, E8M0 block exponents, the swizzled 128x4 scale layout, the regular
-Hadamard rotation, and the error metrics used to judge them.
+"""FP8 casts, FP4 (E2M1) codes, nibble and 6-bit packing, E8M0 exponents, the swizzled scale layout, the regular Hadamard, and error metrics.
 
 Docs: https://cquant-dev.github.io/cquant/numerics.html.md"""
 
