@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 
-from .numerics import FP8_DTYPES, fp8_max, absmax
+from .numerics import FP8_DTYPES, FP16_MIN_NORMAL, fp8_max, absmax
 from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, round_stochastic
 
 # %% auto #0
-__all__ = ['FP16_MIN_NORMAL', 'FP8_E4M3', 'FP8_E5M2', 'fp8_absmax_scale', 'round_to_fp8', 'quantize_per_tensor_fp8',
-           'dequantize_per_tensor_fp8', 'FP8Params', 'fp8_linear_fp32', 'FP8Layout']
+__all__ = ['FP8_E4M3', 'FP8_E5M2', 'fp8_absmax_scale', 'round_to_fp8', 'quantize_per_tensor_fp8', 'dequantize_per_tensor_fp8',
+           'FP8Params', 'fp8_linear_fp32', 'FP8Layout']
 
 # %% ../nbs/02_fp8.ipynb #b1e1b7e1
 def fp8_absmax_scale(w:torch.Tensor, # weight (fp32, bf16 or fp16)
@@ -59,8 +59,6 @@ def quantize_per_tensor_fp8(w:torch.Tensor, # weight or activation (fp32, bf16 o
     inv = (1.0 / scale).to(w.dtype)
     v = w * inv if bool(torch.isfinite(inv)) else w.float() / scale
     return round_to_fp8(v, fp8_dtype, stochastic_rounding)
-
-FP16_MIN_NORMAL = 2.0 ** -14   # below this an fp16 scale is subnormal and loses significant bits
 
 def dequantize_per_tensor_fp8(q:torch.Tensor, # FP8 tensor
                               scale:torch.Tensor, # fp32 scale

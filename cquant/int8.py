@@ -11,11 +11,22 @@ from dataclasses import dataclass
 import torch
 from .tensor import (Params, Layout, Option, FormatSpec, register_format, format_error,
                            round_stochastic)
-from .numerics import absmax, rotate
+from .numerics import absmax, rotate, FP16_MIN_NORMAL
 
 # %% auto #0
 __all__ = ['INT8_TENSORWISE', 'quantize_int8', 'quantize_rows_int8', 'dequantize_int8', 'quantize_int8_convrot',
            'dequantize_int8_convrot', 'int_mm', 'int8_linear', 'Int8Params', 'Int8Layout']
+
+# %% ../nbs/05_int8.ipynb #844500d8
+def _requantize_subnormal_rows(w, q, scale, convrot, group, stochastic_rounding):
+    "fp16 weights whose fp32 scale is below fp16's normal range: redo those rows dividing in fp32 (same scale)."
+    small = (scale < FP16_MIN_NORMAL).reshape(-1)
+    if not small.any(): return q
+    src = rotate(w, group, as_weight=True) if convrot else w          # the rotation stays kitchen's (in fp16)
+    if small.numel() == 1: return quantize_int8(src.float(), per_row=False, stochastic_rounding=stochastic_rounding)[0]
+    q = q.clone()
+    q[small] = quantize_int8(src[small].float(), per_row=True, stochastic_rounding=stochastic_rounding)[0]
+    return q
 
 # %% ../nbs/05_int8.ipynb #290ad827
 _QMAX = 127.0
@@ -225,6 +236,7 @@ class Int8Layout(Layout):
         per_row = bool(per_row or convrot)
         if convrot: q, s = quantize_int8_convrot(w, convrot_groupsize, stochastic_rounding)
         else: q, s = quantize_int8(w, per_row=per_row, stochastic_rounding=stochastic_rounding)
+        if w.dtype == torch.float16: q = _requantize_subnormal_rows(w, q, s, convrot, convrot_groupsize, stochastic_rounding)
         return q, Int8Params(tuple(w.shape), w.dtype, s, per_row, bool(convrot), int(convrot_groupsize))
 
     @classmethod

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .numerics import (E2M1_VALUES, absmax, cast_fp8, e2m1_encode, e2m1_decode, pack_nibbles,
+from .numerics import (E2M1_VALUES, FP16_MIN_NORMAL, absmax, cast_fp8, e2m1_encode, e2m1_decode, pack_nibbles,
                              unpack_nibbles, pad_to_multiple, to_blocked, from_blocked)
 from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, round_stochastic
 
@@ -99,7 +99,6 @@ def _byte_table(dtype:torch.dtype, device:torch.device) -> torch.Tensor:
     codes = unpack_nibbles(torch.arange(256, dtype=torch.uint8).reshape(256, 1), hi_first=True)
     return e2m1_decode(codes, dtype).to(device)
 
-_FP16_TINY = 2.0 ** -14   # smallest normal fp16: below it kitchen's fp16(s) loses bits
 
 def nvfp4_scale_product(global_scale:torch.Tensor, # fp32 0-d global scale (`weight_scale_2`)
                         block_scale:torch.Tensor, # e4m3 block scales, logical [Np, Kp/16] (unswizzled)
@@ -109,7 +108,7 @@ def nvfp4_scale_product(global_scale:torch.Tensor, # fp32 0-d global scale (`wei
     kitchen = global_scale.to(dtype) * block_scale.to(dtype)
     if dtype != torch.float16: return kitchen
     fp32 = (global_scale.float() * block_scale.float()).to(dtype)
-    return torch.where(global_scale < _FP16_TINY, fp32, kitchen)     # no host sync
+    return torch.where(global_scale < FP16_MIN_NORMAL, fp32, kitchen)     # no host sync
 
 def _decode_blocks(qdata:torch.Tensor, mult:torch.Tensor, dtype:torch.dtype) -> torch.Tensor:
     "E2M1 value (from the byte table) times the per-block multiplier `mult` [Np, Kp/16], all in `dtype`."

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 ck = pytest.importorskip("comfy_kitchen", reason="comfy-kitchen (the bit-exactness oracle, pip install comfy-kitchen==0.2.40) is not installed")
+from comfy_kitchen.tensor.int8_utils import _build_hadamard, _rotate_weight  # noqa: E402
 from comfy_kitchen.tensor import (QuantizedTensor as KQT, TensorCoreFP8Layout, TensorCoreNVFP4Layout,
                                   TensorCoreMXFP8Layout, TensorWiseINT8Layout)
 
@@ -408,7 +409,27 @@ def expected_entries(v: Variant, w: torch.Tensor) -> dict:
     amax = w.abs().amax()
     if v.fmt == "nvfp4" and float(amax / 2688) == 0 and float(amax) != 0:
         return KQT.from_float(w, "TensorCoreNVFP4Layout", scale=amax.float() / 2688).state_dict("weight")
-    return kitchen_quantize(v, w).state_dict("weight")
+    entries = kitchen_quantize(v, w).state_dict("weight")
+    if v.fmt == "int8_tensorwise" and w.dtype == torch.float16: entries = int8_fp16_subnormal_rows(v, w, entries)
+    return entries
+
+
+def int8_fp16_subnormal_rows(v: Variant, w: torch.Tensor, entries: dict) -> dict:
+    """fp16 int8 weights: kitchen divides by fp16(scale), a subnormal for scales below 2**-14; cquant divides those rows
+    in fp32 by the same stored scale. Expected = kitchen's bytes, those rows from kitchen's fp32 quantizer of the same
+    (for ConvRot: kitchen-rotated, in fp16) values."""
+    small = (entries["weight_scale"].float() < 2.0 ** -14).reshape(-1)
+    if not small.any(): return entries
+    src = w
+    if v.convrot:
+        g = v.opts["convrot_groupsize"]
+        src = _rotate_weight(w, _build_hadamard(g, dtype=w.dtype, device=w.device), g)
+    per_row = v.convrot or v.opts.get("per_row", False)
+    q32 = KQT.from_float(src.float(), "TensorWiseINT8Layout", per_channel=per_row).state_dict("weight")["weight"]
+    q = entries["weight"].clone()
+    rows = small.expand(q.shape[0]) if small.numel() == 1 else small
+    q[rows] = q32[rows]
+    return {**entries, "weight": q}
 
 
 @pytest.mark.parametrize("v", FP8_VARIANTS, ids=lambda v: v.id)
