@@ -16,14 +16,17 @@ Modules:
 # formats in `FORMATS`.
 __version__ = "0.1.0"
 
-import importlib as _importlib
-
 from .tensor import *
-
-for _mod in ("numerics", "fp8", "nvfp4", "mxfp8", "int8", "w4a4", "w4a8", "checkpoint", "quality", "modules", "policy", "convert", "explore"):
-    try: _m = _importlib.import_module(f".{_mod}", __name__)
-    except ModuleNotFoundError as _e:
-        if _e.name != f"{__name__}.{_mod}": raise
-        continue
-    globals().update({_k: getattr(_m, _k) for _k in getattr(_m, "__all__", [])})
-del _importlib, _mod
+from .numerics import *
+from .fp8 import *
+from .nvfp4 import *
+from .mxfp8 import *
+from .int8 import *
+from .w4a4 import *
+from .w4a8 import *
+from .checkpoint import *
+from .quality import *
+from .modules import *
+from .policy import *
+from .convert import *
+from .explore import *

@@ -1,0 +1,252 @@
+"""Policies: the nested INT8 budget (published behaviour + hypothesis nesting), presets, auto-detection,
+mode fallbacks asked of the registry, plan inputs, measured selection, JSON round trip."""
+import json, math, os, warnings
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import cquant as cq
+from cquant.policy import (CHOICES, CONSERVATIVE, MODES, PRESETS, Policy, PolicyWarning, budget_order, budget_target,
+                           detect_preset, dit_batches, dit_model, dit_state_dict, int8_budget, krea2_names, layer_source,
+                           natural_key, spread)
+
+TEN = [f'layer.{i}' for i in range(10)]
+KREA_SENS = PRESETS['krea2'].int4_sensitive
+
+
+# --- the published behaviour of the nested budget (policies.md §1.5) ---
+
+def test_ten_plain_layers():
+    assert [int(n.split('.')[1]) for n, _ in budget_order(TEN)] == [7, 2, 9, 4, 1, 6, 0, 5, 3, 8]
+    assert int8_budget(TEN, 0.2) == ['layer.2', 'layer.7']
+    assert int8_budget(TEN, 0.1) == ['layer.7']
+    assert int8_budget(TEN, 0.3) == ['layer.2', 'layer.7', 'layer.9']
+    assert int8_budget(TEN, 0.5) == ['layer.1', 'layer.2', 'layer.4', 'layer.7', 'layer.9']
+    assert int8_budget(TEN, 0.0) == [] and int8_budget(TEN, 1.0) == TEN
+
+
+def test_krea2_shaped_model():
+    krea = krea2_names()
+    assert len(krea) == 224
+    k25 = int8_budget(krea, 0.25, KREA_SENS)
+    assert len(k25) == 56 and set(k25) == {n for n in krea if n.endswith(('attn.wo', 'mlp.down'))}
+    k20 = int8_budget(krea, 0.2, KREA_SENS)
+    assert len(k20) == 45 and all(n.endswith(('attn.wo', 'mlp.down')) for n in k20)
+    assert {int(n.split('.')[1]) for n in k20} == set(range(28))
+    assert [int(n.split('.')[1]) for n in int8_budget(krea, 0.05, KREA_SENS)] == [0, 2, 4, 7, 9, 12, 14, 17, 19, 22, 24, 27]
+
+
+def test_krea2_through_a_policy():
+    shapes = {n: (3072, 3072) for n in krea2_names()}
+    shapes.update({'first.proj': (3072, 256), 'tmlp.0': (3072, 256), 'tproj': (3072, 3072), 'txtfusion.0': (3072, 4096)})
+    plan = Policy(int4_mixed_ratio=0.25).plan(shapes)
+    assert plan.preset == 'krea2'
+    assert set(plan.selected()) == {n for n in krea2_names() if n.endswith(('attn.wo', 'mlp.down'))}
+    assert plan.counts() == {'INT8 ConvRot': 56, 'W4A4': 168, 'float': 4}
+    assert plan['blocks.0.attn.wo'].config == {'format': 'int8_tensorwise', 'convrot': True, 'convrot_groupsize': 256}
+    assert plan['blocks.0.attn.wq'].config == {'format': 'convrot_w4a4', 'convrot_groupsize': 256}
+
+
+def test_anima_and_small_priority_cases():
+    anima = [f'blocks.{b}.{s}' for b in range(28) for s in ('self_attn.q', 'self_attn.k', 'self_attn.v', 'self_attn.output_proj',
+             'cross_attn.q', 'cross_attn.kv', 'cross_attn.output_proj', 'mlp.layer1', 'mlp.layer2', 'adaln_modulation')]
+    sel = int8_budget(anima, 0.3, PRESETS['anima'].int4_sensitive)
+    assert len(sel) == 84 and all(any(p in n for p in PRESETS['anima'].int4_sensitive) for n in sel)
+    five = [f'layer.{i}' for i in range(5)]
+    assert int8_budget(five, 0.4, ['layer.4']) == ['layer.3', 'layer.4']
+    assert int8_budget(TEN, 0.37) == int8_budget(list(TEN), 0.37)
+
+
+# --- nesting: every pair of ratios, any names, any priority set ---
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(0, 300), data=st.data())
+def test_profiles_nest(n, data):
+    names = [f'blocks.{i}.lin' for i in range(n)]
+    prio = data.draw(st.lists(st.integers(0, max(n - 1, 0)), max_size=n, unique=True)) if n else []
+    pri_names = {names[i] for i in prio}
+    names = [nm + ('.hot' if nm in pri_names else '') for nm in names]
+    r1 = data.draw(st.floats(0, 1)); r2 = data.draw(st.floats(0, 1))
+    lo, hi = sorted((r1, r2))
+    a, b = set(int8_budget(names, lo, ['.hot'])), set(int8_budget(names, hi, ['.hot']))
+    assert a <= b
+    assert len(b) == budget_target(n, hi)
+    # priority first above the anchor ratio: at a ratio that covers all priority layers, all are in
+    if budget_target(n, hi) >= len(pri_names) and hi >= 0.2: assert {nm for nm in names if nm.endswith('.hot')} <= b
+
+
+@settings(max_examples=60, deadline=None)
+@given(L=st.integers(1, 500), data=st.data())
+def test_spread_picks_distinct_midpoints(L, data):
+    k = data.draw(st.integers(0, L))
+    picks = spread(range(L), k)
+    assert len(picks) == len(set(picks)) == k and picks == sorted(picks)
+    assert all(p == math.floor((i + 0.5) * L / k) for i, p in enumerate(picks))
+
+
+# --- presets and auto-detection ---
+
+def test_preset_patterns_exact():
+    assert PRESETS['flux2'].keep_float == ('img_in', 'time_in', 'guidance_in', 'txt_in', 'final_layer', 'double_stream_modulation_img',
+                                            'double_stream_modulation_txt', 'single_stream_modulation')
+    assert PRESETS['flux2_fast_unsafe'].keep_float == tuple(p for p in PRESETS['flux2'].keep_float if p != 'final_layer')
+    assert PRESETS['z-image'].keep_float == ('cap_embedder', 't_embedder', 'x_embedder', 'cap_pad_token', 'context_refiner',
+                                             'final_layer', 'noise_refiner', 'adaLN', 'x_pad_token', 'layers.0.')
+    assert PRESETS['wan'].keep_float[-4:] == ('face_adapter', 'face_encoder', 'motion_encoder', 'pose_patch_embedding')
+    assert PRESETS['minimax_h3'].int4_sensitive == ('attn.out_proj', 'mlp.fc2')
+    assert PRESETS['sdxl'].keep_float == ('time_embed', 'label_emb', 'emb_layers', 'proj_in', 'proj_out')
+    assert PRESETS['qwen'].keep_float == ('time_text_embed', 'img_in', 'norm_out', 'proj_out', 'txt_in')
+    assert PRESETS['hidream o1'].keep_float == ('embed', 'language_model.layers.35.mlp')
+    assert PRESETS['none'].keep_float == () and PRESETS['none'].int4_sensitive == ()
+    allkeep = [p for s in PRESETS.values() for p in s.keep_float]
+    assert list(CONSERVATIVE.keep_float) == list(dict.fromkeys(allkeep))
+
+
+def test_substring_matching_quirks():
+    plan = Policy('int8', 'z-image').plan({'layers.0.attn': (64, 64), 'layers.01.attn': (64, 64), 'xlayers.0.attn': (64, 64)})
+    assert [plan[n].format for n in ('layers.0.attn', 'layers.01.attn', 'xlayers.0.attn')] == [None, 'int8_tensorwise', None]
+
+
+@pytest.mark.parametrize('names,expect', [
+    (['double_blocks.0.img_attn', 'guidance_in.in_layer', 'img_in', 'single_blocks.0'], 'flux2'),
+    (['video_patch_proj', 'audio_patch_proj', 'blocks.0.attn.out_proj'], 'minimax_h3'),
+    (['cap_embedder.0', 'context_refiner.0', 'noise_refiner.0', 'layers.0.attention'], 'z-image'),
+    (['patch_embedding', 'time_projection.1', 'blocks.0.self_attn.q'], 'wan'),
+    (['audio_adaln_single.linear', 'audio_caption_projection.linear_1', 'transformer_blocks.0'], 'ltx2'),
+    (['language_model.layers.0.mlp', 'embed_tokens'], 'hidream o1'),
+    (['embed_image_indicator', 't_embedding.0'], 'ideogram4'),
+    (['double_stream_layers.0', 'img_instruct_attn', 'norm_out'], 'boogu'),
+    (['distilled_guidance_layer.in_proj', 'nerf_blocks.0'], 'chroma'),
+    (['text_proj', 'x_embedder', 'time_embed'], 'ernie'),
+    (['llm_adapter.blocks.0', 'x_embedder', 'blocks.0.adaln_modulation_self_attn'], 'anima'),
+    (['encoder.layer.0.attention.self.query'], None),
+])
+def test_auto_detection(names, expect):
+    assert detect_preset(names)[0] == expect
+
+
+def test_sdxl_rule_and_unknown_warning():
+    assert detect_preset(['label_emb.0.0', 'input_blocks.0'], {'label_emb.0.0': (1280, 2816)})[0] == 'sdxl'
+    assert Policy().plan({'label_emb.0.0': (1280, 2816), 'input_blocks.1.1.proj_in': (640, 640)}).preset == 'sdxl'
+    with pytest.warns(PolicyWarning, match='no architecture recognised'):
+        plan = Policy().plan({'foo.bar': (64, 256)})
+    assert plan.preset == 'auto-conservative' and plan.keep_float == list(CONSERVATIVE.keep_float)
+
+
+# --- modes, eligibility, fallbacks asked of the registry ---
+
+MINI = {f'encoder.layer.{i}.{s}': shape for i in range(6) for s, shape in
+        [('attention.self.query', (384, 384)), ('intermediate.dense', (1536, 384)), ('output.dense', (384, 1536))]}
+
+
+def test_modes_and_fallbacks():
+    counts = lambda mode, **kw: Policy(mode, 'none', **kw).plan(MINI).counts()
+    assert counts('int8') == {'INT8': 18}
+    assert counts('int8_convrot') == {'INT8 ConvRot': 6, 'INT8': 12}
+    assert counts('int4_mixed') == {'INT8': 12, 'INT8 ConvRot': 2, 'W4A4': 4}
+    assert counts('int4_full', int4_sensitive=('output',)) == {'INT8': 12, 'W4A4': 6}
+    assert counts('fp8') == {'FP8': 18} and counts('nvfp4') == {'NVFP4': 18} and counts('mxfp8') == {'MXFP8': 18}
+    d = Policy('int8_convrot', 'none').plan(MINI)['encoder.layer.0.attention.self.query']
+    assert (d.format, d.options, d.tier) == ('int8_tensorwise', {'per_row': True}, 'fallback')
+    assert "(K % 256 = 128)" in d.reason          # the registry's own message (int8 layout)
+
+
+def test_w4a8_mode():
+    plan = lambda: Policy('w4a8', 'none').plan({'a': (64, 512), 'b': (64, 384)})
+    if 'asym_w4a8_int8' not in cq.FORMATS:
+        with pytest.raises(ValueError, match="W4A8 needs format 'asym_w4a8_int8', which is not registered"): plan()
+        return
+    p = plan()
+    assert p['a'].format == 'asym_w4a8_int8' and p['a'].config['group_size'] == 16 and p['a'].config['convrot_groupsize'] == 256
+    assert (p['b'].format, p['b'].tier) == ('int8_tensorwise', 'fallback')
+
+
+def test_eligibility():
+    sd = {'a.weight': torch.zeros(8, 256), 'n.weight': torch.ones(8), 'e.weight': torch.zeros(100, 1),
+          'i.weight': torch.zeros(4, 4, dtype=torch.int32), 'b.weight': torch.zeros(4, 4, 4),
+          'q.weight': cq.quantize(torch.randn(16, 256), 'float8_e4m3fn'), 'f8.weight': torch.zeros(16, 256, dtype=torch.float8_e5m2),
+          'keep.weight': torch.zeros(8, 256)}
+    plan = Policy('int8', 'none', keep_float=('keep',)).plan(sd)
+    assert {k: d.tier for k, d in plan.items()} == {'a': 'mode', 'n': 'ineligible', 'e': 'ineligible', 'i': 'ineligible',
+                                                   'b': 'ineligible', 'q': 'mode', 'f8': 'mode', 'keep': 'keep_float'}
+    m = torch.nn.Sequential(torch.nn.Linear(256, 8), torch.nn.Embedding(10, 256), torch.nn.LayerNorm(8))
+    mp = Policy('int8', 'none').plan(m)
+    assert mp['0'].format == 'int8_tensorwise' and mp['1'].reason == 'not a Linear (Embedding)'
+
+
+def test_plan_inputs_agree(tmp_path):
+    sd = dit_state_dict(0, depth=2, experts=2)
+    f = tmp_path / 'dit.safetensors'
+    cq.save_file(sd, f)
+    pol = Policy(preset='none', keep_float=('embed', 'adaLN', 'final_layer'))
+    fmts = lambda p: {k: (d.format, d.config) for k, d in p.items() if d.format}
+    a = pol.plan(sd)
+    b = pol.plan(str(f))
+    c = pol.plan(dit_model(0, depth=2, experts=2))
+    d = pol.plan({k[:-7]: tuple(v.shape) for k, v in sd.items() if k.endswith('.weight') and v.dim() == 2})
+    assert fmts(a) == fmts(c) == fmts(d)                      # model order
+    assert list(b) == sorted(b, key=natural_key)              # a file: natural name order (its own order is dtype, name)
+    assert fmts(b) == fmts(pol.plan({k: sd[k] for k in sorted(sd, key=natural_key)}))
+    assert {k for k, v in fmts(a).items()} == {k for k, v in fmts(b).items()}
+
+
+def test_overrides():
+    plan = Policy('int4_mixed', 'none', overrides=[('layer.5.output', None), ('query', 'int8_tensorwise', {'per_row': False})]).plan(MINI)
+    assert plan['encoder.layer.5.output.dense'].tier == 'override' and plan['encoder.layer.5.output.dense'].format is None
+    assert plan['encoder.layer.0.attention.self.query'].options == {'per_row': False}
+    with pytest.raises(ValueError, match="asks for convrot_w4a4"):
+        Policy('int8', 'none', overrides=[('query', 'convrot_w4a4')]).plan(MINI)
+
+
+# --- measured selection ---
+
+def test_measured_selection_is_optimal_and_nested():
+    sd = dit_state_dict(0, depth=2, experts=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', PolicyWarning)
+        plans = {r: Policy(selection='measured', int4_mixed_ratio=r).plan(sd) for r in (0.1, 0.2, 0.4)}
+        structural = Policy(int4_mixed_ratio=0.2).plan(sd)
+    meas = plans[0.2].budget['measurements']
+    total = lambda chosen: sum(e['high'] if n in chosen else e['low'] for n, e in meas.items())
+    assert set(plans[0.1].selected()) <= set(plans[0.2].selected()) <= set(plans[0.4].selected())
+    assert len(plans[0.2].selected()) == len(structural.selected()) == budget_target(len(meas), 0.2)
+    assert total(set(plans[0.2].selected())) <= total(set(structural.selected()))
+    # optimal among every selection of the same size: the best is the k largest gains
+    gains = sorted((e['low'] - e['high'] for e in meas.values()), reverse=True)
+    k = len(plans[0.2].selected())
+    assert math.isclose(sum(e['low'] for e in meas.values()) - sum(gains[:k]), total(set(plans[0.2].selected())), rel_tol=1e-12)
+    assert 'measured rank 1/' in plans[0.2][plans[0.2].budget['order'][0]].reason
+
+
+def test_measured_with_calibration_uses_outputs():
+    model = dit_model(0, depth=2, experts=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', PolicyWarning)
+        p = Policy(selection='measured').plan(model, calibration=dit_batches(1))
+    assert {e['metric'] for e in p.budget['measurements'].values()} == {'output'}
+    with pytest.raises(ValueError, match='needs the weights'):
+        Policy(selection='measured', preset='none').plan(MINI)
+
+
+# --- plain data ---
+
+names = st.text(alphabet='abcdefghij._0123456789', min_size=1, max_size=12)
+
+@settings(max_examples=80, deadline=None)
+@given(mode=st.sampled_from(list(MODES)), preset=st.sampled_from(sorted(PRESETS) + ['auto', 'auto-conservative']),
+       ratio=st.floats(0, 1), keep=st.lists(names, max_size=4), sens=st.lists(names, max_size=3),
+       sel=st.sampled_from(['structural', 'measured']),
+       ov=st.lists(st.tuples(names, st.sampled_from([None, 'int8_tensorwise']), st.just({})), max_size=2))
+def test_policy_json_round_trip(mode, preset, ratio, keep, sens, sel, ov):
+    p = Policy(mode, preset, ratio, keep, sens, sel, ov)
+    q = Policy.from_json(p.to_json())
+    assert q == p and hash(q) == hash(p) and json.loads(q.to_json()) == json.loads(p.to_json())
+
+
+def test_policy_validation():
+    with pytest.raises(ValueError, match='Policy.mode'): Policy('int5')
+    with pytest.raises(ValueError, match='Policy.preset'): Policy(preset='flux3')
+    with pytest.raises(ValueError, match=r'\[0, 1\]'): Policy(int4_mixed_ratio=-0.1)
+    with pytest.raises(ValueError, match='unknown field'): Policy.from_dict({'mode': 'int8', 'foo': 1})
+    assert Policy(preset='Z_Image').preset == 'z-image' and Policy(preset='hidream').preset == 'hidream o1'

@@ -1,0 +1,203 @@
+"""Whole-checkpoint quantization: streaming convert of a small mixed file, row-block bit-exactness, atomicity,
+refusal to overwrite the source, report contents (table, JSON, plot), `report_error`, and the CLI commands
+through their functions."""
+import argparse, contextlib, io, json, math, os, warnings
+
+import pytest
+import torch
+
+import cquant as cq
+from cquant.convert import (ROW_INDEPENDENT, Report, StreamingWriter, add_demo_parser, add_plan_parser, add_quantize_parser,
+                            add_report_parser, quantize_checkpoint, quantize_rows, report_error)
+from cquant.policy import Policy, PolicyWarning, dit_state_dict
+
+POL = Policy('int4_mixed', preset='none', keep_float=('embed', 'adaLN', 'final_layer'))
+
+
+@pytest.fixture(scope='module')
+def mixed(tmp_path_factory):
+    "A small bf16 DiT-shaped file plus an fp8 layer with scales, a raw fp8 weight, a 3-D bank, ints and an attention entry."
+    d = tmp_path_factory.mktemp('mixed')
+    sd = dit_state_dict(0, torch.bfloat16, depth=2, experts=2)
+    g = torch.Generator().manual_seed(3)
+    sd['extra.fp8.weight'] = cq.quantize(torch.randn(512, 256, generator=g), 'float8_e4m3fn')
+    sd['extra.fp8.input_scale'] = torch.tensor(0.5)
+    sd['extra.fp8.bias'] = torch.randn(512, generator=g).to(torch.bfloat16)
+    sd['extra.raw8.weight'] = (torch.randn(256, 256, generator=g) * 0.05).to(torch.float8_e4m3fn)
+    sd['extra.bank.weight'] = torch.randn(2, 64, 256, generator=g).to(torch.bfloat16)
+    sd['extra.steps'] = torch.arange(10)
+    sd['blocks.0.attn.comfy_attention.config'] = cq.encode_attention({'attention': 'comfy_kitchen_sol', 'tau': 1.0})
+    path = d / 'mixed.safetensors'
+    cq.save_file(sd, path, {'origin': 'test'})
+    return path, sd
+
+
+def _quiet(fn, *a, **k):
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', PolicyWarning)
+        return fn(*a, **k)
+
+
+def test_streaming_convert_of_a_mixed_file(mixed, tmp_path):
+    src, sd = mixed
+    dst = tmp_path / 'q.safetensors'
+    rep = _quiet(quantize_checkpoint, src, dst, POL, progress=True, report=tmp_path / 'r.json')
+    out, meta = cq.load_file(dst, with_metadata=True)
+    srcsd = cq.load_file(src)
+    plan = POL.plan(src)
+    assert meta['origin'] == 'test' and Policy.from_json(meta['cquant_policy']) == POL and 'cquant_version' in meta
+    for name, d in plan.items():
+        p = name + '.'
+        if d.format is None:                                  # kept: every tensor of the module unchanged
+            for k in srcsd:
+                if k.startswith(p): cq.test_bits(out[k], srcsd[k], k)
+            continue
+        assert cq.decode_json(out[p + 'comfy_quant']) == d.config
+        w = srcsd[p + 'weight']
+        if p + 'weight_scale' in srcsd and not w.is_floating_point() or w.dtype == torch.float8_e4m3fn and p + 'comfy_quant' in srcsd:
+            w = cq.load_quantized(srcsd, p, tuple(w.shape)).dequantize(torch.float32)
+        elif w.dtype == torch.float8_e4m3fn: w = w.to(torch.bfloat16)
+        for k, t in cq.quantize(w, d.format, **d.options).state_dict(p).items(): cq.test_bits(out[k], t, k)
+    assert 'extra.fp8.input_scale' not in out and 'extra.fp8.bias' in out
+    for k in ('extra.bank.weight', 'extra.steps', 'blocks.0.attn.comfy_attention.config', 'y_embed.weight'):
+        cq.test_bits(out[k], srcsd[k], k)
+    rows = {r['name']: r for r in rep.layers}
+    assert rows['extra.fp8']['source_dtype'] == 'float8_e4m3fn' and rows['extra.fp8']['format'] == plan['extra.fp8'].format
+    assert rows['extra.bank']['reason'] == 'not a 2-D weight (shape (2, 64, 256))' and rows['extra.bank']['sqnr_db'] == math.inf
+    assert rep.totals['bytes_before'] == sum(v.numel() * v.element_size() for v in srcsd.values())
+    assert rep.totals['bytes_after'] == sum(v.numel() * v.element_size() for v in out.values())
+    assert os.path.getsize(dst) > rep.totals['bytes_after']
+    assert [f for f in os.listdir(tmp_path) if f.startswith('.')] == []
+
+
+def test_report_contents(mixed, tmp_path):
+    src, _ = mixed
+    rep = _quiet(quantize_checkpoint, src, tmp_path / 'q.safetensors', POL, progress=False, report=tmp_path / 'r.json')
+    q = rep.quantized()
+    assert {r['label'] for r in q} == {'W4A4', 'INT8 ConvRot'}
+    assert all(15 < r['sqnr_db'] < 25 for r in q if r['label'] == 'W4A4') and all(r['sqnr_db'] > 38 for r in q if r['label'] == 'INT8 ConvRot')
+    assert all(r['bytes_after'] < r['bytes_before'] for r in q)
+    assert all(set(r) >= {'name', 'shape', 'format', 'label', 'reason', 'tier', 'sqnr_db', 'bytes_before', 'bytes_after'} for r in rep.layers)
+    tot = rep.totals['formats']
+    assert sum(c['layers'] for c in tot.values()) == rep.totals['quantized'] == len(q)
+    j = json.load(open(tmp_path / 'r.json'))
+    assert j['kind'] == 'quantize' and j['policy'] == POL.to_dict() and len(j['layers']) == len(rep.layers)
+    assert Report.load(tmp_path / 'r.json').layers == rep.layers
+    table = rep.table()
+    assert 'SQNR dB' in table and 'all tensors:' in table and 'INT8 budget' in table
+    fig = rep.plot()
+    assert len(fig.axes[0].patches) >= len(q)
+    # the independent measurement agrees with the converter's
+    err = report_error(src, tmp_path / 'q.safetensors')
+    conv = {r['name']: r['sqnr_db'] for r in rep.layers}
+    for r in err.layers:
+        assert (r['sqnr_db'] == conv[r['name']] == math.inf) or math.isclose(r['sqnr_db'], conv[r['name']], rel_tol=1e-9)
+    assert err.totals['differ'] == [] and err.totals['missing'] == [] and math.isclose(err.totals['sqnr_db'], rep.totals['sqnr_db'])
+
+
+def test_row_blocks_are_bit_exact():
+    torch.manual_seed(1)
+    w = torch.randn(70, 768, dtype=torch.bfloat16)
+    for fmt, opts in [('int8_tensorwise', {'per_row': True}), ('int8_tensorwise', {'convrot': True}), ('convrot_w4a4', {}),
+                      ('asym_w4a8_int8', {'symmetric': False}), ('w6a8_int8', {})]:
+        if fmt not in cq.FORMATS: continue
+        applies, how = ROW_INDEPENDENT[fmt]
+        assert applies(opts)
+        parts = list(quantize_rows(w, fmt, opts, elems=768 * 33))
+        assert len(parts) == 3
+        for k, t in cq.quantize(w, fmt, **opts).state_dict('').items():
+            cq.test_bits(torch.cat([q.state_dict('')[k] for q, _ in parts], how.get(k, 0)), t, k)
+    assert not ROW_INDEPENDENT['int8_tensorwise'][0]({'per_row': False, 'convrot': False}) and 'nvfp4' not in ROW_INDEPENDENT
+
+
+def test_atomic_and_refuses_source(mixed, tmp_path):
+    src, sd = mixed
+    bad = dict(sd)
+    bad['moe.experts.1.w2.weight'] = bad['moe.experts.1.w2.weight'].clone()
+    bad['moe.experts.1.w2.weight'][3, 4] = float('inf')
+    cq.save_file(bad, tmp_path / 'bad.safetensors')
+    dst = tmp_path / 'out.safetensors'
+    dst.write_bytes(b'previous output')
+    with pytest.raises(ValueError, match=r'moe.experts.1.w2.weight: 1 non-finite value\(s\) \(first at index \(3, 4\): inf\)'):
+        _quiet(quantize_checkpoint, tmp_path / 'bad.safetensors', dst, POL, progress=False)
+    assert dst.read_bytes() == b'previous output'
+    assert sorted(os.listdir(tmp_path)) == ['bad.safetensors', 'out.safetensors']
+    os.symlink(src, tmp_path / 'link.safetensors')
+    before = open(src, 'rb').read()
+    for d in (src, str(src), tmp_path / 'link.safetensors', os.path.relpath(src)):
+        with pytest.raises(ValueError, match='is the source file'):
+            quantize_checkpoint(src, d, POL, progress=False)
+    assert open(src, 'rb').read() == before
+    _quiet(quantize_checkpoint, src, dst, POL, progress=False)           # success replaces the old output
+    assert cq.load_file(dst)
+
+
+def test_streaming_writer(tmp_path):
+    p = tmp_path / 'w.safetensors'
+    with StreamingWriter(p, {'k': 'v'}) as w:
+        s = w.stream('a')
+        for i in range(4): s.append(torch.full((3, 2), i, dtype=torch.int8))
+        s.close()
+        w.add('b', torch.ones(5, dtype=torch.float16))
+    sd, meta = cq.load_file(p, with_metadata=True)
+    assert meta == {'k': 'v'} and sd['a'].shape == (12, 2) and sd['a'][:, 0].tolist() == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    with pytest.raises(ValueError, match='still being streamed'):
+        w = StreamingWriter(tmp_path / 'x.safetensors'); w.stream('a'); w.add('b', torch.ones(1))
+    w.abort()
+    assert sorted(os.listdir(tmp_path)) == ['w.safetensors']
+
+
+def _cli(*argv):
+    ap = argparse.ArgumentParser(prog='cquant')
+    sub = ap.add_subparsers(dest='command', required=True)
+    for add in (add_quantize_parser, add_plan_parser, add_report_parser, add_demo_parser): add(sub)
+    args = ap.parse_args([str(a) for a in argv])
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), warnings.catch_warnings():
+        warnings.simplefilter('ignore', PolicyWarning)
+        rc = args.func(args)
+    return rc, buf.getvalue()
+
+
+def test_cli_commands(mixed, tmp_path):
+    src, _ = mixed
+    rc, txt = _cli('plan', src, '--mode', 'int4_full', '--preset', 'none', '--keep-float', 'embed')
+    assert rc == 0 and 'W4A4' in txt and "keep_float pattern 'embed' (user)" in txt
+    rc, txt = _cli('plan', src, '--selection', 'measured', '--preset', 'none')
+    assert rc == 0 and 'INT8 budget: measured rank 1/' in txt
+    rc, txt = _cli('plan', src, '--json', '--ratio', '1')
+    assert json.loads(txt)['budget']['ratio'] == 1.0
+    dst = tmp_path / 'c.safetensors'
+    rc, txt = _cli('quantize', src, dst, '--mode', 'int8', '--preset', 'none', '--quiet', '--report', tmp_path / 'c.json', '--plot', tmp_path / 'c.png')
+    assert rc == 0 and os.path.getsize(tmp_path / 'c.png') > 5000 and 'wrote' in txt
+    assert {r['label'] for r in json.load(open(tmp_path / 'c.json'))['layers'] if r['format']} == {'INT8'}
+    (tmp_path / 'p.json').write_text(Policy('fp8', 'none').to_json())
+    rc, txt = _cli('quantize', src, tmp_path / 'f.safetensors', '--policy', tmp_path / 'p.json', '--quiet', '--no-sqnr')
+    assert 'FP8' in txt and 'SQNR not measured' in txt
+    assert quantize_checkpoint(src, tmp_path / 'g.safetensors', Policy('int8', 'none'), progress=False, measure=False).plot() and cq.inspect_checkpoint(str(tmp_path / 'f.safetensors'))['totals'].get('float8_e4m3fn')
+    rc, txt = _cli('report', src, dst, '--json', tmp_path / 'e.json', '--plot', tmp_path / 'e.png')
+    assert rc == 0 and json.load(open(tmp_path / 'e.json'))['kind'] == 'error' and 'aggregate SQNR' in txt
+
+
+def test_demo_dit(tmp_path):
+    rc, txt = _cli('demo', '--out', tmp_path / 'demo', '--source', 'dit', '--quiet')
+    assert rc == 0 and 'dit_int4_mixed.safetensors' in txt and '# error of the written file' in txt
+    assert sorted(os.listdir(tmp_path / 'demo')) == ['dit_bf16.safetensors', 'dit_int4_mixed.safetensors', 'report.json', 'report.png']
+
+
+@pytest.mark.skipif('asym_w4a8_int8' not in cq.FORMATS, reason='the W4A8 layout is not registered')
+def test_w4a8_mode_convert(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    sd = {'a.weight': torch.randn(96, 512, generator=g).to(torch.bfloat16), 'a.bias': torch.zeros(96, dtype=torch.bfloat16),
+          'b.weight': torch.randn(64, 384, generator=g).to(torch.bfloat16)}
+    cq.save_file(sd, tmp_path / 's.safetensors')
+    pol = Policy('w4a8', 'none')
+    rep = quantize_checkpoint(tmp_path / 's.safetensors', tmp_path / 'q.safetensors', pol, progress=False)
+    out = cq.load_file(tmp_path / 'q.safetensors')
+    plan = pol.plan(tmp_path / 's.safetensors')
+    assert (plan['a'].format, plan['b'].format) == ('asym_w4a8_int8', 'int8_tensorwise')
+    for name in ('a', 'b'):
+        d = plan[name]
+        assert cq.decode_json(out[name + '.comfy_quant']) == d.config
+        for k, t in cq.quantize(sd[name + '.weight'], d.format, **d.options).state_dict(name + '.').items(): cq.test_bits(out[k], t, k)
+    assert {r['name']: r['label'] for r in rep.layers} == {'a': 'W4A8', 'b': 'INT8'}
