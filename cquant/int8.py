@@ -9,9 +9,9 @@ Docs: https://cquant-dev.github.io/cquant/int8.html.md"""
 from __future__ import annotations
 from dataclasses import dataclass
 import torch
-from .tensor import (Params, Layout, Option, FormatSpec, register_format, format_error,
+from .tensor import (Params, Layout, Option, FormatSpec, register_format, format_error, check_2d,
                            round_stochastic)
-from .numerics import absmax, rotate, FP16_MIN_NORMAL
+from .numerics import absmax, rotate, FP16_MIN_NORMAL, SCALE_DTYPES, is_power_of_4
 
 # %% auto #0
 __all__ = ['INT8_TENSORWISE', 'quantize_int8', 'quantize_rows_int8', 'dequantize_int8', 'quantize_int8_convrot',
@@ -212,22 +212,17 @@ class Int8Params(Params):
     convrot: bool = False
     convrot_groupsize: int = 256
 
-def _is_power_of_4(n) -> bool: return isinstance(n, int) and n >= 4 and (n & (n - 1)) == 0 and (n.bit_length() - 1) % 2 == 0
-
-_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 class Int8Layout(Layout):
     "Storage layout of `int8_tensorwise`: int8 [N, K] + fp32 scale, optional ConvRot."
     Params = Int8Params
 
     @classmethod
     def check_shape(cls, shape, opts, prefix=''):
-        if len(shape) != 2 or 0 in shape:
-            raise format_error(prefix, 'weight', 'a non-empty 2-D [N, K] weight for int8_tensorwise', f'shape {tuple(shape)}')
+        check_2d(shape, 'int8_tensorwise', prefix)
         if opts.get('convrot'):
             g, K = opts.get('convrot_groupsize', 256), shape[1]
-            if not _is_power_of_4(g) or K % g:
-                why = 'not a power of 4' if not _is_power_of_4(g) else f'K % {g} = {K % g}'
+            if not is_power_of_4(g) or K % g:
+                why = 'not a power of 4' if not is_power_of_4(g) else f'K % {g} = {K % g}'
                 raise format_error(prefix, "comfy_quant['convrot_groupsize']",
                                    f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {tuple(shape)}', f'{g} ({why})')
 
@@ -250,7 +245,7 @@ class Int8Layout(Layout):
     @classmethod
     def from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
         s, N = tensors['weight_scale'], shape[0]
-        if s.dtype not in _SCALE_DTYPES:
+        if s.dtype not in SCALE_DTYPES:
             raise format_error(prefix, 'weight_scale', 'a float32 scale (fp16/bf16 accepted)', f'dtype {s.dtype}')
         if tuple(s.shape) in ((), (1,)): per_row = False; s = s.reshape(())
         elif tuple(s.shape) == (N, 1): per_row = True

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .numerics import absmax, e8m0_encode, e8m0_decode, to_blocked, from_blocked, pad_to_multiple
-from .tensor import Params, Layout, FormatSpec, register_format, format_error
+from .tensor import Params, Layout, FormatSpec, register_format, format_error, check_2d
 from .fp8 import round_to_fp8, fp8_linear_fp32
 
 # %% auto #0
@@ -127,8 +127,7 @@ class MXFP8Layout(Layout):
 
     @classmethod
     def check_shape(cls, shape, opts, prefix=''):
-        if len(shape) != 2 or min(shape) <= 0:
-            raise format_error(prefix, '', 'a 2-D (out_features, in_features) weight shape for mxfp8', f'shape {tuple(shape)}')
+        check_2d(shape, 'mxfp8', prefix)
 
     @classmethod
     def storage_shape(cls, shape, opts): return mxfp8_storage_shape(shape)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .numerics import (E2M1_VALUES, FP16_MIN_NORMAL, absmax, cast_fp8, e2m1_encode, e2m1_decode, pack_nibbles,
                              unpack_nibbles, pad_to_multiple, to_blocked, from_blocked)
-from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, round_stochastic
+from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, check_2d, round_stochastic
 
 # %% auto #0
 __all__ = ['NVFP4', 'nvfp4_storage_shape', 'nvfp4_scale_shape', 'nvfp4_global_scale', 'nvfp4_quantize', 'nvfp4_scale_product',
@@ -179,8 +179,7 @@ class NVFP4Layout(Layout):
 
     @classmethod
     def check_shape(cls, shape, opts, prefix=''):
-        if len(shape) != 2 or min(shape) < 1:
-            raise format_error(prefix, 'shape', 'a 2-D (out_features, in_features) shape for nvfp4', f'{tuple(shape)}')
+        check_2d(shape, 'nvfp4', prefix)
 
     @classmethod
     def storage_shape(cls, shape, opts): return nvfp4_storage_shape(shape)

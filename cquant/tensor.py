@@ -12,9 +12,10 @@ from typing import Any, Callable
 import torch
 
 # %% auto #0
-__all__ = ['log', 'FORMATS', 'aten', 'GENERIC_OPS', 'LAYOUT_OPS', 'QuantFormatError', 'format_error', 'same_bits', 'test_bits',
-           'encode_json', 'decode_json', 'Option', 'Params', 'Layout', 'FormatSpec', 'register_format', 'get_format',
-           'QuantizedTensor', 'implements', 'check_finite', 'round_stochastic', 'quantize', 'load_quantized']
+__all__ = ['log', 'FORMATS', 'aten', 'GENERIC_OPS', 'LAYOUT_OPS', 'QuantFormatError', 'format_error', 'check_2d', 'same_bits',
+           'test_bits', 'encode_json', 'decode_json', 'Option', 'Params', 'Layout', 'FormatSpec', 'register_format',
+           'get_format', 'QuantizedTensor', 'implements', 'check_finite', 'round_stochastic', 'quantize',
+           'load_quantized']
 
 # %% ../nbs/01_tensor.ipynb #464385b5
 log = logging.getLogger("cquant")
@@ -31,6 +32,16 @@ def _where(prefix:str='', key:str='') -> str:
 def format_error(prefix:str, key:str, expected, found) -> QuantFormatError:
     "A `QuantFormatError` naming the location `prefix+key`, what was expected and what was found."
     return QuantFormatError(f"{_where(prefix, key)}: expected {expected}, found {found}")
+
+# %% ../nbs/01_tensor.ipynb #93a12960
+def check_2d(shape:tuple, # the logical weight shape
+             fmt_name:str, # the format name, for the message
+             prefix:str='', # module prefix, for the message
+            ):
+    "Raise a `QuantFormatError` unless `shape` is a non-empty 2-D (out_features, in_features) weight shape."
+    if len(shape) != 2 or min(shape) < 1:
+        raise format_error(prefix, 'weight', f'a non-empty 2-D (out_features, in_features) weight for {fmt_name}',
+                           f'shape {tuple(shape)}')
 
 # %% ../nbs/01_tensor.ipynb #c8a45da4
 def same_bits(a:torch.Tensor, b:torch.Tensor) -> bool:

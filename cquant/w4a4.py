@@ -9,8 +9,8 @@ Docs: https://cquant-dev.github.io/cquant/convrot_w4a4.html.md"""
 from __future__ import annotations
 from dataclasses import dataclass
 import torch
-from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, round_stochastic
-from .numerics import absmax, rotate, pack_int4, unpack_int4, _is_power_of_4
+from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, check_2d, round_stochastic
+from .numerics import absmax, rotate, pack_int4, unpack_int4, is_power_of_4, SCALE_DTYPES
 from .int8 import int_mm, quantize_rows_int8
 
 # %% auto #0
@@ -39,7 +39,7 @@ def quantize_w4a4_weight(w:torch.Tensor, # [N, K] float weight, K % 64 == 0
                          stochastic_rounding:int=0, # 0: round to nearest; else a seed
                         ) -> tuple: # (int8 [N, K/2] packed values, fp32 [N] scales)
     "ConvRot W4A4 weight quantization: rotate in w's dtype, per-row int4, pack low nibble first."
-    if w.dim() != 2 or w.shape[1] % W4A4_KERNEL_GROUP or not _is_power_of_4(convrot_groupsize) or w.shape[1] % convrot_groupsize:
+    if w.dim() != 2 or w.shape[1] % W4A4_KERNEL_GROUP or not is_power_of_4(convrot_groupsize) or w.shape[1] % convrot_groupsize:
         raise ValueError(f"quantize_w4a4_weight: expected a 2-D weight with K % 64 == 0 and a power-of-4 group dividing K, "
                          f"got shape {tuple(w.shape)} and convrot_groupsize={convrot_groupsize}")
     q, s = quantize_rows_int4(rotate(w, convrot_groupsize, as_weight=True), stochastic_rounding)
@@ -103,8 +103,6 @@ class W4A4Params(Params):
     convrot_groupsize: int = 256
     linear_dtype: str = 'int4'
 
-_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 class W4A4Layout(Layout):
     "Storage layout of `convrot_w4a4`: int8 [N, K/2] packed int4 + fp32 [N] scale, ConvRot always on."
     Params = W4A4Params
@@ -112,10 +110,9 @@ class W4A4Layout(Layout):
     @classmethod
     def check_shape(cls, shape, opts, prefix=''):
         shape = tuple(shape)
-        if len(shape) != 2 or 0 in shape:
-            raise format_error(prefix, 'weight', 'a non-empty 2-D [N, K] weight for convrot_w4a4', f'shape {shape}')
+        check_2d(shape, 'convrot_w4a4', prefix)
         K, G = shape[1], opts.get('convrot_groupsize', 256)
-        if not _is_power_of_4(G):
+        if not is_power_of_4(G):
             raise format_error(prefix, "comfy_quant['convrot_groupsize']",
                                f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {shape}', f'G={G} (not a power of 4)')
         if K % W4A4_KERNEL_GROUP:
@@ -148,7 +145,7 @@ class W4A4Layout(Layout):
     @classmethod
     def from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
         s, N = tensors['weight_scale'], shape[0]
-        if s.dtype not in _SCALE_DTYPES:
+        if s.dtype not in SCALE_DTYPES:
             raise format_error(prefix, 'weight_scale', 'a float32 per-row scale (fp16/bf16 accepted)', f'dtype {s.dtype}')
         if tuple(s.shape) not in ((N,), (N, 1)):
             raise format_error(prefix, 'weight_scale', f'one scale per output row, shape ({N},) (or ({N}, 1)) for weight {tuple(shape)}',

@@ -11,8 +11,8 @@ import functools, math, sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 import torch
-from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error
-from .numerics import absmax, rotate, pack_uint4, unpack_uint4, pack_6bit, unpack_6bit, _is_power_of_4
+from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, check_2d
+from .numerics import absmax, rotate, pack_uint4, unpack_uint4, pack_6bit, unpack_6bit, is_power_of_4
 from .int8 import int8_linear
 
 # %% auto #0
@@ -337,7 +337,7 @@ def quantize_w4a8(w:torch.Tensor, # [N, K] float weight (fp32, bf16 or fp16)
         raise ValueError(f"quantize_w4a8: expected a 2-D float weight, got {w.dtype} of shape {tuple(w.shape)}")
     N, K = w.shape
     G = group_size
-    if (bits not in (4, 6) or G < 4 or (16 % G and G % 16) or K % 16 or K % G or not _is_power_of_4(convrot_groupsize)
+    if (bits not in (4, 6) or G < 4 or (16 % G and G % 16) or K % 16 or K % G or not is_power_of_4(convrot_groupsize)
             or K % convrot_groupsize or (bits == 6 and (K % 32 or G % 16))):
         raise ValueError(f"quantize_w4a8: {bits}-bit weight of shape {tuple(w.shape)} with group_size={G} and convrot_groupsize="
                          f"{convrot_groupsize} breaks the shape rules (K % 16 == 0, K % G == 0, G >= 4 dividing 16 or a multiple of it, "
@@ -402,8 +402,7 @@ class W4A8Layout(Layout):
     def check_shape(cls, shape, opts, prefix=''):
         shape, bits = tuple(shape), cls.bits
         fmt = 'w6a8_int8' if bits == 6 else 'asym_w4a8_int8'
-        if len(shape) != 2 or 0 in shape:
-            raise format_error(prefix, 'weight', f'a non-empty 2-D [N, K] weight for {fmt}', f'shape {shape}')
+        check_2d(shape, fmt, prefix)
         K, G, cg = shape[1], opts.get('group_size', 16), opts.get('convrot_groupsize', 256)
         if K % 16 or (bits == 6 and K % 32):
             m = 32 if bits == 6 else 16
@@ -412,9 +411,9 @@ class W4A8Layout(Layout):
             rule = 'a multiple of 16' if bits == 6 else '>= 4 that divides 16 or is a multiple of 16'
             raise format_error(prefix, "comfy_quant['group_size']", f'a group size G {rule}, dividing K={K} of weight shape {shape}',
                                f'G={G}' + (f' (K % G = {K % G})' if G > 0 and K % G else ''))
-        if not _is_power_of_4(cg) or K % cg:
+        if not is_power_of_4(cg) or K % cg:
             raise format_error(prefix, "comfy_quant['convrot_groupsize']", f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {shape} (G={G})',
-                               f'{cg} (' + ('not a power of 4' if not _is_power_of_4(cg) else f'K % {cg} = {K % cg}') + ')')
+                               f'{cg} (' + ('not a power of 4' if not is_power_of_4(cg) else f'K % {cg} = {K % cg}') + ')')
 
     @classmethod
     def storage_shape(cls, shape, opts): return (shape[0], shape[1] * cls.bits // 8)
