@@ -423,6 +423,7 @@ class ModuleEntry:
     shape: tuple|None = None         # logical weight shape (given or inferred)
     shape_inferred: bool = False
     attention: Any = None            # decoded comfy_attention.config (object or list), if any
+    num_experts: int|None = None     # MoE expert banks: E (then `shape` is the bank's (E, N, K))
 
     @property
     def prefix(self) -> str: return self.name + '.' if self.name else ''
@@ -470,6 +471,8 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
         e.spec = spec = get_format(cfg['format'], p)
         e.options = spec.resolve(cfg, p)
     except QuantFormatError as err: raise _in_file(path, err) from None
+    from cquant.modules import _file_value
+    if _file_value(cfg, 'num_experts') is not None: _bank_config(path, e, infos)
     want = ('weight',) + spec.keys
     missing = [s for s in want if s not in infos]
     if missing: raise CheckpointError(path, f"'{p}{missing[0]}': expected {spec.name} tensors {list(want)}, found {p}{missing[0]} missing")
@@ -478,6 +481,7 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
     if extra: raise CheckpointError(path, f"'{p}{extra[0]}': expected only {spec.name} tensors {sorted(allowed)}, found extra {[p + s for s in extra]}")
     lopts = {**spec.layout_kwargs, **e.options}
     metas = {s: _meta(infos[s]) for s in spec.weight_keys if s in infos}
+    if e.num_experts is not None: return _scan_bank(ck, e, metas, shape)
     try:
         if shape is None:
             shape, e.shape_inferred = spec.layout.logical_shape(metas, lopts), True
@@ -493,17 +497,50 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
         raise CheckpointError(path, f"'{p}pre_quant_scale': expected {K} values (one per input feature), found shape {infos['pre_quant_scale'].shape}")
     return e
 
+def _bank_config(path, e:ModuleEntry, infos:dict):
+    "Check the `num_experts` of an MoE bank's comfy_quant (sets `e.num_experts`); a bank has no input_scale or pre_quant_scale."
+    from cquant.modules import _file_value
+    p, name, E = e.prefix, e.name, _file_value(e.config, 'num_experts')
+    if isinstance(E, bool) or not isinstance(E, int) or E < 1:
+        raise CheckpointError(path, f"'{p}comfy_quant[\"num_experts\"]': expected a positive integer (module {name!r}), found {E!r}")
+    for s in ('input_scale', 'pre_quant_scale'):
+        if s in infos: raise CheckpointError(path, f"'{p}{s}': expected no input_scale or pre_quant_scale on MoE expert bank {name!r} "
+                                                   f"({E} experts, activations quantized per expert, dynamically), found {p}{s} of shape {list(infos[s].shape)}")
+    e.num_experts = E
+
+def _scan_bank(ck:Checkpoint, e:ModuleEntry, metas:dict, shape=None) -> ModuleEntry:
+    """Validate an MoE expert bank (`num_experts` in its comfy_quant) expert by expert, split as
+    `cquant.modules.split_bank` loads it; `shape` is the bank's (E, N, K) or one expert's (N, K)."""
+    from cquant.modules import expert_tensors, split_bank
+    p, path, name, spec, E = e.prefix, ck.path, e.name, e.spec, e.num_experts
+    try:
+        if shape is None:
+            take, _, _ = expert_tensors(metas, e.config, E, p)
+            shape, e.shape_inferred = spec.layout.logical_shape(take(0), {**spec.layout_kwargs, **e.options}), True
+        shape = tuple(int(d) for d in shape)
+        if len(shape) == 3:
+            if shape[0] != E: raise CheckpointError(path, f"'{p}comfy_quant[\"num_experts\"]': expected {shape[0]} (module {name!r} is a bank of shape {list(shape)}), found {E}")
+            shape = shape[1:]
+        e.shape = (E, *shape)
+        _check_build(ck, e, metas, lambda ts: split_bank(ts, e.config, E, shape, torch.bfloat16, p))
+    except CheckpointError: raise
+    except QuantFormatError as err: raise CheckpointError(path, f"{err} (module {name!r}, a {spec.name} bank with num_experts={E})") from None
+    except Exception as err: raise CheckpointError(path, f"module {name!r} ({spec.name} bank of {E} experts): {type(err).__name__}: {err}") from None
+    return e
+
 _NEEDS_VALUES: dict = {}   # layout -> first stage that worked (skip the failing meta stage next time)
 
-def _check_build(ck:Checkpoint, e:ModuleEntry, metas:dict):
+def _check_build(ck:Checkpoint, e:ModuleEntry, metas:dict, build=None):
     """Run the format's own load checks on meta tensors. A layout whose checks need values (a finite scale, say)
-    gets the real scale tensors next, and the real weight only if that is still not enough."""
+    gets the real scale tensors next, and the real weight only if that is still not enough.
+    `build(tensors)` (keys relative to the module) replaces the single-weight `load_quantized`, for banks."""
     real = lambda s: ck[e.prefix + s]
     stages = [lambda s: metas[s], lambda s: metas[s] if s == 'weight' else real(s), real]
     start = _NEEDS_VALUES.get(e.spec.layout, 0)
     for i in range(start, len(stages)):
         try:
-            out = load_quantized({e.prefix + s: stages[i](s) for s in metas}, e.prefix, e.shape, torch.bfloat16, e.config)
+            if build is not None: out = build({s: stages[i](s) for s in metas})
+            else: out = load_quantized({e.prefix + s: stages[i](s) for s in metas}, e.prefix, e.shape, torch.bfloat16, e.config)
             if i: _NEEDS_VALUES[e.spec.layout] = i
             return out
         except (NotImplementedError, RuntimeError) as err:   # a data-dependent check cannot run on meta tensors
@@ -532,6 +569,9 @@ def _quantized(self:Checkpoint, name:str, shape=None, dtype:torch.dtype=torch.bf
     if not keys: raise CheckpointError(self.path, f"module {name!r}: expected tensors '{name}.*', found none")
     e = _scan_module(self, name, keys, shape)
     if not e.quantized: raise CheckpointError(self.path, f"'{e.prefix}comfy_quant': expected a quantized module, found none (module {name!r} is float)")
+    if e.num_experts is not None:
+        raise CheckpointError(self.path, f"'{e.prefix}weight': expected one quantized weight, found an MoE bank of {e.num_experts} experts "
+                                         f"(module {name!r}: load it with cquant.modules.QuantMoEExperts or split_bank)")
     sd = {e.prefix + s: self[e.prefix + s] for s in e.spec.weight_keys if s in keys}
     try: return load_quantized(sd, e.prefix, e.shape, dtype, e.config)
     except Exception as err: raise _in_file(self.path, err) from None

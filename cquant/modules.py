@@ -16,9 +16,9 @@ from .tensor import (QuantFormatError, QuantizedTensor, decode_json, encode_json
 # %% auto #0
 __all__ = ['FPMM', 'INT8_FAMILY', 'ROW_FORMATS', 'EMBEDDING_FORMATS', 'FLAT_FORMATS', 'MOE_DIT', 'read_comfy_quant',
            'comfy_config', 'comfy_disabled_formats', 'select_rows', 'dequantize_rows', 'QuantModule', 'QuantLinear',
-           'QuantEmbedding', 'split_bank', 'QuantMoEExperts', 'quantized_names', 'quant_module', 'set_quant_compute',
-           'load_quantized_model', 'quantize_model', 'uniform_plan', 'string_to_seed', 'requantize_options',
-           'lora_delta', 'apply_lora', 'unpatch', 'bank_from_linears', 'BankMoE', 'moe_dit_model']
+           'QuantEmbedding', 'split_bank', 'expert_tensors', 'QuantMoEExperts', 'quantized_names', 'quant_module',
+           'set_quant_compute', 'load_quantized_model', 'quantize_model', 'uniform_plan', 'string_to_seed',
+           'requantize_options', 'lora_delta', 'apply_lora', 'unpatch', 'bank_from_linears', 'BankMoE', 'moe_dit_model']
 
 # %% ../nbs/11_modules.ipynb #fcf8f0f6
 FPMM = 'full_precision_matrix_mult'
@@ -349,6 +349,19 @@ def split_bank(tensors:dict, # the bank's file tensors, keys relative to the mod
                prefix:str='', # module prefix for error messages
               ) -> tuple: # ([E QuantizedTensors], stored flat?, names of shared tensors)
     "One `QuantizedTensor` per expert (views of the bank's storage), each checked by its format like a Linear weight."
+    take, flat, shared = expert_tensors(tensors, config, num_experts, prefix)
+    experts = []
+    for i in range(num_experts):
+        try: experts.append(load_quantized({prefix + k: v for k, v in take(i).items()}, prefix, shape, dtype, config))
+        except QuantFormatError as e: raise QuantFormatError(f"{e} (expert {i} of {num_experts})") from None
+    return experts, flat, shared
+
+def expert_tensors(tensors:dict, # the bank's file tensors, keys relative to the module ('weight', 'weight_scale', ...)
+                   config:dict, # its comfy_quant
+                   num_experts:int, # E
+                   prefix:str='', # module prefix for error messages
+                  ) -> tuple: # (take: i -> expert i's file tensors, stored flat?, names of shared tensors)
+    "How a bank splits into experts: checks E against the leading dim (or the E*rows of a flat bank); `take(i)` gives expert i's tensors."
     spec, E = get_format(config['format'], prefix), num_experts
     w = tensors['weight']
     flat = _is_flat(spec, tensors)
@@ -367,11 +380,7 @@ def split_bank(tensors:dict, # the bank's file tensors, keys relative to the mod
         if w.dim() < 2 or w.shape[0] != E: raise format_error(prefix, 'weight', f'a bank with leading expert dim {E}', f'shape {tuple(w.shape)}')
         per = {k: k == 'weight' or (k not in _SHARED_KEYS and t.dim() >= 1 and t.shape[0] == E) for k, t in tensors.items()}
         take = lambda i: {k: t[i] if per[k] else t for k, t in tensors.items()}
-    experts = []
-    for i in range(E):
-        try: experts.append(load_quantized({prefix + k: v for k, v in take(i).items()}, prefix, shape, dtype, config))
-        except QuantFormatError as e: raise QuantFormatError(f"{e} (expert {i} of {E})") from None
-    return experts, flat, {k for k, p in per.items() if not p}
+    return take, flat, {k for k, p in per.items() if not p}
 
 # %% ../nbs/11_modules.ipynb #1916f844
 class QuantMoEExperts(QuantModule):

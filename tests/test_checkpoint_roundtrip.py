@@ -287,3 +287,69 @@ def test_save_through_symlink_and_onto_source(tmp_path):
     # streaming a file onto itself: the reader keeps the old inode until the replace
     with open_checkpoint(real) as ck: save_file(ck, real, {'rewritten': 'yes'})
     assert load_file(real, with_metadata=True)[1] == {'rewritten': 'yes'}
+
+
+# ------------------------------------------------------------------------------------------------ MoE expert banks
+BANKS = [('float8_e4m3fn', {}), ('float8_e4m3fn', {'shared_scale': True}), ('int8_tensorwise', {}),
+         ('int8_tensorwise', {'per_row': True}), ('nvfp4', {}), ('mxfp8', {}), ('convrot_w4a4', {}),
+         ('asym_w4a8_int8', {}), ('w6a8_int8', {})]
+
+
+def _bank(fmt, opts, E=3, K=256, N=32):
+    from cquant.modules import QuantMoEExperts
+    need(fmt)
+    torch.manual_seed(0)
+    return QuantMoEExperts(E, K, N).quantize_(fmt, **opts)
+
+
+@pytest.mark.parametrize('fmt,opts', BANKS, ids=[f + ''.join(f'-{k}' for k in o) for f, o in BANKS])
+def test_bank_checkpoint_validated(tmp_path, fmt, opts):
+    "Every bank format saves and loads with validation; each expert is checked, the bank's shape is (E, N, K)."
+    E, K, N = 3, 256, 32
+    bank = _bank(fmt, opts, E, K, N)
+    sd = bank.state_dict(prefix='moe.up.')
+    p = str(tmp_path / 'bank.safetensors')
+    save_file(sd, p)                                          # validated
+    loaded = load_file(p)                                     # validated
+    assert sorted(loaded) == sorted(sd)
+    for k, v in sd.items(): check_bits(loaded[k], v, k)
+    with open_checkpoint(p) as ck:
+        e = ck.modules()['moe.up']
+        assert (e.format, e.num_experts, e.shape) == (fmt, E, (E, N, K))
+        assert ck.modules({'moe.up': (E, N, K)})['moe.up'].shape == (E, N, K)    # the model's bank shape
+        assert ck.modules({'moe.up': (N, K)})['moe.up'].shape == (E, N, K)       # or one expert's
+        with pytest.raises(CheckpointError, match=r"'moe\.up\.weight': expected one quantized weight, found an MoE bank of 3 experts"):
+            ck.quantized('moe.up')
+    from cquant.modules import QuantMoEExperts
+    b2 = QuantMoEExperts(E, K, N)
+    assert str(b2.load_state_dict({k[len('moe.up.'):]: v for k, v in loaded.items()})) == '<All keys matched successfully>'
+    x, ids = torch.randn(12, K), torch.arange(12) % E
+    check_bits(b2(x, ids), bank(x, ids), 'bank from a validated file')
+
+
+@pytest.mark.parametrize('fmt,opts', [('nvfp4', {}), ('float8_e4m3fn', {}), ('asym_w4a8_int8', {})])
+def test_bank_checkpoint_rejects_bad_banks(tmp_path, fmt, opts):
+    "A wrong num_experts, an input_scale or pre_quant_scale on a bank: refused, naming the file, module and key."
+    E, K, N = 3, 256, 32
+    sd = _bank(fmt, opts, E, K, N).state_dict(prefix='moe.up.')
+    cfg = decode_json(sd['moe.up.comfy_quant'])
+    p = str(tmp_path / 'bad.safetensors')
+    bad_e = {**sd, 'moe.up.comfy_quant': encode_json({**cfg, 'num_experts': 5})}   # 5 divides neither E nor E*N rows
+    with pytest.raises(CheckpointError, match=r"'moe\.up\.weight': expected a (bank with leading expert dim 5|flattened bank of 5 experts).*module 'moe\.up'.*num_experts=5"):
+        save_file(bad_e, p)
+    st_save(bad_e, p)                                         # written without cquant's checks: the loader refuses it
+    with pytest.raises(CheckpointError, match=rf"^{p}: 'moe\.up\.weight'.*num_experts=5"):
+        load_file(p)
+    for key, t in (('input_scale', torch.tensor(1.0)), ('pre_quant_scale', torch.ones(K))):
+        bad = {**sd, f'moe.up.{key}': t}
+        with pytest.raises(CheckpointError, match=rf"'moe\.up\.{key}': expected no input_scale or pre_quant_scale on MoE expert bank 'moe\.up'"):
+            save_file(bad, p)
+        st_save(bad, p)
+        with pytest.raises(CheckpointError, match=rf"^{p}: 'moe\.up\.{key}'"):
+            load_file(p)
+    for n in (0, -1, True, 2.5, '3'):
+        with pytest.raises(CheckpointError, match=r"'moe\.up\.comfy_quant\[\"num_experts\"\]': expected a positive integer \(module 'moe\.up'\)"):
+            save_file({**sd, 'moe.up.comfy_quant': encode_json({**cfg, 'num_experts': n})}, p)
+    with Checkpoint.from_state_dict(sd) as ck:
+        with pytest.raises(CheckpointError, match=r"'moe\.up\.comfy_quant\[\"num_experts\"\]': expected 4 \(module 'moe\.up' is a bank of shape \[4, 32, 256\]\), found 3"):
+            ck.modules({'moe.up': (4, N, K)})

@@ -518,12 +518,12 @@ def test_quantize_model_from_policy_plan(tmp_path):
 
 @pytest.mark.parametrize('fmt,opts', [('float8_e4m3fn', {}), ('nvfp4', {}), ('mxfp8', {}), ('int8_tensorwise', {}), ('convrot_w4a4', dict(convrot_groupsize=64))])
 def test_stacked_bank_file_round_trip(tmp_path, fmt, opts):
-    "[E, ...] banks with per-expert scales: cq.save_file's validation does not know banks yet (validate=False), the module checks them."
+    "[E, ...] banks with per-expert scales: cq.save_file / cq.load_file validate them expert by expert."
     E, K, N = 4, 128, 64
     bank = QuantMoEExperts(E, K, N).quantize_(fmt, **opts)
     p = str(tmp_path / 'bank.safetensors')
-    cq.save_file(bank.state_dict(prefix='moe.up.'), p, validate=False)
-    loaded = {k[len('moe.up.'):]: v for k, v in cq.load_file(p, validate=False).items()}
+    cq.save_file(bank.state_dict(prefix='moe.up.'), p)
+    loaded = {k[len('moe.up.'):]: v for k, v in cq.load_file(p).items()}
     for k, v in bank.state_dict().items(): assert_bits(loaded[k], v, k)
     b2 = QuantMoEExperts(E, K, N)
     assert str(b2.load_state_dict(loaded)) == '<All keys matched successfully>'
