@@ -30,3 +30,4 @@ from .modules import *
 from .policy import *
 from .convert import *
 from .explore import *
+from .calibrate import *

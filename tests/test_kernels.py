@@ -1,0 +1,110 @@
+"""Triton INT8 kernels vs the eager reference (`cquant.int8`), run on CPU through Triton's interpreter.
+
+TRITON_INTERPRET must be set before `@triton.jit` runs, i.e. before `cquant.kernels.int8` is imported,
+so it is set here at the top (only when there is no CUDA GPU). Skipped when triton is not installed.
+"""
+import os
+import pytest
+import torch
+
+if not torch.cuda.is_available(): os.environ.setdefault('TRITON_INTERPRET', '1')
+pytest.importorskip('triton', reason='triton is not installed: the kernel tests need it')
+
+from cquant.int8 import quantize_rows_int8, dequantize_int8, int_mm, int8_linear
+from cquant.tensor import same_bits
+import cquant.kernels.int8 as K
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DEV = 'cuda' if torch.cuda.is_available() else 'cpu'
+
+
+def _cpu(t): return t.cpu()
+
+
+def test_available():
+    assert K.triton_available()
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('shape,bk', [((33, 50), None), ((33, 50), 16), ((7, 130), 64), ((2, 3, 40), None)])
+def test_quantize_rows_bit_exact(dtype, shape, bk):
+    g = torch.Generator().manual_seed(hash((shape, bk)) % 1000)
+    x = (torch.randn(*shape, generator=g) * 5).to(dtype)
+    x[0, ..., :3] = 0.0
+    q, s = K.quantize_rows_int8(x.to(DEV), block_k=bk)
+    qe, se = quantize_rows_int8(x)
+    assert same_bits(_cpu(q), qe) and same_bits(_cpu(s), se)
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_quantize_edge_values(dtype):
+    "Zero rows (scale 1e-30), tiny rows (fp16 divisor underflow -> tiny), halfway quotients, huge values."
+    fi = torch.finfo(dtype)
+    x = torch.zeros(6, 20, dtype=torch.float32)
+    x[1] = torch.linspace(-1, 1, 20) * 1e-7
+    x[2] = torch.arange(20) * 0.5            # amax 9.5: many quotients near .5
+    x[3] = torch.linspace(-1, 1, 20) * float(fi.max) / 2
+    x[4, 0] = float(fi.tiny)
+    x[5] = torch.tensor([127.0, 63.5, -63.5, 0.5, -0.5, 1.5, 2.5] + [0.0] * 13)
+    x = x.to(dtype)
+    q, s = K.quantize_rows_int8(x.to(DEV))
+    qe, se = quantize_rows_int8(x)
+    assert same_bits(_cpu(q), qe) and same_bits(_cpu(s), se)
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('shape', [(33, 50), (7, 130)])
+def test_dequantize_bit_exact(dtype, shape):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-128, 128, shape, dtype=torch.int8, generator=g)
+    for s in (torch.rand(shape[0], 1, generator=g) * 10, torch.tensor(0.0371), torch.tensor([3e-3])):
+        out = K.dequantize_int8(q.to(DEV), s.to(DEV), dtype, block_k=64)
+        assert same_bits(_cpu(out), dequantize_int8(q, s, dtype)), (dtype, s.shape)
+
+
+@pytest.mark.parametrize('MNK', [(5, 33, 64), (5, 33, 96), (1, 17, 40)])
+def test_int8_mm_exact(MNK):
+    M, N, Kd = MNK
+    g = torch.Generator().manual_seed(2)
+    a = torch.randint(-128, 128, (M, Kd), dtype=torch.int8, generator=g)
+    w = torch.randint(-128, 128, (N, Kd), dtype=torch.int8, generator=g)
+    a[0] = -128; w[0] = -128                 # extreme products
+    out = K.int8_mm(a.to(DEV), w.to(DEV), block_k=32)
+    assert out.dtype == torch.int32
+    assert torch.equal(_cpu(out), int_mm(a, w.t()))
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('K_', [64, 96])
+@pytest.mark.parametrize('per_n', [True, False])
+@pytest.mark.parametrize('with_bias', [True, False])
+def test_int8_linear_bit_exact(dtype, K_, per_n, with_bias):
+    g = torch.Generator().manual_seed(K_ + per_n + 2 * with_bias)
+    M, N = 5, 33
+    x = (torch.randn(M, K_, generator=g) * 2).to(dtype)
+    w = torch.randint(-127, 128, (N, K_), dtype=torch.int8, generator=g)
+    ws = torch.rand(N, 1, generator=g) * 0.02 if per_n else torch.tensor(0.013)
+    bias = torch.randn(N, generator=g).to(dtype) if with_bias else None
+    out = K.int8_linear(x.to(DEV), w.to(DEV), ws.to(DEV), None if bias is None else bias.to(DEV), block_k=32)
+    ref = int8_linear(x, w, ws, bias)
+    assert out.dtype == ref.dtype and same_bits(_cpu(out), ref)
+
+
+def test_int8_linear_3d_fp32_bias_into_bf16():
+    "Leading dims are kept; an fp32 bias is cast to the output dtype before the add, as eager does."
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 64, generator=g).to(torch.bfloat16)
+    w = torch.randint(-127, 128, (33, 64), dtype=torch.int8, generator=g)
+    ws, bias = torch.rand(33, generator=g) * 0.02, torch.randn(33, generator=g)
+    out = K.int8_linear(x.to(DEV), w.to(DEV), ws.to(DEV), bias.to(DEV))
+    assert out.shape == (2, 3, 33)
+    assert same_bits(_cpu(out), int8_linear(x, w, ws, bias))
+
+
+def test_errors():
+    with pytest.raises(ValueError, match='int8_mm'):
+        K.int8_mm(torch.zeros(2, 4, dtype=torch.int8), torch.zeros(3, 5, dtype=torch.int8))
+    with pytest.raises(ValueError, match='weight scale'):
+        K.int8_linear(torch.zeros(2, 4), torch.zeros(3, 4, dtype=torch.int8), torch.ones(2))
+    with pytest.raises(ValueError, match='float32, float16 or bfloat16'):
+        K.quantize_rows_int8(torch.zeros(2, 4, dtype=torch.float64))
