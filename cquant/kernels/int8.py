@@ -46,6 +46,16 @@ def _round_to(v, KIND: tl.constexpr):
     return v
 
 @_jit
+def _store_as(ptrs, v, mask, KIND: tl.constexpr):
+    "Store fp32 `v` in the output dtype KIND (0 fp32, 1 fp16, 2 bf16 written as its int16 bits)."
+    if KIND == 2:
+        tl.store(ptrs, (_bf16_bits(v) >> 16).to(tl.int16), mask=mask)
+    elif KIND == 1:
+        tl.store(ptrs, v.to(tl.float16), mask=mask)
+    else:
+        tl.store(ptrs, v, mask=mask)
+
+@_jit
 def _rint(v):
     "Round half to even for |v| < 2**22 (fp32)."
     return (v + 12582912.0) - 12582912.0
@@ -121,12 +131,7 @@ def _dequantize_kernel(q_ptr, s_ptr, o_ptr, M, K, PER_ROW: tl.constexpr, KIND: t
         s = tl.load(s_ptr + rows * 0, mask=rmask, other=0.0)
     v = q * s[:, None]
     offs = o_ptr + rows[:, None] * K + cols[None, :]
-    if KIND == 2:
-        tl.store(offs, (_bf16_bits(v) >> 16).to(tl.int16), mask=m)
-    elif KIND == 1:
-        tl.store(offs, v.to(tl.float16), mask=m)
-    else:
-        tl.store(offs, v, mask=m)
+    _store_as(offs, v, m, KIND)
 
 def dequantize_int8(q:torch.Tensor, # int8 [..., K]
                     scale:torch.Tensor, # fp32 scale: one element, or per row [..., 1]
@@ -179,12 +184,7 @@ def _int8_gemm_kernel(a_ptr, w_ptr, o_ptr, xs_ptr, ws_ptr, b_ptr, M, N, K, WS_PE
         if HAS_BIAS:
             b = _round_to(tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32), KIND)
             v = _round_to(v + b[None, :], KIND)
-        if KIND == 2:
-            tl.store(offs, (_bf16_bits(v) >> 16).to(tl.int16), mask=om)
-        elif KIND == 1:
-            tl.store(offs, v.to(tl.float16), mask=om)
-        else:
-            tl.store(offs, v, mask=om)
+        _store_as(offs, v, om, KIND)
 
 def _gemm_blocks(M, N, K, block_m, block_n, block_k):
     return (block_m or max(16, min(_pow2(M), 64)), block_n or max(16, min(_pow2(N), 64)),
