@@ -161,7 +161,7 @@ def _nvfp4_out(w, xs, s):
         sig += float(ref.double().square().sum()); noise += float((y - ref).double().square().sum())
     return noise, sig, isc
 
-def _db(noise, sig): return math.inf if noise == 0 else 10 * math.log10(sig / noise) if sig > 0 else -math.inf
+from .numerics import energy_db
 
 @torch.no_grad()
 def search_smoothing(layer_weight:torch.Tensor, # float weight [N, K]
@@ -175,13 +175,13 @@ def search_smoothing(layer_weight:torch.Tensor, # float weight [N, K]
     xam = torch.stack([x.detach().abs().reshape(-1, w.shape[1]).amax(0).float() for x in xs]).amax(0)
     wam = w.abs().amax(0)
     n0, sig, isc0 = _nvfp4_out(w, xs, None)
-    best = dict(alpha=None, pre_quant_scale=None, input_scale=isc0, sqnr=_db(n0, sig), sqnr_none=_db(n0, sig), by_alpha={})
+    best = dict(alpha=None, pre_quant_scale=None, input_scale=isc0, sqnr=energy_db(sig, n0), sqnr_none=energy_db(sig, n0), by_alpha={})
     for a in alphas:
         s = 1 / smooth_scales(xam, wam, a)                  # pre_quant_scale: ComfyUI multiplies x by it
         err = smoothing_identity_error(xs[0], w, s)
         if err > tol: raise AssertionError(f"search_smoothing: (x*s)@(W/s)^T differs from x@W^T by {err:.2e} (> {tol}) at alpha={a}")
         n, _, isc = _nvfp4_out(w, xs, s)
-        db = _db(n, sig)
+        db = energy_db(sig, n)
         best['by_alpha'][a] = db
         if db > best['sqnr']: best.update(alpha=a, pre_quant_scale=s, input_scale=isc, sqnr=db)
     return best

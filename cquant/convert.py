@@ -176,9 +176,7 @@ def _write_quantized(writer:StreamingWriter, w:torch.Tensor, key:str, prefix:str
     return dict(config=config, bytes=nbytes, sig=sig, noise=noise, max_abs=mx)
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #2f7be87f
-def _db(sig:float, noise:float) -> float:
-    if noise == 0: return math.inf
-    return 10 * math.log10(sig / noise) if sig > 0 else -math.inf
+from .numerics import energy_db
 
 def _finite(v): return None if isinstance(v, float) and not math.isfinite(v) else v
 
@@ -259,7 +257,7 @@ def _totals(rows:list, bytes_before:int, bytes_after:int) -> dict:
     agg = [r for r in rows if r['format'] or r['_noise']]       # aggregate over the weights that changed
     sig = sum(r['_sig'] for r in agg); noise = sum(r['_noise'] for r in agg)
     return dict(layers=len(rows), quantized=sum(1 for r in rows if r['format']), bytes_before=bytes_before, bytes_after=bytes_after,
-                compression=bytes_before / bytes_after if bytes_after else math.inf, sqnr_db=_db(sig, noise), formats=fm)
+                compression=bytes_before / bytes_after if bytes_after else math.inf, sqnr_db=energy_db(sig, noise), formats=fm)
 
 def plot_report(report:Report, # from `quantize_checkpoint` or `report_error`
                 figsize=None, # default: width grows with the number of layers
@@ -353,7 +351,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                     old = info.nbytes + sum(ck.info(groups[m][x]).nbytes for x in drop[m])
                     rows[m] = dict(name=m, shape=list(d.shape), format=d.format, label=d.label, tier=d.tier, reason=d.reason,
                                    config=out['config'], source_dtype=str(info.dtype).removeprefix('torch.'),
-                                   sqnr_db=_db(out['sig'], out['noise']) if measure else None,
+                                   sqnr_db=energy_db(out['sig'], out['noise']) if measure else None,
                                    rel_error=math.sqrt(out['noise'] / out['sig']) if measure and out['sig'] > 0 else None,
                                    max_abs_error=out['max_abs'] if measure else None,
                                    bytes_before=old, bytes_after=out['bytes'], _sig=out['sig'], _noise=out['noise'])
@@ -413,7 +411,7 @@ def report_error(src_float, # the float (or fp8) original
             rows.append(dict(name=m, shape=list(info.shape), format=fmt, label=_label(e.config) if fmt else 'float',
                              tier='quantized' if fmt else ('identical' if noise == 0 else 'changed'),
                              reason=(f"stored as {fmt}" if fmt else 'float, identical' if noise == 0 else 'float, values differ'),
-                             source_dtype=str(info.dtype).removeprefix('torch.'), sqnr_db=_db(sig, noise),
+                             source_dtype=str(info.dtype).removeprefix('torch.'), sqnr_db=energy_db(sig, noise),
                              rel_error=math.sqrt(noise / sig) if sig > 0 else (0.0 if noise == 0 else math.inf), max_abs_error=mx,
                              bytes_before=nb(a, a.groups().get(m, {})), bytes_after=nb(b, keys), _sig=sig, _noise=noise))
             del q, ref

@@ -43,12 +43,6 @@ def _candidates(o, K:int) -> list|None:
     if k == 'int': return sorted(set(_divisors(K)) | ({o.default} if isinstance(o.default, int) and o.default > 0 else set()))
     return None
 
-def _fits(spec:FormatSpec, shape:tuple, opts:dict) -> bool:
-    "Whether `shape` passes the format's shape rules with options `opts`."
-    try: spec.layout.check_shape(tuple(shape), spec.resolve(None, **opts), '')
-    except ValueError: return False
-    return True
-
 def _dist(v, cur) -> float:
     "Distance between int option values: log-ratio, the larger of two equally far values slightly farther."
     if not (isinstance(v, int) and isinstance(cur, int)) or v <= 0 or cur <= 0: return abs(v - cur) if isinstance(v, int) and isinstance(cur, int) else math.inf
@@ -61,13 +55,13 @@ def fit_options(fmt, # format name or `FormatSpec`
     "Resolved options for `fmt` on `shape`, with int options moved to the nearest values the shape rules accept."
     spec = get_format(fmt)
     opts = spec.resolve(None, **opts)
-    if _fits(spec, shape, opts): return opts
+    if spec.fits(shape, **opts): return opts
     ints = [o for o in spec.options if _kind(o) == 'int']
     if not ints: return None
     combos = itertools.product(*[_candidates(o, shape[-1]) for o in ints])
     for combo in sorted(combos, key=lambda c: sum(_dist(v, opts[o.name]) for o, v in zip(ints, c))):
         trial = {**opts, **{o.name: v for o, v in zip(ints, combo)}}
-        if _fits(spec, shape, trial): return trial
+        if spec.fits(shape, **trial): return trial
     return None
 
 _TRIALS: dict = {}
@@ -78,7 +72,7 @@ def accepts(fmt, # format name or `FormatSpec`
            ) -> bool: # the shape rules pass and the encoder accepts the options
     "Whether `fmt` takes these options on this shape: its shape rules, then a trial quantization of one row (cached)."
     spec = get_format(fmt)
-    if not _fits(spec, shape, opts): return False
+    if not spec.fits(shape, **opts): return False
     key = (spec.name, shape[-1], tuple(sorted((k, repr(v)) for k, v in opts.items())))
     if key not in _TRIALS:
         if len(_TRIALS) > 4096: _TRIALS.clear()
@@ -98,9 +92,9 @@ def option_domain(fmt, # format name or `FormatSpec`
     cands = _candidates(o, K)
     if cands is None: return None
     if _kind(o) == 'int':
-        ok = [v for v in cands if _fits(spec, shape, {**opts, name: v})]
+        ok = [v for v in cands if spec.fits(shape, **{**opts, name: v})]
         on = {p.name: True for p in spec.options if _kind(p) == 'bool'}
-        strict = [v for v in ok if _fits(spec, shape, {**opts, **on, name: v})]
+        strict = [v for v in ok if spec.fits(shape, **{**opts, **on, name: v})]
         return strict or ok
     fitted = [(v, fit_options(spec, shape, **{**opts, name: v})) for v in cands]
     return [v for v, o in fitted if o is not None and accepts(spec, shape, **o)]
@@ -118,15 +112,11 @@ def normalize_options(fmt, # format name or `FormatSpec`
         dom = option_domain(spec, o.name, shape, **out)
         if dom and out[o.name] not in dom:
             for v in sorted(dom, key=lambda v: _dist(v, out[o.name])):
-                if _fits(spec, shape, {**out, o.name: v}): out[o.name] = v; break
+                if spec.fits(shape, **{**out, o.name: v}): out[o.name] = v; break
     return out
 
 # %% ../nbs/14_explore.ipynb #dad0b1a2
-def _db(sig:float, noise:float) -> float:
-    "10·log10(sig/noise) with the conventions of `cquant.numerics.sqnr`."
-    if math.isnan(sig) or math.isnan(noise): return math.nan
-    if noise == 0: return math.inf
-    return 10 * math.log10(sig / noise) if sig > 0 else -math.inf
+from .numerics import energy_db
 
 def error_numbers(ref:torch.Tensor, # reference
                   approx:torch.Tensor, # reconstruction, same shape
@@ -136,7 +126,7 @@ def error_numbers(ref:torch.Tensor, # reference
     e = approx.detach().to(torch.float64) - r
     s, n = float(r.square().sum()), float(e.square().sum())
     rel = math.nan if math.isnan(s) or math.isnan(n) else 0.0 if n == 0 else math.sqrt(n / s) if s > 0 else math.inf
-    return dict(sqnr_db=_db(s, n), rel_error=rel, max_abs_error=float(e.abs().max()) if e.numel() else 0.0)
+    return dict(sqnr_db=energy_db(s, n), rel_error=rel, max_abs_error=float(e.abs().max()) if e.numel() else 0.0)
 
 def _as_2d(w) -> torch.Tensor:
     if isinstance(w, QuantizedTensor): w = w.dequantize(torch.float32)

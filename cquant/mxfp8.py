@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 
-from .numerics import absmax, e8m0_encode, e8m0_decode, to_blocked, from_blocked, pad_to_multiple
+from .numerics import absmax, e8m0_encode, e8m0_decode, to_blocked, from_blocked, pad_to_multiple, round_up
 from .tensor import Params, Layout, FormatSpec, register_format, format_error, check_2d
 from .fp8 import round_to_fp8, fp8_linear_fp32
 
@@ -22,19 +22,18 @@ __all__ = ['MXFP8_BLOCK', 'MXFP8', 'mxfp8_storage_shape', 'mxfp8_scale_shape', '
 # %% ../nbs/04_mxfp8.ipynb #9b0b7869
 MXFP8_BLOCK = 32
 
-def _roundup(n:int, m:int) -> int: return -(-n // m) * m
 
 def mxfp8_storage_shape(shape:tuple, # logical (N, K)
                        ) -> tuple: # (roundup(N, 32), roundup(K, 32))
     "Storage shape of an mxfp8 weight: both dims padded to 32 (kitchen pads both as soon as either is misaligned)."
     N, K = shape
-    return (_roundup(N, 32), _roundup(K, 32))
+    return (round_up(N, 32), round_up(K, 32))
 
 def mxfp8_scale_shape(shape:tuple, # logical (N, K)
                      ) -> tuple: # (roundup(Np, 128), roundup(Kp/32, 4))
     "Shape of the swizzled `weight_scale` for a logical weight shape."
     Np, Kp = mxfp8_storage_shape(shape)
-    return (_roundup(Np, 128), _roundup(Kp // MXFP8_BLOCK, 4))
+    return (round_up(Np, 128), round_up(Kp // MXFP8_BLOCK, 4))
 
 def mxfp8_encode_blocks(x:torch.Tensor, # [R, C] float, C a multiple of 32
                         stochastic_rounding:int=0, # 0 = nearest even, else a seed

@@ -7,9 +7,9 @@ Docs: https://cquant-dev.github.io/cquant/numerics.html.md"""
 # %% auto #0
 __all__ = ['FP8_DTYPES', 'SCALE_DTYPES', 'FP16_MIN_NORMAL', 'E2M1_VALUES', 'fp8_max', 'cast_fp8', 'absmax', 'e2m1_encode',
            'e2m1_decode', 'pack_nibbles', 'unpack_nibbles', 'pack_int4', 'unpack_int4', 'pack_uint4', 'unpack_uint4',
-           'pack_6bit', 'unpack_6bit', 'e8m0_encode', 'e8m0_decode', 'pad_to_multiple', 'to_blocked', 'from_blocked',
-           'is_power_of_4', 'hadamard', 'rotate', 'sqnr', 'rel_error', 'max_abs_error', 'error_report',
-           'representable_values', 'plot_grid', 'plot_error_hist']
+           'pack_6bit', 'unpack_6bit', 'e8m0_encode', 'e8m0_decode', 'round_up', 'pad_to_multiple', 'to_blocked',
+           'from_blocked', 'is_power_of_4', 'hadamard', 'rotate', 'energy_db', 'sqnr', 'rel_error', 'max_abs_error',
+           'error_report', 'representable_values', 'plot_grid', 'plot_error_hist']
 
 # %% ../nbs/00_numerics.ipynb #9d85b0b3
 import functools
@@ -191,6 +191,10 @@ def e8m0_decode(e:torch.Tensor, # uint8 exponent bytes (or a float8_e8m0fnu tens
     return torch.where(i == 255, torch.tensor(float("nan"), device=r.device), r)
 
 # %% ../nbs/00_numerics.ipynb #eea8b56e
+def round_up(n:int, m:int) -> int:
+    "The smallest multiple of `m` that is >= `n`."
+    return -(-n // m) * m
+
 def pad_to_multiple(x:torch.Tensor, # tensor with at least 2 dims
                     rows:int, # pad dim -2 up to a multiple of this
                     cols:int, # pad dim -1 up to a multiple of this
@@ -198,7 +202,7 @@ def pad_to_multiple(x:torch.Tensor, # tensor with at least 2 dims
     "Zero-pad the last two dims at the bottom/right up to multiples of (rows, cols)."
     if x.dim() < 2: raise ValueError(f"pad_to_multiple: need at least 2 dims, got shape {tuple(x.shape)}")
     R, C = x.shape[-2:]
-    Rp, Cp = -(-R // rows) * rows, -(-C // cols) * cols
+    Rp, Cp = round_up(R, rows), round_up(C, cols)
     if (Rp, Cp) == (R, C): return x
     out = x.new_zeros(*x.shape[:-2], Rp, Cp)
     out[..., :R, :C] = x
@@ -222,7 +226,7 @@ def from_blocked(buf:torch.Tensor, # swizzled scales: (Rp, Cp) or any shape with
                  C:int, # logical blocks per row
                 ) -> torch.Tensor: # the logical (R, C) matrix (contiguous), same dtype as buf
     "Undo `to_blocked` and crop the padding."
-    Rp, Cp = -(-R // 128) * 128, -(-C // 4) * 4
+    Rp, Cp = round_up(R, 128), round_up(C, 4)
     if buf.numel() != Rp * Cp:
         raise ValueError(f"from_blocked: ({R}, {C}) scales need a ({Rp}, {Cp}) buffer ({Rp * Cp} elements), got shape {tuple(buf.shape)}")
     b = _bytes_in(buf)
@@ -276,15 +280,21 @@ def _sums(ref, approx):
     e = r - approx.detach().to(torch.float64)
     return float(r.square().sum()), float(e.square().sum()), e
 
+def energy_db(sig:float, # signal energy Σref²
+              noise:float, # noise energy Σ(ref-approx)²
+             ) -> float: # 10·log10(sig/noise): inf when noise is 0, -inf for a zero signal, NaN for NaN
+    "The dB ratio of two energies with `sqnr`'s conventions (for SQNRs summed over several tensors)."
+    if math.isnan(sig) or math.isnan(noise): return float("nan")
+    if noise == 0: return float("inf")
+    if sig == 0: return float("-inf")
+    return 10.0 * math.log10(sig / noise)
+
 def sqnr(ref:torch.Tensor, # reference tensor
          approx:torch.Tensor, # reconstruction, same shape
         ) -> float: # signal-to-quantization-noise ratio in dB (inf when exact)
     "10·log10(Σref² / Σ(ref-approx)²), in float64."
     s, n, _ = _sums(ref, approx)
-    if math.isnan(s) or math.isnan(n): return float("nan")
-    if n == 0: return float("inf")
-    if s == 0: return float("-inf")
-    return 10.0 * math.log10(s / n)
+    return energy_db(s, n)
 
 def rel_error(ref:torch.Tensor, # reference tensor
               approx:torch.Tensor, # reconstruction, same shape

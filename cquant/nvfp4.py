@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .numerics import (E2M1_VALUES, FP16_MIN_NORMAL, absmax, cast_fp8, e2m1_encode, e2m1_decode, pack_nibbles,
+from .numerics import (E2M1_VALUES, FP16_MIN_NORMAL, round_up, absmax, cast_fp8, e2m1_encode, e2m1_decode, pack_nibbles,
                              unpack_nibbles, pad_to_multiple, to_blocked, from_blocked)
 from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, check_2d, round_stochastic
 
@@ -25,19 +25,18 @@ _GROUP = 16              # elements per block scale
 _E2M1_MAX = 6.0          # largest E2M1 magnitude
 _E4M3_MAX = 448.0        # largest float8_e4m3fn value
 
-def _roundup(n:int, m:int) -> int: return -(-n // m) * m
 
 def nvfp4_storage_shape(shape:tuple, # logical (N, K)
                        ) -> tuple: # the uint8 `weight` shape (roundup(N,16), roundup(K,16)/2)
     "Shape of the packed nvfp4 `weight` for a logical 2-D shape."
     N, K = shape
-    return (_roundup(N, _GROUP), _roundup(K, _GROUP) // 2)
+    return (round_up(N, _GROUP), round_up(K, _GROUP) // 2)
 
 def nvfp4_scale_shape(shape:tuple, # logical (N, K)
                      ) -> tuple: # the swizzled `weight_scale` shape (roundup(Np,128), roundup(Kp/16,4))
     "Shape of the swizzled nvfp4 block-scale buffer for a logical 2-D shape."
     Np, Kh = nvfp4_storage_shape(shape)
-    return (_roundup(Np, 128), _roundup(2 * Kh // _GROUP, 4))
+    return (round_up(Np, 128), round_up(2 * Kh // _GROUP, 4))
 
 # %% ../nbs/03_nvfp4.ipynb #649e33db
 def nvfp4_global_scale(x:torch.Tensor, # the tensor to quantize

@@ -38,28 +38,18 @@ def _variants(formats, options:dict) -> list:
     return out
 
 # %% ../nbs/09_format_quality.ipynb #c2ed3e53
-def _db(sig:float, noise:float) -> float:
-    "10·log10(sig/noise) with the conventions of `cquant.numerics.sqnr` (inf when exact)."
-    if noise == 0: return math.inf
-    return 10 * math.log10(sig / noise) if sig > 0 else -math.inf
-
-def _fits(fmt:str, opts:dict, shape:tuple) -> bool:
-    "Whether `shape` passes the format's shape rules with `opts`."
-    spec = get_format(fmt)
-    try: spec.layout.check_shape(tuple(shape), spec.resolve(None, **opts), '')
-    except ValueError: return False
-    return True
+from .numerics import energy_db
 
 def _fitting(variants:list, shapes:list) -> list:
     """Default variants that every shape accepts. A variant that fixes no rotation group but breaks a shape rule with
     its default one tries the groups 64 and 16 (labelled `_g64`, `_g16`); otherwise it is left out."""
     out = []
     for label, fmt, opts in variants:
-        if all(_fits(fmt, opts, s) for s in shapes): out.append((label, fmt, opts)); continue
+        if all(get_format(fmt).fits(s, **opts) for s in shapes): out.append((label, fmt, opts)); continue
         if 'convrot_groupsize' in opts or 'convrot_groupsize' not in get_format(fmt).option_names: continue
         for g in (64, 16):
             o = {**opts, 'convrot_groupsize': g}
-            if all(_fits(fmt, o, s) for s in shapes): out.append((f'{label}_g{g}', fmt, o)); break
+            if all(get_format(fmt).fits(s, **o) for s in shapes): out.append((f'{label}_g{g}', fmt, o)); break
     return out
 
 def format_table(w, # a 2-D weight, or {layer name: 2-D weight}
@@ -78,11 +68,11 @@ def format_table(w, # a 2-D weight, or {layer name: 2-D weight}
         for name, t in layers.items():
             qt = quantize(t, fmt, name=name, **opts)
             s, n = sigs[name], float((qt.dequantize(torch.float32).to(torch.float64) - refs[name]).square().sum())
-            sig += s; noise += n; per_layer[name] = _db(s, n)
+            sig += s; noise += n; per_layer[name] = energy_db(s, n)
             nbytes += sum(v.numel() * v.element_size() for v in qt.state_dict('').values()); numel += t.numel()
         db = list(per_layer.values())
         rows.append(dict(label=label, format=fmt, options=opts, layers=len(layers), numel=numel,
-                         sqnr_db=_db(sig, noise), sqnr_mean=sum(db) / len(db), sqnr_min=min(db),
+                         sqnr_db=energy_db(sig, noise), sqnr_mean=sum(db) / len(db), sqnr_min=min(db),
                          min_layer=min(per_layer, key=per_layer.get),
                          rel_error=math.sqrt(noise / sig) if sig else (0.0 if noise == 0 else math.inf),
                          bits_per_weight=8 * nbytes / numel, per_layer=per_layer))

@@ -189,6 +189,12 @@ class FormatSpec:
             out[o.name] = o.coerce(v, prefix)
         return out
 
+    def fits(self, shape:tuple, **opts) -> bool:
+        "Whether a weight of `shape` passes this format's shape rules with options `opts`."
+        try: self.layout.check_shape(tuple(shape), self.resolve(None, **opts), '')
+        except ValueError: return False
+        return True
+
     def config(self, opts:dict) -> dict:
         "The `comfy_quant` dict a writer emits for resolved options `opts` (ComfyUI's spelling)."
         return {'format': self.name, **{o.name: opts[o.name] for o in self.options if o.writes(opts)}}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, check_2d
 from .numerics import absmax, rotate, pack_uint4, unpack_uint4, pack_6bit, unpack_6bit, is_power_of_4
-from .int8 import int8_linear
+from .int8 import int8_linear, _row_blocks
 
 # %% auto #0
 __all__ = ['ASYM_W4A8_INT8', 'W6A8_INT8', 'w4a8_default_codebook', 'w4a8_levels', 'w4a8_int8_grid', 'dequantize_w4a8',
@@ -36,11 +36,6 @@ def w4a8_levels(bits:int=4, # 4 or 6
 
 # %% ../nbs/07_w4a8.ipynb #b95ad626
 _BLOCK = 1 << 18          # elements per row block of the element-wise passes on CPU: temporaries stay in cache
-
-def _row_blocks(n_rows:int, K:int, block:int) -> list:
-    "(start, stop) row ranges of about `block` elements each."
-    R = max(1, block // max(K, 1))
-    return [(i, min(i + R, n_rows)) for i in range(0, n_rows, R)]
 
 def _parallel_rows(fn, n_rows:int, K:int, device, block:int=_BLOCK):
     "Run `fn(i, j)` over row blocks; on CPU in `torch.get_num_threads()` single-threaded workers."
