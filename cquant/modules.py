@@ -283,7 +283,7 @@ class QuantLinear(QuantModule):
         if b is not None: b = b.to(x.dtype)
         if not isinstance(w, QuantizedTensor): return F.linear(x, w.to(x.dtype), b)
         if self.runs_full_precision: return F.linear(x, w.dequantize(x.dtype), b)
-        return w.layout.linear(x, w.qdata, w.params, b, self.input_scale)
+        return w.linear(x, b, self.input_scale)
 
     def extra_repr(self):
         return f'in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, format={self.format}'
@@ -417,7 +417,7 @@ class QuantMoEExperts(QuantModule):
         if self.experts is None: return F.linear(x, self.weight[i].to(x.dtype), b)
         qt = self.experts[i]
         if self.runs_full_precision: return F.linear(x, qt.dequantize(x.dtype), b)
-        return qt.layout.linear(x, qt.qdata, qt.params, b)
+        return qt.linear(x, b)
 
     def forward(self, x:torch.Tensor, # [E, ..., K] (slice e for expert e), or [..., K] routed by `expert_ids`
                 expert_ids:torch.Tensor|None=None, # [...] the expert of each row of x

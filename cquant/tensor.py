@@ -12,8 +12,9 @@ from typing import Any, Callable
 import torch
 
 # %% auto #0
-__all__ = ['log', 'FORMATS', 'aten', 'GENERIC_OPS', 'LAYOUT_OPS', 'QuantFormatError', 'format_error', 'check_2d', 'same_bits',
-           'test_bits', 'encode_json', 'decode_json', 'Option', 'Params', 'Layout', 'FormatSpec', 'register_format',
+__all__ = ['log', 'FAST_PATH_OPS', 'FAST_PATHS', 'FORMATS', 'aten', 'GENERIC_OPS', 'LAYOUT_OPS', 'QuantFormatError',
+           'format_error', 'check_2d', 'same_bits', 'test_bits', 'encode_json', 'decode_json', 'Option', 'Params',
+           'Layout', 'register_fast_path', 'remove_fast_paths', 'layout_op', 'FormatSpec', 'register_format',
            'get_format', 'QuantizedTensor', 'implements', 'check_finite', 'round_stochastic', 'quantize',
            'load_quantized']
 
@@ -148,6 +149,33 @@ class Layout:
         "Default linear: dequantize the weight to x's dtype and run a float `F.linear`."
         return torch.nn.functional.linear(x, cls.dequantize(qdata, params, x.dtype), bias)
 
+# %% ../nbs/01_tensor.ipynb #734cf809
+FAST_PATH_OPS = ('quantize', 'dequantize', 'linear')
+FAST_PATHS: dict = {}
+
+def register_fast_path(layout:type, # the layout class (exact class: subclasses register their own)
+                       op:str, # 'quantize', 'dequantize' or 'linear'
+                       fn:Callable, # same signature as the layout's classmethod
+                       fits:Callable, # same arguments -> bool: whether `fn` covers this call
+                      ):
+    "Route `layout.<op>(...)` to `fn(...)` whenever `fits(...)` holds (newest registration first)."
+    if op not in FAST_PATH_OPS: raise ValueError(f"register_fast_path: op must be one of {FAST_PATH_OPS}, got {op!r}")
+    paths = FAST_PATHS.setdefault((layout, op), [])
+    paths[:] = [(f, g) for f, g in paths if g is not fn]
+    paths.insert(0, (fits, fn))
+
+def remove_fast_paths(fns=None):
+    "Remove the fast paths whose function is in `fns` (default: all of them)."
+    for key in list(FAST_PATHS):
+        FAST_PATHS[key] = [(f, g) for f, g in FAST_PATHS[key] if fns is not None and g not in fns]
+        if not FAST_PATHS[key]: del FAST_PATHS[key]
+
+def layout_op(layout:type, op:str, *args, **kwargs):
+    "Run `layout.<op>(*args, **kwargs)` through the first fitting fast path, else the classmethod."
+    for fits, fn in FAST_PATHS.get((layout, op), ()):
+        if fits(*args, **kwargs): return fn(*args, **kwargs)
+    return getattr(layout, op)(*args, **kwargs)
+
 # %% ../nbs/01_tensor.ipynb #38bce290
 @dataclass(frozen=True)
 class FormatSpec:
@@ -245,8 +273,12 @@ class QuantizedTensor(torch.Tensor):
 
     def dequantize(self, dtype:torch.dtype|None=None) -> torch.Tensor:
         "Decode to a float tensor of the logical shape, in `dtype` (default: the logical dtype)."
-        out = self._spec.layout.dequantize(self._qdata, self._params, dtype or self._params.orig_dtype)
+        out = layout_op(self._spec.layout, 'dequantize', self._qdata, self._params, dtype or self._params.orig_dtype)
         return out.t() if self._transposed else out
+
+    def linear(self, x:torch.Tensor, bias:torch.Tensor|None=None, input_scale=None) -> torch.Tensor:
+        "ComfyUI's quantized linear `x @ W.T + bias` (the layout's, or a registered kernel), with an optional calibrated `input_scale`."
+        return layout_op(self._spec.layout, 'linear', x, self._qdata, self._params, bias, input_scale)
 
     def state_dict(self, prefix:str='') -> dict:
         "File entries `{prefix+'weight': ..., prefix+'weight_scale': ...}` (no `comfy_quant`)."
@@ -348,7 +380,7 @@ def _as_weight(w):
 
 def _run_linear(x, w:QuantizedTensor, bias):
     if isinstance(x, QuantizedTensor): x = x.dequantize()
-    return w.layout.linear(x, w._qdata, w._params, bias)
+    return w.linear(x, bias)
 
 def _mm(func, args, kwargs):
     w = _as_weight(args[1])
@@ -401,7 +433,7 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     opts = spec.resolve(None, **options)
     prefix = name[:-len('weight')] if name.endswith('weight') else name + ' '   # module prefix for error messages
     spec.layout.check_shape(tuple(w.shape), opts, prefix)
-    qdata, params = spec.layout.quantize(w, stochastic_rounding=stochastic_rounding, **spec.layout_kwargs, **opts)
+    qdata, params = layout_op(spec.layout, 'quantize', w, stochastic_rounding=stochastic_rounding, **spec.layout_kwargs, **opts)
     return QuantizedTensor(qdata, params, spec)
 
 # %% ../nbs/01_tensor.ipynb #044992b1
