@@ -31,3 +31,4 @@ from .policy import *
 from .convert import *
 from .explore import *
 from .calibrate import *
+from .minilm import *

@@ -15,6 +15,7 @@ from .tensor import QuantizedTensor, check_finite, encode_json, quantize, same_b
 from .checkpoint import (Checkpoint, CheckpointError, TensorInfo, open_checkpoint, save_file, split_key, scale_keys,
                                _fmt_bytes)
 from .policy import Policy, Plan, MODES, SELECTIONS, layer_source, dit_state_dict
+from .calibrate import Calibration
 
 # %% auto #0
 __all__ = ['ROW_INDEPENDENT', 'BLOCK_MIN', 'BLOCK_MAX', 'StreamingWriter', 'block_elems', 'row_blocks', 'quantize_rows', 'Report',
@@ -318,7 +319,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                         progress:bool=True, # tqdm bar on stderr (bytes and tensors)
                         report=None, # path: also save the report as JSON there
                         *, plan:Plan|None=None, # a plan already made for this file (skips planning)
-                        calibration=None, # measured selection: {layer: inputs}
+                        calibration=None, # {layer: inputs} (or a `Calibration` of them): measured selection, and input_scale / pre_quant_scale
                         measure:bool=True, # compute per-layer SQNR (one dequantize per weight)
                         metadata:dict|None=None, # extra header metadata (strings)
                        ) -> Report:
@@ -327,8 +328,10 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
     src, dst, policy = os.fspath(src), os.fspath(dst), _as_policy(policy)
     _refuse_same(src, dst)
     t0 = time.time()
+    cal = Calibration.of(calibration)
+    if cal is not None: cal.prepare()               # a file conversion has no model: the inputs must be given per layer
     with open_checkpoint(src) as ck:
-        if plan is None: plan = policy.plan(ck, calibration)
+        if plan is None: plan = policy.plan(ck, None if cal is None else cal.inputs)
         layers, groups = layer_source(ck), ck.groups()
         meta = {**ck.metadata, **(metadata or {}), 'cquant_policy': policy.to_json()}
         from cquant import __version__
@@ -344,8 +347,11 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                 d = plan.get(m)
                 if d is not None and d.format and s == 'weight':
                     prefix = m + '.' if m else ''
-                    wt = layers.weight(m)
+                    wt, extras = layers.weight(m), {}
+                    if cal is not None: wt, extras = cal.layer(m, d.format, wt)
                     out = _write_quantized(w, wt, key, prefix, d.format, d.options, measure)
+                    for k, t in extras.items():
+                        w.add(prefix + k, t); out['bytes'] += w._entries[prefix + k].nbytes
                     del wt
                     trim_heap()
                     old = info.nbytes + sum(ck.info(groups[m][x]).nbytes for x in drop[m])

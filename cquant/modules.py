@@ -574,19 +574,28 @@ def _decision(d) -> tuple:
 def quantize_model(model:nn.Module, # a float model, quantized in place
                    plan, # {module name: format | (format, options) | comfy_quant dict | Decision | None}
                    stochastic_rounding:int=0, # default seed for every module (0: round to nearest)
+                   calibration=None, # a `cquant.calibrate.Calibration`, batches for `model`, or {layer: inputs}
                   ) -> nn.Module:
     "Quantize the modules `plan` names (nn.Linear, nn.Embedding, QuantMoEExperts), swapping in quantized versions."
-    for name, d in dict(plan).items():
-        fmt, opts, fpmm = _decision(d)
+    plan = {(k[:-len('.weight')] if k.endswith('.weight') else k): _decision(d) for k, d in dict(plan).items()}
+    if calibration is not None:
+        from cquant.calibrate import Calibration
+        calibration = Calibration.of(calibration).prepare(model, {k: d[0] for k, d in plan.items() if d[0] is not None})
+    for mod, (fmt, opts, fpmm) in plan.items():
         if fmt is None: continue
-        mod = name[:-len('.weight')] if name.endswith('.weight') else name
         m = _submodule(model, mod)
-        if m is None: raise KeyError(f"quantize_model: the plan names {name!r}, which is not a module of {type(model).__name__}")
+        if m is None: raise KeyError(f"quantize_model: the plan names {mod!r}, which is not a module of {type(model).__name__}")
         q = quant_module(m, mod)
         if q is not m: _swap(model, mod, q)
         q.key = mod + '.weight'
+        extras = {}
+        if calibration is not None and isinstance(q, QuantLinear):
+            w0 = q.weight.detach()
+            w, extras = calibration.layer(mod, fmt, w0)
+            if w is not w0: q.weight = nn.Parameter(w, requires_grad=False)     # smoothed: W / pre_quant_scale
         opts.setdefault('stochastic_rounding', stochastic_rounding)
         q.quantize_(fmt, full_precision_matrix_mult=fpmm, **opts)
+        for k, t in extras.items(): setattr(q, k, t.to(q.weight.device))
     return model
 
 def uniform_plan(model:nn.Module, # a float model

@@ -134,3 +134,81 @@ def test_search_smoothing_with_outliers_and_file():
     q.pre_quant_scale, q.input_scale = r['pre_quant_scale'], r['input_scale']
     y = q(x)
     assert cq.sqnr(x @ w.T, y) == pytest.approx(r['sqnr'], abs=1e-6)
+
+
+def test_stats_batching_invariant():
+    "Histogram, zero count and per-channel amax are identical whether batches come one by one or concatenated."
+    from cquant.calibrate import collect_stats
+    m, bs = Tiny(), _batches(4, scale=3.)
+    bs[1][0, :5] = 0.0
+    one, cat = collect_stats(m, bs), collect_stats(m, [torch.cat(bs)])
+    for k in one:
+        assert torch.equal(one[k].hist, cat[k].hist) and one[k].zeros == cat[k].zeros
+        assert cq.same_bits(one[k].channel_amax, cat[k].channel_amax) and cq.same_bits(one[k].amax, cat[k].amax)
+        for meth in ('percentile', 'mse'):
+            assert cq.same_bits(one[k].clip(meth, 99.0, torch.float8_e4m3fn), cat[k].clip(meth, 99.0, torch.float8_e4m3fn))
+    assert one['a'].zeros == 5 and one['a'].count == 16 * 32
+
+
+def test_calibration_errors():
+    from cquant.calibrate import Calibration, calibrate_layer
+    with pytest.raises(ValueError, match="'amax', 'percentile' or 'mse'"): Calibration({}, method='median')
+    with pytest.raises(ValueError, match='FP8 formats only'): calibrate(Tiny(), _batches(), 'nvfp4', method='mse')
+    with pytest.raises(ValueError, match='need the model'): Calibration(_batches()).prepare()
+    with pytest.raises(ValueError, match="needs the layer's inputs"): calibrate_layer('float8_e4m3fn', torch.randn(4, 8))
+    assert calibrate_layer('int8_tensorwise', w := torch.randn(4, 8), torch.randn(3, 8)) == (w, {})
+
+
+def _ckpt_model(seed=0):
+    "A float model whose layer inputs exceed 448 on one layer and have an outlier channel on the other."
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(seed)
+            self.fc1, self.fc2 = nn.Linear(64, 128), nn.Linear(128, 64)
+            with torch.no_grad():
+                for p in self.parameters(): p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        def forward(self, x):
+            h = torch.relu(self.fc1(x))
+            return self.fc2(h * torch.linspace(0.5, 30, 128))
+    return M()
+
+
+def test_quantize_model_and_checkpoint_with_calibration(tmp_path):
+    "Both paths write the same input_scale / pre_quant_scale; the calibrated model reloads with identical outputs."
+    from cquant.calibrate import Calibration
+    from cquant.policy import collect_inputs
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randn(16, 64, generator=g) * 200 for _ in range(3)]       # fc1 inputs far above 448
+    plan = {'fc1': 'float8_e4m3fn', 'fc2': 'nvfp4'}
+    qm = quantize_model(_ckpt_model(), plan, calibration=batches)
+    sd = qm.state_dict()
+    assert sd['fc1.input_scale'].dtype == torch.float32 and sd['fc1.input_scale'].shape == ()
+    assert float(sd['fc1.input_scale']) * 448 >= float(torch.cat(batches).abs().amax()) * (1 - 1e-6)   # nothing clips
+    assert sd['fc2.pre_quant_scale'].shape == (128,) and 'fc2.input_scale' in sd
+    x = batches[0]
+    y = qm(x)
+    cq.save_file(sd, tmp_path / 'q.safetensors')
+    m2 = _ckpt_model(seed=1)
+    load_quantized_model(m2, cq.load_file(tmp_path / 'q.safetensors'))
+    assert cq.same_bits(m2(x), y)
+    # per layer, against the uncalibrated quantized model: FP8 stops clipping (measured 28.6 vs 21.8 dB),
+    # smoothing is never worse on the calibration data (measured 18.20 vs 18.18 dB)
+    f, plain = _ckpt_model(), quantize_model(_ckpt_model(), plan)
+    assert cq.sqnr(f.fc1(x), qm.fc1(x)) > cq.sqnr(f.fc1(x), plain.fc1(x)) + 5
+    h = torch.relu(f.fc1(x)) * torch.linspace(0.5, 30, 128)
+    assert cq.sqnr(f.fc2(h), qm.fc2(h)) >= cq.sqnr(f.fc2(h), plain.fc2(h)) - 1e-3
+    # the checkpoint path with the same inputs writes the same tensors
+    float_model = _ckpt_model()
+    cq.save_file({k: v.contiguous() for k, v in float_model.state_dict().items()}, tmp_path / 'f.safetensors')
+    inputs = collect_inputs(float_model, batches, max_rows=512)
+    cq.quantize_checkpoint(tmp_path / 'f.safetensors', tmp_path / 'c.safetensors', cq.Policy(mode='fp8'), progress=False,
+                           calibration=inputs)
+    c = cq.load_file(tmp_path / 'c.safetensors')
+    assert cq.decode_json(c['fc1.comfy_quant'])['format'] == 'float8_e4m3fn'
+    ref_scale = Calibration(inputs).layer('fc1', 'float8_e4m3fn', float_model.fc1.weight.detach())[1]['input_scale']
+    assert cq.same_bits(c['fc1.input_scale'], ref_scale)
+    assert cq.same_bits(c['fc1.input_scale'], sd['fc1.input_scale'])
+    with pytest.raises(ValueError, match='need the model'):
+        cq.quantize_checkpoint(tmp_path / 'f.safetensors', tmp_path / 'd.safetensors', progress=False, calibration=Calibration(batches))
+    assert not (tmp_path / 'd.safetensors').exists()
