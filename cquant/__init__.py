@@ -32,3 +32,13 @@ from .convert import *
 from .explore import *
 from .calibrate import *
 from .minilm import *
+
+def _enable_kernels():
+    "Register the Triton kernels as fast paths when a CUDA GPU and triton are present (CQUANT_KERNELS=0 opts out)."
+    import os, torch
+    if os.environ.get('CQUANT_KERNELS', '1') == '0' or not torch.cuda.is_available(): return
+    try: from .kernels.dispatch import enable
+    except ImportError: return          # triton is not installed: the eager layouts run
+    enable()
+
+_enable_kernels()

@@ -1,91 +1,185 @@
 #!/usr/bin/env python
-"""GPU check and benchmark of cquant's Triton INT8 kernels (cquant.kernels.int8) against eager and torch.
+"""GPU check and benchmark of every cquant Triton kernel against the eager layouts, torch and comfy-kitchen.
 
-Usage: python kernels/harness.py [--quick] [--out kernels/out/int8.json]
+Usage: python kernels/harness.py [--quick] [--out kernels/out/harness.json]
+       TRITON_INTERPRET=1 python kernels/harness.py --smoke      # CPU: tiny shapes through the interpreter
 
-On a CUDA machine, for M in {1, 16, 256, 4096} and N = K in {3072, 12288}:
-- correctness vs the eager reference (cquant.int8): quantize/dequantize and the int32 GEMM bit-exact,
-  the full W8A8 linear bit-exact (max abs/ulp difference reported when not);
-- timing (CUDA events via triton.testing.do_bench, median) of each kernel vs torch: quantize/dequantize
-  in GB/s, the GEMM in TFLOP/s vs torch._int_mm (eager int_mm path) and bf16 F.linear, with ratios;
-- results as JSON (one record per kernel x shape x dtype, with GPU and versions).
-Without CUDA it says it needs a GPU and exits 0 (the CPU tests run the kernels in Triton's interpreter).
+On a CUDA machine, for every format the kernels cover and N = K in {3072, 12288}:
+- quantize and dequantize through the registered fast path vs the eager layout: bit-exact or not, time,
+  achieved GB/s and the fraction of HBM peak, speed-up vs eager and vs comfy-kitchen's CUDA backend;
+- the quantized linear for M in {1, 16, 256, 4096}: exact or max relative difference vs eager, TFLOP/s and the
+  fraction of the tensor-core peak (int8 / fp8 / bf16), ratio vs bf16 F.linear, torch._int_mm (integer formats),
+  torch._scaled_mm (FP8) and kitchen's linear where it has one.
+Timings are CUDA-event medians (triton.testing.do_bench). Results go to JSON, one record per kernel x shape.
+Without CUDA (and without --smoke) it says it needs a GPU and exits 0.
 """
 import argparse, json, os, platform, sys, time
+
+CASES = [  # (label, format, options)
+    ('fp8_e4m3', 'float8_e4m3fn', {}), ('fp8_e5m2', 'float8_e5m2', {}), ('nvfp4', 'nvfp4', {}), ('mxfp8', 'mxfp8', {}),
+    ('int8_row', 'int8_tensorwise', {'per_row': True}), ('int8_convrot', 'int8_tensorwise', {'convrot': True}),
+    ('w4a4', 'convrot_w4a4', {}), ('w4a4_a8', 'convrot_w4a4', {'linear_dtype': 'int8'}),
+    ('w4a8', 'asym_w4a8_int8', {}), ('w6a8', 'w6a8_int8', {}),
+]
+PEAKS = {  # dense peaks per GPU: HBM bytes/s, bf16 / fp8 / int8 tensor-core FLOP/s (vendor data sheets, SXM)
+    'H200': dict(hbm=4.8e12, bf16=989e12, fp8=1979e12, int8=1979e12),
+    'H100': dict(hbm=3.35e12, bf16=989e12, fp8=1979e12, int8=1979e12),
+    'A100': dict(hbm=2.0e12, bf16=312e12, fp8=None, int8=624e12),
+}
+ENGINE = {'float8_e4m3fn': 'fp8', 'float8_e5m2': 'fp8', 'nvfp4': 'fp8', 'mxfp8': 'fp8'}   # else int8
+
+
+def _peaks(name):
+    return next((v for k, v in PEAKS.items() if k in name), {})
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--quick', action='store_true', help='only M in {1, 256} and N=K=3072')
-    ap.add_argument('--out', default=os.path.join(os.path.dirname(os.path.abspath(__file__)), 'out', 'int8.json'))
+    ap.add_argument('--smoke', action='store_true', help='tiny shapes, no peers: checks the harness itself (CPU interpreter)')
+    ap.add_argument('--formats', default=None, help='comma-separated case labels (default: all)')
+    ap.add_argument('--out', default=os.path.join(os.path.dirname(os.path.abspath(__file__)), 'out', 'harness.json'))
     args = ap.parse_args(argv)
     import torch
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.smoke:
         print('kernels/harness.py needs a CUDA GPU; none found, nothing to do '
-              '(the CPU tests run these kernels under TRITON_INTERPRET=1).')
+              '(the CPU tests run these kernels under TRITON_INTERPRET=1; --smoke runs this script there).')
         return 0
     import triton
     import torch.nn.functional as F
-    from triton.testing import do_bench
-    import cquant.int8 as E
-    import cquant.kernels.int8 as K
+    import cquant as cq
+    from cquant.kernels import dispatch
+    from cquant.tensor import FORMATS, FAST_PATHS, same_bits
 
-    dev, name = 'cuda', torch.cuda.get_device_name()
-    Ms = [1, 256] if args.quick else [1, 16, 256, 4096]
-    NKs = [3072] if args.quick else [3072, 12288]
+    cuda = torch.cuda.is_available()
+    dev = 'cuda' if cuda else 'cpu'
+    name = torch.cuda.get_device_name() if cuda else 'cpu (interpreter)'
+    peaks = _peaks(name)
+    Ms = [1, 4] if args.smoke else [1, 256] if args.quick else [1, 16, 256, 4096]
+    NKs = [256] if args.smoke else [3072] if args.quick else [3072, 12288]
+    cases = [c for c in CASES if args.formats is None or c[0] in args.formats.split(',')]
+    try:
+        import comfy_kitchen as ck
+    except Exception:
+        ck = None
+
+    def bench(fn):
+        if args.smoke:
+            t = time.perf_counter(); fn(); return (time.perf_counter() - t) * 1e3
+        from triton.testing import do_bench
+        return do_bench(fn, warmup=10, rep=50)
+
     recs = []
-
     def rec(**kw):
         kw.update(gpu=name, torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda)
         recs.append(kw)
         print(' '.join(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}' for k, v in kw.items()
                        if k not in ('gpu', 'torch', 'triton', 'cuda')), flush=True)
 
-    _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    def same(a, b):
-        "Same dtype, shape and bits."
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(_INT[a.element_size()]), b.view(_INT[b.element_size()]))
+    def peer(fn):
+        "Time a peer, or None (with the reason printed) when it cannot run here."
+        if args.smoke: return None
+        try: fn(); return bench(fn)
+        except Exception as e:
+            print(f'    peer unavailable: {type(e).__name__}: {str(e)[:120]}'); return None
+
+    def nbytes(*ts): return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+    kernel_ops = {(layout, op) for layout, op, *_ in dispatch.kernel_paths()}
+    def covered(layout, op): return (layout, op) in kernel_ops
+
+    def fits(layout, op, *a, **k):
+        "Whether a registered kernel takes this call (else the eager path would run on both sides)."
+        ok = any(f(*a, **k) for f, _ in FAST_PATHS.get((layout, op), ()))
+        if not ok: print(f'    {layout.__name__}.{op}: no kernel fits this call, skipped')
+        return ok
+
+    def tensors_equal(a, b):
+        ta, tb = a.state_dict(''), b.state_dict('')
+        return ta.keys() == tb.keys() and all(same_bits(ta[k], tb[k]) for k in ta)
+
+    def kitchen_quantize(fmt, w):
+        if ck is None: return None
+        f = {'float8_e4m3fn': lambda: ck.quantize_per_tensor_fp8(w, (w.abs().amax().float() / 448)),
+             'nvfp4': lambda: ck.quantize_nvfp4(w, w.abs().amax().float() / (448 * 6), pad_16x=True),
+             'mxfp8': lambda: ck.quantize_mxfp8(w, pad_32x=True),
+             'int8_tensorwise': lambda: ck.quantize_int8_rowwise(w),
+             'convrot_w4a4': lambda: ck.quantize_convrot_w4a4_weight(w)}.get(fmt)
+        return f
+
+    def kitchen_linear(fmt, qt, x, b):
+        if ck is None: return None
+        p, q = qt.params, qt.qdata
+        f = {'int8_tensorwise': lambda: ck.int8_linear(x, q, p.scale, b, convrot=p.convrot, convrot_groupsize=p.convrot_groupsize),
+             'convrot_w4a4': lambda: ck.convrot_w4a4_linear(x, q, p.scale if hasattr(p, 'scale') else p.wscales, b,
+                                                            convrot_groupsize=p.convrot_groupsize, linear_dtype=p.linear_dtype)}.get(fmt)
+        return f
 
     g = torch.Generator(device=dev).manual_seed(0)
+    t_start = time.time()
     for NK in NKs:
-        w16 = torch.randn(NK, NK, device=dev, generator=g, dtype=torch.bfloat16)
-        wq, wsc = E.quantize_rows_int8(w16)
+        w = torch.randn(NK, NK, device=dev, generator=g, dtype=torch.bfloat16)
         bias = torch.randn(NK, device=dev, generator=g, dtype=torch.bfloat16)
-        for M in Ms:
-            x = torch.randn(M, NK, device=dev, generator=g, dtype=torch.bfloat16)
+        for label, fmt, opts in cases:
+            spec = FORMATS[fmt]
             # quantize
-            q, s = K.quantize_rows_int8(x); qe, se = E.quantize_rows_int8(x)
-            t_k = do_bench(lambda: K.quantize_rows_int8(x)); t_e = do_bench(lambda: E.quantize_rows_int8(x))
-            nbytes = x.numel() * 3 + M * 4
-            rec(kernel='quantize_rows_int8', M=M, K=NK, dtype='bf16', exact=bool(same(q, qe) and same(s, se)),
-                ms=t_k, eager_ms=t_e, GBps=nbytes / t_k / 1e6, speedup_vs_eager=t_e / t_k)
+            dispatch.disable()
+            qe = cq.quantize(w, fmt, **opts)
+            t_e = bench(lambda: cq.quantize(w, fmt, **opts)) if covered(spec.layout, 'quantize') else None
+            dispatch.enable(cpu=args.smoke)
+            if covered(spec.layout, 'quantize') and fits(spec.layout, 'quantize', w, stochastic_rounding=0, **spec.layout_kwargs,
+                                                         **spec.resolve(None, **opts)):
+                qk = cq.quantize(w, fmt, **opts)
+                t_k = bench(lambda: cq.quantize(w, fmt, **opts))
+                mb = nbytes(w, *qk.state_dict('').values())
+                kq = kitchen_quantize(fmt, w)
+                t_ck = peer(kq) if kq else None
+                rec(kernel='quantize', case=label, N=NK, K=NK, exact=tensors_equal(qk, qe), ms=t_k, eager_ms=t_e,
+                    GBps=mb / t_k / 1e6, hbm_frac=(mb / t_k / 1e-3 / peaks['hbm']) if peaks else None,
+                    speedup_vs_eager=t_e / t_k if t_e else None, speedup_vs_kitchen=t_ck / t_k if t_ck else None)
             # dequantize
-            o = K.dequantize_int8(q, s, torch.bfloat16); oe = E.dequantize_int8(q, s, torch.bfloat16)
-            t_k = do_bench(lambda: K.dequantize_int8(q, s, torch.bfloat16)); t_e = do_bench(lambda: E.dequantize_int8(q, s, torch.bfloat16))
-            rec(kernel='dequantize_int8', M=M, K=NK, dtype='bf16', exact=bool(same(o, oe)), ms=t_k, eager_ms=t_e,
-                GBps=nbytes / t_k / 1e6, speedup_vs_eager=t_e / t_k)
-            # int32 GEMM
-            flops = 2 * M * NK * NK
-            acc = K.int8_mm(q, wq); acce = E.int_mm(q, wq.t())
-            t_k = do_bench(lambda: K.int8_mm(q, wq)); t_t = do_bench(lambda: E.int_mm(q, wq.t()))
-            rec(kernel='int8_mm', M=M, N=NK, K=NK, exact=bool(torch.equal(acc, acce)), ms=t_k, int_mm_ms=t_t,
-                TFLOPs=flops / t_k / 1e9, ratio_vs_int_mm=t_t / t_k)
-            # full linear
-            y = K.int8_linear(x, wq, wsc, bias); ye = E.int8_linear(x, wq, wsc, bias)
-            diff = (y.float() - ye.float()).abs().max().item()
-            t_k = do_bench(lambda: K.int8_linear(x, wq, wsc, bias)); t_e = do_bench(lambda: E.int8_linear(x, wq, wsc, bias))
-            t_b = do_bench(lambda: F.linear(x, w16, bias))
-            rec(kernel='int8_linear', M=M, N=NK, K=NK, dtype='bf16', exact=bool(same(y, ye)), max_abs_diff=diff,
-                ms=t_k, eager_ms=t_e, bf16_linear_ms=t_b, TFLOPs=flops / t_k / 1e9,
-                speedup_vs_eager=t_e / t_k, speedup_vs_bf16=t_b / t_k)
-        del w16, wq
-        torch.cuda.empty_cache()
-
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+            if covered(spec.layout, 'dequantize') and fits(spec.layout, 'dequantize', qe.qdata, qe.params, torch.bfloat16):
+                dk = qe.dequantize(torch.bfloat16)
+                t_k = bench(lambda: qe.dequantize(torch.bfloat16))
+                dispatch.disable()
+                de = qe.dequantize(torch.bfloat16); t_e = bench(lambda: qe.dequantize(torch.bfloat16))
+                dispatch.enable(cpu=args.smoke)
+                mb = nbytes(de, *qe.state_dict('').values())
+                rec(kernel='dequantize', case=label, N=NK, K=NK, exact=same_bits(dk, de), ms=t_k, eager_ms=t_e,
+                    GBps=mb / t_k / 1e6, hbm_frac=(mb / t_k / 1e-3 / peaks['hbm']) if peaks else None, speedup_vs_eager=t_e / t_k)
+            # linear
+            if not covered(spec.layout, 'linear'): continue
+            for M in Ms:
+                x = torch.randn(M, NK, device=dev, generator=g, dtype=torch.bfloat16)
+                if not fits(spec.layout, 'linear', x, qe.qdata, qe.params, bias, None): continue
+                yk = qe.linear(x, bias); t_k = bench(lambda: qe.linear(x, bias))
+                dispatch.disable()
+                ye = qe.linear(x, bias); t_e = bench(lambda: qe.linear(x, bias))
+                dispatch.enable(cpu=args.smoke)
+                flops = 2 * M * NK * NK
+                rel = ((yk.float() - ye.float()).norm() / ye.float().norm().clamp_min(1e-30)).item()
+                t_bf16 = peer(lambda: F.linear(x, w, bias))
+                t_int = peer(lambda: torch._int_mm(torch.ones(max(M, 17), NK, dtype=torch.int8, device=dev), qe.qdata.t())) \
+                    if spec.storage_dtype == torch.int8 and qe.qdata.shape[1] == NK else None
+                t_sc = None
+                if spec.storage_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and fmt != 'mxfp8':
+                    xf = x.to(spec.storage_dtype) if spec.storage_dtype == torch.float8_e4m3fn else x.to(torch.float8_e4m3fn)
+                    one = torch.ones((), device=dev)
+                    t_sc = peer(lambda: torch._scaled_mm(xf, qe.qdata.t(), one, one, bias=bias, out_dtype=torch.bfloat16))
+                kl = kitchen_linear(fmt, qe, x, bias)
+                t_ck = peer(kl) if kl else None
+                pk = peaks.get(ENGINE.get(fmt, 'int8')) if peaks else None
+                rec(kernel='linear', case=label, M=M, N=NK, K=NK, exact=same_bits(yk, ye), rel_diff=rel, ms=t_k, eager_ms=t_e,
+                    TFLOPs=flops / t_k / 1e9, peak_frac=(flops / t_k / 1e-3 / pk) if pk else None,
+                    speedup_vs_eager=t_e / t_k, vs_bf16=(t_bf16 / t_k) if t_bf16 else None,
+                    vs_int_mm=(t_int / t_k) if t_int else None, vs_scaled_mm=(t_sc / t_k) if t_sc else None,
+                    vs_kitchen=(t_ck / t_k) if t_ck else None)
+    dispatch.disable()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, 'w') as f:
-        json.dump({'host': platform.node(), 'time': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()), 'records': recs}, f, indent=1)
-    bad = [r for r in recs if not r['exact']]
-    print(f'wrote {args.out}: {len(recs)} records, {len(bad)} not bit-exact')
+        json.dump(dict(records=recs, seconds=time.time() - t_start, host=platform.node(), argv=sys.argv[1:]), f, indent=1)
+    bad = [r for r in recs if r['kernel'] != 'linear' and not r['exact']]
+    print(f'{len(recs)} records in {time.time() - t_start:.0f} s -> {args.out}; quantize/dequantize not bit-exact: {len(bad)}')
     return 1 if bad else 0
 
 

@@ -108,3 +108,19 @@ def test_errors():
         K.int8_linear(torch.zeros(2, 4), torch.zeros(3, 4, dtype=torch.int8), torch.ones(2))
     with pytest.raises(ValueError, match='float32, float16 or bfloat16'):
         K.quantize_rows_int8(torch.zeros(2, 4, dtype=torch.float64))
+
+
+def test_harness_smoke(tmp_path):
+    "kernels/harness.py --smoke: every code path of the GPU harness, on tiny shapes through the interpreter."
+    import importlib.util, json, pathlib
+    path = pathlib.Path(__file__).parents[1] / 'kernels' / 'harness.py'
+    spec = importlib.util.spec_from_file_location('harness', path)
+    harness = importlib.util.module_from_spec(spec); spec.loader.exec_module(harness)
+    out = tmp_path / 'h.json'
+    assert harness.main(['--smoke', '--formats', 'int8_row,fp8_e4m3', '--out', str(out)]) == 0
+    recs = json.loads(out.read_text())['records']
+    got = {(r['kernel'], r['case']) for r in recs}
+    assert {('quantize', 'int8_row'), ('dequantize', 'int8_row'), ('linear', 'int8_row')} <= got
+    assert all(r['exact'] for r in recs if r['case'] == 'int8_row')
+    from cquant.tensor import FAST_PATHS
+    assert not FAST_PATHS                       # the harness leaves the eager layouts in place
