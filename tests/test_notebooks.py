@@ -27,6 +27,19 @@ def test_there_are_notebooks():
     assert any(p.name == CFG.readme_nb for p in NBS), f'{CFG.readme_nb} missing from {CFG.nbs_path}'
 
 
+@pytest.fixture(autouse=True)
+def registries_restored():
+    """A notebook that defines a layout re-registers its format with the notebook's own classes (`__main__`):
+    restore the registries after each notebook so the next one sees the package's, as under `nbdev-test`."""
+    import cquant.tensor as T
+    saved = {name: dict(getattr(T, name)) for name in ('FORMATS', 'LAYOUT_OPS', 'GENERIC_OPS')}
+    saved['FAST_PATHS'] = {k: list(v) for k, v in T.FAST_PATHS.items()}
+    yield
+    for name, value in saved.items():
+        reg = getattr(T, name)
+        reg.clear(); reg.update(value)
+
+
 @pytest.mark.parametrize('nb', NBS, ids=[p.relative_to(CFG.nbs_path).with_suffix('').as_posix() for p in NBS])
 def test_notebook(nb, monkeypatch):
     monkeypatch.chdir(nb.parent)

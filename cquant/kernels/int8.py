@@ -200,12 +200,13 @@ def _gemm_configs() -> list:
     return [triton.Config({'BLOCK_M': m, 'BLOCK_N': n, 'BLOCK_K': k}, num_warps=w, num_stages=st) for m, n, k, w, st in tiles]
 
 def _launch_gemm(kernel, tuned, M, N, blocks, *args):
-    "Launch `kernel` with explicit (BLOCK_M, BLOCK_N, BLOCK_K) `blocks`, or its autotuned version when they are all None."
+    """Launch `kernel` with explicit (BLOCK_M, BLOCK_N, BLOCK_K) `blocks`, or its autotuned version when they are all None.
+    FMA contraction is off: the eager epilogues round the product and the sum separately."""
     if all(b is None for b in blocks):
-        tuned[lambda meta: (triton.cdiv(M, meta['BLOCK_M']), triton.cdiv(N, meta['BLOCK_N']))](*args)
+        tuned[lambda meta: (triton.cdiv(M, meta['BLOCK_M']), triton.cdiv(N, meta['BLOCK_N']))](*args, enable_fp_fusion=False)
     else:
         bm, bn, bk = (b or d for b, d in zip(blocks, (max(16, min(_pow2(M), 64)), max(16, min(_pow2(N), 64)), 128)))
-        kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](*args, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, enable_fp_fusion=False)
 
 _int8_gemm_tuned = autotuned(_int8_gemm_kernel, _gemm_configs(), ['M', 'N', 'K'])
 
