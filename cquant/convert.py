@@ -453,8 +453,12 @@ def policy_from_args(args) -> Policy:
 
 def cmd_quantize(args) -> int:
     "Run `cquant quantize`."
+    cal = None
+    if args.calibration:
+        from cquant.checkpoint import load_file
+        cal = Calibration(load_file(args.calibration), smoothing=not args.no_smoothing)
     rep = quantize_checkpoint(args.src, args.dst, policy_from_args(args), progress=not args.quiet, report=args.report,
-                              measure=not args.no_sqnr)
+                              measure=not args.no_sqnr, calibration=cal)
     print(rep.table())
     if args.plot: rep.plot().savefig(args.plot, dpi=110)
     print(f"wrote {args.dst}" + (f", report {args.report}" if args.report else '') + (f", plot {args.plot}" if args.plot else ''))
@@ -469,6 +473,9 @@ def add_quantize_parser(subparsers):
     p.add_argument('--report', metavar='JSON', help='also save the per-layer report as JSON')
     p.add_argument('--plot', metavar='PNG', help='also save the per-layer SQNR plot')
     p.add_argument('--no-sqnr', action='store_true', help='skip the per-layer SQNR (about 3x faster on CPU: no dequantize)')
+    p.add_argument('--calibration', metavar='SAFETENSORS', help='layer inputs {layer name: [rows, K]} (as collect_inputs returns, '
+                   'saved with cq.save_file): measured selection, and input_scale / pre_quant_scale for FP8 and NVFP4 layers')
+    p.add_argument('--no-smoothing', action='store_true', help='with --calibration: no NVFP4 pre_quant_scale search')
     p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.set_defaults(func=cmd_quantize)
     return p

@@ -212,3 +212,25 @@ def test_quantize_model_and_checkpoint_with_calibration(tmp_path):
     with pytest.raises(ValueError, match='need the model'):
         cq.quantize_checkpoint(tmp_path / 'f.safetensors', tmp_path / 'd.safetensors', progress=False, calibration=Calibration(batches))
     assert not (tmp_path / 'd.safetensors').exists()
+
+
+def test_cli_quantize_with_calibration(tmp_path, capsys):
+    "`cquant quantize --calibration inputs.safetensors` writes the same input_scale as the Python call."
+    from cquant.calibrate import Calibration
+    from cquant.cli import main
+    from cquant.policy import collect_inputs
+    g = torch.Generator().manual_seed(6)
+    batches = [torch.randn(16, 64, generator=g) * 200 for _ in range(2)]
+    m = _ckpt_model()
+    cq.save_file({k: v.contiguous() for k, v in m.state_dict().items()}, tmp_path / 'f.safetensors')
+    cq.save_file(collect_inputs(m, batches, max_rows=512), tmp_path / 'cal.safetensors')
+    assert main(['quantize', str(tmp_path / 'f.safetensors'), str(tmp_path / 'q.safetensors'), '--mode', 'nvfp4',
+                 '--calibration', str(tmp_path / 'cal.safetensors'), '--quiet', '--no-sqnr']) == 0
+    q = cq.load_file(tmp_path / 'q.safetensors')
+    want = Calibration(cq.load_file(tmp_path / 'cal.safetensors')).layer('fc2', 'nvfp4', m.fc2.weight.detach())[1]
+    assert set(want) == {'input_scale', 'pre_quant_scale'}
+    for k, t in want.items(): assert cq.same_bits(q['fc2.' + k], t), k
+    assert main(['quantize', str(tmp_path / 'f.safetensors'), str(tmp_path / 'r.safetensors'), '--mode', 'nvfp4',
+                 '--calibration', str(tmp_path / 'cal.safetensors'), '--no-smoothing', '--quiet', '--no-sqnr']) == 0
+    r = cq.load_file(tmp_path / 'r.safetensors')
+    assert 'fc2.pre_quant_scale' not in r and 'fc2.input_scale' in r
