@@ -52,6 +52,60 @@ def test_quantize_edge_values(dtype):
     assert same_bits(_cpu(q), qe) and same_bits(_cpu(s), se)
 
 
+
+def _cuda_eager_quantize_rows(x):
+    "cquant.int8.quantize_rows_int8 as torch computes it on CUDA: amax / 127 is amax * fp32(1/127) (a CPU scalar divisor)."
+    scale = (x.abs().amax(-1, keepdim=True).float() * torch.tensor(K._recip32(127.0))).clamp_(min=1e-30)
+    d = scale.to(x.dtype)
+    d = d.masked_fill(d == 0, torch.finfo(x.dtype).tiny)
+    return (x / d).round_().clamp_(-128.0, 127.0).to(torch.int8), scale
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_quantize_cuda_division_variant(dtype):
+    "cuda_div=True reproduces the eager arithmetic on CUDA; on fp32 rows it differs from the CPU division for some scales."
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(64, 40, generator=g) * torch.rand(64, 1, generator=g) * 10).to(dtype)
+    x[0] = 0.0
+    q, s = K.quantize_rows_int8(x.to(DEV), cuda_div=True)
+    qc, sc = _cuda_eager_quantize_rows(x)
+    assert same_bits(_cpu(q), qc) and same_bits(_cpu(s), sc)
+    if dtype == torch.float32: assert (sc != quantize_rows_int8(x)[1]).any()
+    q, s = K.quantize_rows_int8(x.to(DEV), cuda_div=False)              # explicit CPU arithmetic, whatever the device
+    qe, se = quantize_rows_int8(x)
+    assert same_bits(_cpu(q), qe) and same_bits(_cpu(s), se)
+
+
+def test_bf16_tiny_and_subnormal_inputs():
+    """bf16 subnormals are read exactly (Triton's interpreter misreads them in a plain bf16 -> fp32 conversion):
+    rows of tiny and subnormal activations, and a subnormal bf16 bias that a zero activation row returns as is."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 64, generator=g)
+    x[0] *= 1e-39; x[1] *= 1e-36; x[2] *= 2e-38; x[3, :8] = torch.tensor([1e-40, -2e-39, 9.2e-41, 1e-45, 5e-39, 1.2e-38, -3e-38, 7.0])
+    x[4] = 0.0
+    x = x.to(torch.bfloat16)
+    assert (x.float().abs() < torch.finfo(torch.bfloat16).tiny).logical_and(x != 0).any()   # really subnormal
+    q, s = K.quantize_rows_int8(x.to(DEV))
+    qe, se = quantize_rows_int8(x)
+    assert same_bits(_cpu(q), qe) and same_bits(_cpu(s), se)
+    w = torch.randint(-127, 128, (33, 64), dtype=torch.int8, generator=g)
+    ws = torch.rand(33, generator=g) * 1e-3
+    bias = (torch.randn(33, generator=g) * 1e-39).to(torch.bfloat16)
+    for od in (torch.float16, torch.float32, torch.bfloat16):
+        out = K.int8_linear(x.to(DEV), w.to(DEV), ws.to(DEV), bias.to(DEV), out_dtype=od, block_k=32)
+        ref = int8_linear(x, w, ws, bias, out_dtype=od)
+        assert same_bits(_cpu(out), ref), od
+    assert torch.equal(_cpu(out)[4].float(), bias.float()) and bias.ne(0).any()   # the zero row: 0 + bias
+
+
+def test_bf16_nan_is_kept():
+    "A NaN with all low mantissa bits set (0x7FFFFFFF, GPU arithmetic's NaN) stays NaN in a bf16 output (no rounding carry to -0.0)."
+    q = torch.tensor([[1, -3, 0, 127]], dtype=torch.int8)
+    nan = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)
+    out = K.dequantize_int8(q.to(DEV), nan.to(DEV), torch.bfloat16)
+    assert _cpu(out).isnan().all()
+    assert (_cpu(out).view(torch.int16) & 0x7FFF).eq(0x7FC0).all()
+
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('shape', [(33, 50), (7, 130)])
 def test_dequantize_bit_exact(dtype, shape):

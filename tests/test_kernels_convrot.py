@@ -20,6 +20,7 @@ from cquant.w4a4 import W4A4Layout
 from cquant.numerics import rotate, pack_int4, unpack_int4
 from cquant.tensor import same_bits
 import cquant.kernels.convrot as C
+from cquant.kernels.int8 import _recip32
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -327,3 +328,33 @@ def test_empty_and_errors():
         C.convrot_int8_linear(torch.zeros(2, 64), torch.zeros(3, 64, dtype=torch.int8), torch.ones(2), None, 16)
     with pytest.raises(ValueError, match='w4a4_mm'):
         C.w4a4_mm(torch.zeros(2, 64, dtype=torch.int8), torch.zeros(3, 16, dtype=torch.int8))
+
+
+def _cuda_eager_rows(xr):
+    """The eager INT8 and int4 row quantizers (`quantize_rows_int8`, `quantize_rows_int4`) as torch computes them on CUDA:
+    the divisions by the Python numbers 127 and 7 are multiplications by fp32(1/127) and fp32(1/7)."""
+    a = xr.abs().amax(-1, keepdim=True)
+    s8 = (a.float() * torch.tensor(_recip32(127.0))).clamp_(min=1e-30)
+    d = s8.to(xr.dtype)
+    d = d.masked_fill(d == 0, torch.finfo(xr.dtype).tiny)
+    q8 = (xr / d).round_().clamp_(-128.0, 127.0).to(torch.int8)
+    s4 = (a.clamp(min=1e-10).float() * torch.tensor(_recip32(7.0))).to(xr.dtype)
+    v = (xr / s4).round_().clamp_(-7.0, 7.0)
+    if xr.dtype == torch.float16: v = v.nan_to_num_(0.0)
+    return q8, s8, v.to(torch.int8), s4.float()
+
+
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_quantize_cuda_division_variant(dtype):
+    "cuda_div=True follows torch's CUDA arithmetic (checked on the kernels' own rotation order); fp32 scales differ from the CPU division."
+    g = _gen(21)
+    x = (_gauss((128, 64), g) * torch.rand(128, 1, generator=g) * 100).to(dtype)
+    x[0] = 0.0
+    q8, s8, q4, s4 = _cuda_eager_rows(C.rotate_ordered(x, 16))
+    q, s = C._convrot_quant(x.to(DEV), 16, 0, cuda_div=True)
+    _bits(q, q8, 'int8 codes'); _bits(s, s8.reshape(-1), 'int8 scales')
+    q, s = C._convrot_quant(x.to(DEV), 16, 1, cuda_div=True)
+    _bits(q, q4, 'int4 codes'); _bits(s, s4.reshape(-1), 'int4 scales')
+    if dtype == torch.float32:                  # about 4% of the /127 scales and half of the /7 ones differ
+        assert (s8.reshape(-1) != C._convrot_quant(x.to(DEV), 16, 0, cuda_div=False)[1].cpu()).any()
+        assert (s4.reshape(-1) != C._convrot_quant(x.to(DEV), 16, 1, cuda_div=False)[1].cpu()).any()

@@ -8,8 +8,9 @@ Docs: https://cquant-dev.github.io/cquant/kernels_blockscaled.html.md"""
 from __future__ import annotations
 import math
 import torch
-from .int8 import (_jit, triton, tl, _HAS_TRITON, interpreting, triton_available, _bf16_bits, _round_to,
-                                 _store_as, _rint, _kind, _out_view, _pow2, autotuned, _gemm_configs, _launch_gemm)
+from .int8 import (_jit, triton, tl, _HAS_TRITON, interpreting, triton_available, _round_to, _store_as,
+                                 _load_f32, _e4m3_encode, _e4m3_decode, _e2m1_encode, _e2m1_decode, _dot_acc, _kind, _FLOATS,
+                                 _out_view, _pow2, autotuned, _gemm_configs, _launch_gemm, _out_tile)
 from ..numerics import round_up
 from ..nvfp4 import NVFP4Layout, NVFP4Params, nvfp4_storage_shape, nvfp4_scale_shape, _as_scale, _check_qdata
 from ..mxfp8 import MXFP8Layout, MXFP8Params, mxfp8_storage_shape, mxfp8_scale_shape
@@ -19,55 +20,6 @@ __all__ = ['FAST_PATHS', 'nvfp4_quantize', 'quantize_mxfp8', 'nvfp4_dequantize',
            'mxfp8_linear', 'linear_tolerance']
 
 # %% ../../nbs/32_kernels_blockscaled.ipynb #4299fb25
-@_jit
-def _load_f32(ptrs, mask, IN_KIND: tl.constexpr):
-    "Load fp32 / fp16 values, or bf16 values passed as int16 bits (IN_KIND 2), widened exactly to fp32."
-    if IN_KIND == 2:
-        b = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
-        return (b << 16).to(tl.float32, bitcast=True)
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-
-@_jit
-def _e4m3_encode(v):
-    "fp32 v, |v| <= 448 -> (int32 e4m3fn byte, fp32 value of that byte), round to nearest even on the bits."
-    b = v.to(tl.int32, bitcast=True)
-    sign = (b >> 31) & 1
-    a = b & 0x7FFFFFFF
-    k = _rint(a.to(tl.float32, bitcast=True) * 512.0)              # subnormal grid: multiples of 2^-9
-    r = (a + 0x7FFFF + ((a >> 20) & 1)) & -1048576                 # normal: keep 3 mantissa bits
-    sub = a < 0x3C800000                                           # |v| < 2^-6
-    code = tl.where(sub, k.to(tl.int32), ((r >> 23) - 120) * 8 + ((r >> 20) & 7))
-    mag = tl.where(sub, (k * 0.001953125).to(tl.int32, bitcast=True), r)
-    return code | (sign << 7), (mag | (sign << 31)).to(tl.float32, bitcast=True)
-
-@_jit
-def _e2m1_encode(x, t):
-    "E2M1 codes of x / t (t != 0): RNE with ties to the even code, saturating at 6, sign kept."
-    d = tl.math.div_rn(x, t)
-    a = tl.abs(d)
-    m = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
-         + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
-    return m | (((d.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
-
-@_jit
-def _e2m1_decode(c):
-    "int32 E2M1 codes 0..15 -> fp32 values (code 8 is -0.0)."
-    m = c & 7
-    e = m >> 1
-    bits = tl.where(e > 0, ((e + 126) << 23) | ((m & 1) << 22), tl.where(m == 1, 0x3F000000, 0))
-    return (bits | ((c >> 3) << 31)).to(tl.float32, bitcast=True)
-
-@_jit
-def _e4m3_decode(byte):
-    "int32 e4m3fn bytes 0..255 -> fp32 values (0x7F / 0xFF are NaN)."
-    E = (byte >> 3) & 15
-    m = byte & 7
-    sub = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
-    bits = tl.where(E == 0, sub, ((E + 120) << 23) | (m << 20))
-    bits = tl.where((E == 15) & (m == 7), 0x7FC00000, bits)
-    return (bits | ((byte >> 7) << 31)).to(tl.float32, bitcast=True)
-
 @_jit
 def _e8m0_decode(e):
     "int32 E8M0 bytes -> fp32 2^(e-127), as the eager decode: 0 -> 0.0, 255 -> NaN."
@@ -81,10 +33,6 @@ def _swizzle(r, c, CB4):
 def _quant_rows():
     "Default rows per quantize program: 64 on a GPU, 128 in the interpreter (about 2 ms per program there)."
     return 128 if interpreting() else 64
-
-def _in_view(x):
-    "x as the kernels read it: bf16 as its int16 bits."
-    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
 
 # %% ../../nbs/32_kernels_blockscaled.ipynb #449c97a7
 @_jit
@@ -101,7 +49,7 @@ def _absmax_bits(x, block_r=None, block_c=None) -> torch.Tensor:
     out = torch.zeros(1, dtype=torch.int32, device=x.device)
     bc = block_c or min(_pow2(K), 1024)
     br = block_r or max(1, min(_pow2(N), 8192 // bc))
-    _absmax_kernel[(triton.cdiv(N, br), triton.cdiv(K, bc))](_in_view(x), out, N, K, x.stride(0), x.stride(1), _kind(x.dtype), br, bc)
+    _absmax_kernel[(triton.cdiv(N, br), triton.cdiv(K, bc))](x, out, N, K, x.stride(0), x.stride(1), _kind(x.dtype), br, bc)
     return out
 
 # %% ../../nbs/32_kernels_blockscaled.ipynb #9240e102
@@ -165,7 +113,7 @@ def nvfp4_quantize(x:torch.Tensor, # 2-D float tensor (fp32, bf16 or fp16)
     bb = block_b or min(_pow2(CS), 8)
     br = block_r or _quant_rows()
     _nvfp4_quantize_kernel[(triton.cdiv(RS, br), triton.cdiv(CS, bb))](
-        _in_view(x), q, sc, s, amax, N, K, x.stride(0), x.stride(1), NP, QC, RS, CS // 4, global_scale is None, kind, br, bb)
+        x, q, sc, s, amax, N, K, x.stride(0), x.stride(1), NP, QC, RS, CS // 4, global_scale is None, kind, br, bb)
     return q, s, sc.view(torch.float8_e4m3fn)
 
 # %% ../../nbs/32_kernels_blockscaled.ipynb #eda3e557
@@ -211,7 +159,7 @@ def _mxfp8_encode(x, row_pad, block_r=None, block_b=None):
     bb = block_b or min(_pow2(CS), 4)
     br = block_r or _quant_rows()
     _mxfp8_quantize_kernel[(triton.cdiv(RS, br), triton.cdiv(CS, bb))](
-        _in_view(x), q, sc, N, K, x.stride(0), x.stride(1), NP, KP, RS, CS // 4, kind, br, bb)
+        x, q, sc, N, K, x.stride(0), x.stride(1), NP, KP, RS, CS // 4, kind, br, bb)
     return q, sc
 
 def quantize_mxfp8(x:torch.Tensor, # [N, K] weight (fp32, bf16 or fp16)
@@ -298,28 +246,11 @@ def dequantize_mxfp8(q:torch.Tensor, # e4m3 [Np, Kp] (or its uint8 bytes)
 
 # %% ../../nbs/32_kernels_blockscaled.ipynb #456b0f2a
 @_jit
-def _dot_acc(a, w, acc, DOT: tl.constexpr, INTERP: tl.constexpr):
-    "acc + a @ w with fp32 tiles a [M, K], w [K, N] converted to the operand dtype DOT (0 fp32 IEEE, 1 fp16, 2 bf16)."
-    if DOT == 0:
-        return tl.dot(a, w, acc, input_precision="ieee")
-    elif DOT == 1:
-        return tl.dot(a.to(tl.float16), w.to(tl.float16), acc)
-    else:
-        ab, wb = _bf16_bits(a), _bf16_bits(w)
-        if INTERP:                                  # the interpreter's bf16 dot is wrong: same values as fp32
-            return tl.dot(ab.to(tl.float32, bitcast=True), wb.to(tl.float32, bitcast=True), acc)
-        else:
-            return tl.dot((ab >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True),
-                          (wb >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True), acc)
-
-@_jit
 def _blockscaled_gemm_kernel(x_ptr, xs_ptr, xg_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, o_ptr, M, N, K, XQC, WQC, XCB4, WCB4,
                              FMT: tl.constexpr, HAS_BIAS: tl.constexpr, B_KIND: tl.constexpr, KIND: tl.constexpr,
                              DOT: tl.constexpr, INTERP: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mm, nm = rm < M, rn < N
+    rm, rn, mm, nm = _out_tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -346,7 +277,7 @@ def _gemm(fmt, xq, xs, xg, wq, ws, wg, bias, M, N, K, out_dtype, operand_dtype, 
     b = bias.to(device=xq.device).reshape(-1).contiguous() if bias is not None else out
     if bias is not None and b.numel() != N: raise ValueError(f"bias must have N={N} elements, got shape {tuple(bias.shape)}")
     _launch_gemm(_blockscaled_gemm_kernel, _blockscaled_gemm_tuned, M, N, blocks,
-                 xq, xs, xg, wq, ws, wg, _in_view(b), _out_view(out), M, N, K, xq.shape[1], wq.shape[1],
+                 xq, xs, xg, wq, ws, wg, b, _out_view(out), M, N, K, xq.shape[1], wq.shape[1],
                  xs.shape[1] // 4, ws.shape[1] // 4, fmt, bias is not None, _kind(b.dtype) if bias is not None else 0,
                  _kind(out_dtype), _DOT[operand_dtype], interpreting())
     return out
@@ -357,6 +288,17 @@ def _weight_buffers(fmt, qdata, block_scale, shape):
     else: want_q, want_s = mxfp8_storage_shape(shape), mxfp8_scale_shape(shape)
     if tuple(qdata.shape) != want_q: raise ValueError(f"weight storage {tuple(qdata.shape)} does not match shape {tuple(shape)} ({want_q})")
     return qdata.contiguous().view(torch.uint8), _scale_buffer(block_scale, want_s, 'linear').view(want_s)
+
+def _linear(fmt, x, qdata, block_scale, shape, wg, quantize, bias, operand_dtype, blocks):
+    "Both linears: check x and the weight storage against `shape`, `quantize(x2) -> (codes, scale bytes, global scale or None)`, `_gemm`."
+    N, K = shape
+    if x.shape[-1] != K: raise ValueError(f"{('nvfp4', 'mxfp8')[fmt]} linear: input has {x.shape[-1]} features, the weight expects {K}")
+    wq, ws = _weight_buffers(fmt, qdata, block_scale, shape)
+    x2 = x.reshape(-1, K)
+    xq, xs, xg = quantize(x2)
+    out = _gemm(fmt, xq, xs, xs if xg is None else xg, wq, ws, ws if wg is None else wg, bias, x2.shape[0], N, K, x.dtype,
+                operand_dtype, blocks)
+    return out.reshape(*x.shape[:-1], N)
 
 def nvfp4_linear(x:torch.Tensor, # activation [..., K]: fp32, bf16 or fp16
                  qdata:torch.Tensor, # weight storage uint8 [Np, Kp/2]
@@ -369,15 +311,11 @@ def nvfp4_linear(x:torch.Tensor, # activation [..., K]: fp32, bf16 or fp16
                  block_m:int|None=None, block_n:int|None=None, block_k:int|None=None, # GEMM tiles (default: autotuned)
                 ) -> torch.Tensor: # [..., N] in x's dtype
     "Triton nvfp4 linear: x quantized as `cquant.nvfp4.nvfp4_linear` does, then a dequant-fused GEMM (see the tolerance)."
-    N, K = shape
-    if x.shape[-1] != K: raise ValueError(f"nvfp4 linear: input has {x.shape[-1]} features, the weight expects {K}")
-    wq, ws = _weight_buffers(0, qdata, block_scale, shape)
-    x2 = x.reshape(-1, K)
-    xq, xg, xs = nvfp4_quantize(x2, input_scale)
+    def quantize(x2):
+        xq, xg, xs = nvfp4_quantize(x2, input_scale)
+        return xq, xs.view(torch.uint8), xg
     wg = global_scale.to(device=x.device, dtype=torch.float32).reshape(())
-    out = _gemm(0, xq, xs.view(torch.uint8), xg, wq, ws, wg, bias, x2.shape[0], N, K, x.dtype, operand_dtype,
-                (block_m, block_n, block_k))
-    return out.reshape(*x.shape[:-1], N)
+    return _linear(0, x, qdata, block_scale, shape, wg, quantize, bias, operand_dtype, (block_m, block_n, block_k))
 
 def mxfp8_linear(x:torch.Tensor, # activation [..., K]: fp32, bf16 or fp16
                  qdata:torch.Tensor, # e4m3 weight storage [Np, Kp]
@@ -388,13 +326,8 @@ def mxfp8_linear(x:torch.Tensor, # activation [..., K]: fp32, bf16 or fp16
                  block_m:int|None=None, block_n:int|None=None, block_k:int|None=None, # GEMM tiles (default: autotuned)
                 ) -> torch.Tensor: # [..., N] in x's dtype
     "Triton mxfp8 linear: x quantized per 32 along K as `cquant.mxfp8.mxfp8_linear` does, then a dequant-fused GEMM."
-    N, K = shape
-    if x.shape[-1] != K: raise ValueError(f"mxfp8 linear: input has {x.shape[-1]} features, the weight expects {K}")
-    wq, ws = _weight_buffers(1, qdata, block_scale, shape)
-    x2 = x.reshape(-1, K)
-    xq, xs = _mxfp8_encode(x2, 1)
-    out = _gemm(1, xq, xs, xs, wq, ws, ws, bias, x2.shape[0], N, K, x.dtype, operand_dtype, (block_m, block_n, block_k))
-    return out.reshape(*x.shape[:-1], N)
+    return _linear(1, x, qdata, block_scale, shape, None, lambda x2: (*_mxfp8_encode(x2, 1), None), bias, operand_dtype,
+                   (block_m, block_n, block_k))
 
 _EPS = {torch.float32: (0.0, 2.0 ** -149), torch.bfloat16: (2.0 ** -7, 2.0 ** -133), torch.float16: (2.0 ** -10, 2.0 ** -24)}
 
@@ -412,8 +345,6 @@ def linear_tolerance(xd:torch.Tensor, # eager's dequantized activation [M, K] (f
     return d + eps * (y_ref.double().abs() + d) + tiny
 
 # %% ../../nbs/32_kernels_blockscaled.ipynb #fb11fe5f
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
 def _is_weight(w):
     return isinstance(w, torch.Tensor) and w.dim() == 2 and w.numel() > 0 and w.dtype in _FLOATS
 

@@ -13,8 +13,9 @@ __all__ = ['ROT_CHUNK', 'FAST_PATHS', 'rotate_ordered', 'quantize_int8_convrot',
 import math
 import torch
 from .int8 import (_jit, triton, tl, _HAS_TRITON, interpreting, triton_available, _round_to, _store_as,
-                                 _rint, _kind, _KIND, _TINY, _out_view, _pow2, autotuned, _gemm_configs, _launch_gemm,
-                                 _int8_gemm_kernel, _int8_gemm_tuned)
+                                 _load_f32, _rint, _div_scalar, _dot_acc, _int8_row_scale, _kind, _KIND, _FLOATS, _TINY,
+                                 _out_view, _pow2, autotuned, _gemm_configs, _launch_gemm, _out_tile, _int_epilogue,
+                                 _w8a8_linear)
 from ..numerics import hadamard, is_power_of_4
 from ..int8 import Int8Layout, Int8Params
 from ..w4a4 import W4A4Layout, W4A4Params, W4A4_KERNEL_GROUP, W4A4_LINEAR_DTYPES
@@ -42,10 +43,10 @@ def rotate_ordered(x:torch.Tensor, # [..., K] float, K a multiple of `group`
 
 # %% ../../nbs/33_kernels_convrot.ipynb #b2628e53
 @_jit
-def _src(src_ptr, roff, m, ks, scale, SRC: tl.constexpr):
-    "Source values at row offsets `roff` and columns `ks` (broadcast), fp32: float (SRC 0), int8 * scale (1), packed int4 * scale (2)."
+def _src(src_ptr, roff, m, ks, scale, SRC: tl.constexpr, KIND: tl.constexpr):
+    "Source values at row offsets `roff` and columns `ks` (broadcast), fp32: float of dtype KIND (SRC 0), int8 * scale (1), packed int4 * scale (2)."
     if SRC == 0:
-        v = tl.load(src_ptr + roff + ks, mask=m, other=0.0).to(tl.float32)
+        v = _load_f32(src_ptr + roff + ks, m, KIND)
     elif SRC == 1:
         v = tl.load(src_ptr + roff + ks, mask=m, other=0).to(tl.float32) * scale
     else:
@@ -55,8 +56,9 @@ def _src(src_ptr, roff, m, ks, scale, SRC: tl.constexpr):
 
 @_jit
 def _rot_tile(src_ptr, scale, rows, rmask, stride, t0, j0, h_ptr, G: tl.constexpr, KC: tl.constexpr, NGT: tl.constexpr,
-              BJ: tl.constexpr, BLOCK_M: tl.constexpr, SRC: tl.constexpr, ROT: tl.constexpr, NARROW: tl.constexpr):
-    "fp32 [BLOCK_M, NGT, BJ]: columns j0..j0+BJ of the rotation of each of the NGT groups from column t0, in chunks of KC."
+              BJ: tl.constexpr, BLOCK_M: tl.constexpr, SRC: tl.constexpr, ROT: tl.constexpr, KIND: tl.constexpr,
+              INTERP: tl.constexpr):
+    "fp32 [BLOCK_M, NGT, BJ]: columns j0..j0+BJ of the rotation of each of the NGT groups from column t0, in chunks of KC (tl.dot operands in dtype KIND)."
     gofs = t0 + tl.arange(0, NGT) * G                           # first column of each group of the tile
     cols = j0 + tl.arange(0, BJ)
     acc = tl.zeros([BLOCK_M, NGT, BJ], dtype=tl.float32)
@@ -65,25 +67,20 @@ def _rot_tile(src_ptr, scale, rows, rmask, stride, t0, j0, h_ptr, G: tl.constexp
             part = tl.zeros([BLOCK_M, NGT, BJ], dtype=tl.float32)
             hp = h_ptr + c * KC * G + cols
             for k in range(c * KC, c * KC + KC):
-                v = _src(src_ptr, (rows * stride)[:, None], rmask[:, None], (gofs + k)[None, :], scale[:, None], SRC)
+                v = _src(src_ptr, (rows * stride)[:, None], rmask[:, None], (gofs + k)[None, :], scale[:, None], SRC, KIND)
                 h = tl.load(hp)
                 hp += G
                 part += v[:, :, None] * h[None, None, :]
         else:
             ks = c * KC + tl.arange(0, KC)
             xt = _src(src_ptr, (rows * stride)[:, None, None], rmask[:, None, None], (gofs[:, None] + ks[None, :])[None, :, :],
-                      scale[:, None, None], SRC)                # [BLOCK_M, NGT, KC]
+                      scale[:, None, None], SRC, KIND)          # [BLOCK_M, NGT, KC]
             ht = tl.load(h_ptr + ks[:, None] * G + cols[None, :])   # [KC, BJ]
             if ROT == 2:      # interpreter only: numpy sums a non-inner axis slice after slice, the loop's order
                 part = tl.sum(xt[:, :, :, None] * ht[None, None, :, :], axis=2) + 0.0
             else:
-                x2 = tl.reshape(xt, [BLOCK_M * NGT, KC])
-                if NARROW == 1:
-                    p2 = tl.dot(x2.to(tl.float16), ht.to(tl.float16), out_dtype=tl.float32)
-                elif NARROW == 2:
-                    p2 = tl.dot(x2.to(tl.bfloat16), ht.to(tl.bfloat16), out_dtype=tl.float32)
-                else:
-                    p2 = tl.dot(x2, ht, input_precision="ieee", out_dtype=tl.float32)
+                p2 = _dot_acc(tl.reshape(xt, [BLOCK_M * NGT, KC]), ht, tl.zeros([BLOCK_M * NGT, BJ], dtype=tl.float32),
+                              KIND, INTERP)                     # a fresh product per chunk, operands in x's dtype
                 part = tl.reshape(p2, [BLOCK_M, NGT, BJ])
         if c == 0:
             acc = part
@@ -96,31 +93,31 @@ def _rot_tile(src_ptr, scale, rows, rmask, stride, t0, j0, h_ptr, G: tl.constexp
 def _convrot_quant_kernel(x_ptr, h_ptr, q_ptr, s_ptr, M, K, FLOOR,
                           G: tl.constexpr, KC: tl.constexpr, NGT: tl.constexpr, BJ: tl.constexpr, BLOCK_M: tl.constexpr,
                           KIND: tl.constexpr, MODE: tl.constexpr, PACK: tl.constexpr, FIX16: tl.constexpr,
-                          TINY: tl.constexpr, ROT: tl.constexpr, NARROW: tl.constexpr):
+                          TINY: tl.constexpr, ROT: tl.constexpr, INTERP: tl.constexpr, CUDA_DIV: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     rows = rows.to(tl.int64)
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
     for t0 in range(0, K, NGT * G):                             # pass 1: absmax of the rotated row, in x's dtype
         for jc in tl.static_range(G // BJ):
-            r = _round_to(_rot_tile(x_ptr, amax, rows, rmask, K, t0, jc * BJ, h_ptr, G, KC, NGT, BJ, BLOCK_M, 0, ROT, NARROW), KIND)
+            r = _round_to(_rot_tile(x_ptr, amax, rows, rmask, K, t0, jc * BJ, h_ptr, G, KC, NGT, BJ, BLOCK_M, 0, ROT, KIND,
+                                    INTERP), KIND)
             amax = tl.maximum(amax, tl.max(tl.max(tl.abs(r), axis=2), axis=1))
     if MODE == 0:
-        scale = tl.maximum(amax / 127.0, 1e-30)
-        d = _round_to(scale, KIND)
-        d = tl.where(d == 0.0, TINY, d)
+        scale, d = _int8_row_scale(amax, KIND, TINY, CUDA_DIV)
         if FIX16:
             d = tl.where(scale < 6.103515625e-05, scale, d)
     else:
-        scale = _round_to(tl.maximum(amax, FLOOR) / 7.0, KIND)
+        scale = _round_to(_div_scalar(tl.maximum(amax, FLOOR), 7.0, 0.1428571492433548, CUDA_DIV), KIND)   # RD = fp32(1/7)
         d = tl.where(scale == 0.0, 1.0, scale)
     tl.store(s_ptr + rows, scale, mask=rmask)
     d3 = d[:, None, None]
     m3 = rmask[:, None, None]
     for t0 in range(0, K, NGT * G):                             # pass 2: the same tiles again, quantized
         for jc in tl.static_range(G // BJ):
-            r = _round_to(_rot_tile(x_ptr, amax, rows, rmask, K, t0, jc * BJ, h_ptr, G, KC, NGT, BJ, BLOCK_M, 0, ROT, NARROW), KIND)
-            v = r / d3
+            r = _round_to(_rot_tile(x_ptr, amax, rows, rmask, K, t0, jc * BJ, h_ptr, G, KC, NGT, BJ, BLOCK_M, 0, ROT, KIND,
+                                    INTERP), KIND)
+            v = tl.math.div_rn(r, d3)
             if MODE == 0:
                 if FIX16:
                     v = tl.where((scale < 6.103515625e-05)[:, None, None], v, _round_to(v, KIND))
@@ -155,11 +152,6 @@ def _rot_code(rot):
     "ROT constexpr: 0 the FMA loop, 1 tl.dot, 2 the loop's sum vectorized (what 'ordered' runs in the interpreter)."
     return {'ordered': 2 if interpreting() else 0, 'dot': 1, 'ordered_loop': 0}[rot]
 
-def _narrow(kind, rot):
-    "Operand dtype of the tensor-core rotation: x's own for fp16/bf16 (bf16 widened to fp32 in the interpreter)."
-    if rot != 'dot' or kind == 0 or (kind == 2 and interpreting()): return 0
-    return kind
-
 def _tiles(group, K, rows, rot, block_m=None):
     "(KC, NGT, BJ, BLOCK_M): chunk, groups per tile, columns per group tile, rows per program."
     KC = min(group, ROT_CHUNK)
@@ -173,8 +165,9 @@ def _check_group(K, group, who):
     if not is_power_of_4(group) or K % group:
         raise ValueError(f"{who}: the rotation group must be a power of 4 (4, 16, 64, 256, ...) dividing K={K}, got {group}")
 
-def _convrot_quant(x, group, mode, pack=False, fix16=False, rotation=None, activation=False, block_m=None, who='convrot'):
-    "Launch the fused kernel over x [..., K] viewed as rows: (int8 codes [M, K] or packed [M, K/2], fp32 scales [M])."
+def _convrot_quant(x, group, mode, pack=False, fix16=False, rotation=None, activation=False, block_m=None, who='convrot',
+                   cuda_div=None):
+    "Launch the fused kernel over x [..., K] viewed as rows: (int8 codes [M, K] or packed [M, K/2], fp32 scales [M]); `cuda_div` default: x.is_cuda."
     kind = _kind(x.dtype)
     K = x.shape[-1]
     _check_group(K, group, who)
@@ -187,7 +180,8 @@ def _convrot_quant(x, group, mode, pack=False, fix16=False, rotation=None, activ
         KC, NGT, BJ, bm = _tiles(group, K, M, rot, block_m)
         H = hadamard(group, torch.float32, x.device)
         _convrot_quant_kernel[(triton.cdiv(M, bm),)](x2, H, q, s, M, K, _FLOOR4[kind], group, KC, NGT, BJ, bm, kind, mode, pack,
-                                                     fix16, _TINY[kind], _rot_code(rot), _narrow(kind, rot))
+                                                     fix16, _TINY[kind], _rot_code(rot), interpreting(),
+                                                     x.is_cuda if cuda_div is None else bool(cuda_div))
     return q, s
 
 def quantize_int8_convrot(w:torch.Tensor, # float weight [N, K] (fp32, bf16 or fp16)
@@ -244,7 +238,7 @@ def _convrot_dequant_kernel(q_ptr, s_ptr, h_ptr, o_ptr, M, K, stride, G: tl.cons
         tid = tl.program_id(1) * NSUB + t
         t0 = (tid // (G // BJ)) * (NGT * G)                     # first column of the tile's groups
         j0 = (tid % (G // BJ)) * BJ                             # column chunk inside each group
-        acc = _rot_tile(q_ptr, sc, rows, rmask, stride, t0, j0, h_ptr, G, KC, NGT, BJ, BLOCK_M, SRC, ROT, 0)
+        acc = _rot_tile(q_ptr, sc, rows, rmask, stride, t0, j0, h_ptr, G, KC, NGT, BJ, BLOCK_M, SRC, ROT, 0, False)   # fp32 dot
         cols = (t0 + j0 + tl.arange(0, NGT) * G)[None, :, None] + tl.arange(0, BJ)[None, None, :]
         _store_as(o_ptr + rows[:, None, None] * K + cols, acc, rmask[:, None, None] & (cols < K), KIND)
 
@@ -299,40 +293,22 @@ def _nibbles(b):
 def _w4a4_gemm_kernel(a_ptr, w_ptr, o_ptr, xs_ptr, ws_ptr, b_ptr, M, N, K, A_PACKED: tl.constexpr, EPI: tl.constexpr,
                       HAS_BIAS: tl.constexpr, KIND: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mm, nm = rm < M, rn < N
+    rm, rn, mm, nm = _out_tile(M, N, BLOCK_M, BLOCK_N)
     KH = K // 2
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for k0 in range(0, KH, BLOCK_K // 2):                       # k0 counts packed bytes
         rk = k0 + tl.arange(0, BLOCK_K // 2)
         km = rk < KH
-        wlo, whi = _nibbles(tl.load(w_ptr + rn[None, :] * KH + rk[:, None], mask=nm[None, :] & km[:, None], other=0))
+        wlo, whi = _nibbles(tl.load(w_ptr + rn.to(tl.int64)[None, :] * KH + rk[:, None], mask=nm[None, :] & km[:, None], other=0))
         if A_PACKED:
-            alo, ahi = _nibbles(tl.load(a_ptr + rm[:, None] * KH + rk[None, :], mask=mm[:, None] & km[None, :], other=0))
+            alo, ahi = _nibbles(tl.load(a_ptr + rm.to(tl.int64)[:, None] * KH + rk[None, :], mask=mm[:, None] & km[None, :], other=0))
         else:
             rk2 = 2 * k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + rm[:, None] * K + rk2[None, :], mask=mm[:, None] & (rk2 < K)[None, :], other=0)
+            a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * K + rk2[None, :], mask=mm[:, None] & (rk2 < K)[None, :], other=0)
             alo, ahi = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
         acc += tl.dot(alo, wlo, out_dtype=tl.int32)
         acc += tl.dot(ahi, whi, out_dtype=tl.int32)
-    offs = o_ptr + rm[:, None] * N + rn[None, :]
-    om = mm[:, None] & nm[None, :]
-    if EPI == 0:
-        tl.store(offs, acc, mask=om)
-    else:
-        xs = tl.load(xs_ptr + rm, mask=mm, other=0.0)
-        ws = tl.load(ws_ptr + rn, mask=nm, other=0.0)
-        if EPI == 1:
-            v = _round_to(acc.to(tl.float32) * (xs[:, None] * ws[None, :]), KIND)
-        else:
-            v = _round_to(acc.to(tl.float32), KIND)
-            v = _round_to(v * xs[:, None], KIND)
-            v = _round_to(v * _round_to(ws, KIND)[None, :], KIND)
-        if HAS_BIAS:
-            b = _round_to(tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32), KIND)
-            v = _round_to(v + b[None, :], KIND)
-        _store_as(offs, v, om, KIND)
+    _int_epilogue(acc, o_ptr, xs_ptr, ws_ptr, b_ptr, rm, rn, mm, nm, N, EPI, True, HAS_BIAS, KIND)
 
 _w4a4_gemm_tuned = autotuned(_w4a4_gemm_kernel, _gemm_configs(), ['M', 'N', 'K'])
 
@@ -379,7 +355,7 @@ def w4a4_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp16)
     M = x2.shape[0]
     out = torch.empty((M, N), dtype=dt, device=x.device)
     if M and N:
-        b = bias.to(device=x.device).reshape(-1).contiguous() if bias is not None else ws
+        b = bias.to(device=x.device, dtype=dt).reshape(-1).contiguous() if bias is not None else ws   # eager's cast
         _launch_gemm(_w4a4_gemm_kernel, _w4a4_gemm_tuned, M, N, (block_m, block_n, block_k), xq, qweight.contiguous(),
                      _out_view(out), xs, ws, b, M, N, K, int4, 2 if int4 and not exact else 1, bias is not None, kind)
     return out.reshape(*lead, N)
@@ -395,29 +371,10 @@ def convrot_int8_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp
                         block_m:int|None=None, block_n:int|None=None, block_k:int|None=None, # GEMM tiles
                        ) -> torch.Tensor: # [..., N]
     "Triton ConvRot W8A8 linear (`cquant.int8.int8_linear(..., convrot=True)`): rotated per-token INT8 x, int32 GEMM, fp32 rescale."
-    K = x.shape[-1]
-    if weight.dim() != 2 or weight.shape[1] != K:
-        raise ValueError(f"convrot_int8_linear: x has K={K} features but the weight is {tuple(weight.shape)}")
-    N = weight.shape[0]
-    out_dtype = out_dtype or x.dtype
-    kind = _kind(out_dtype)
-    ws = weight_scale.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
-    if ws.numel() not in (1, N):
-        raise ValueError(f"convrot_int8_linear: weight scale must have 1 or N={N} elements, got shape {tuple(weight_scale.shape)}")
-    lead = x.shape[:-1]
-    xq, xs = _convrot_quant(x.reshape(-1, K), convrot_groupsize, 0, rotation=rotation, activation=True, who='convrot_int8_linear')
-    M = xq.shape[0]
-    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    if M and N:
-        b = bias.to(device=x.device).reshape(-1).contiguous() if bias is not None else ws
-        _launch_gemm(_int8_gemm_kernel, _int8_gemm_tuned, M, N, (block_m, block_n, block_k),
-                     xq, weight.contiguous(), _out_view(out), xs, ws, b, M, N, K, ws.numel() > 1 or N == 1,
-                     bias is not None, True, kind)
-    return out.reshape(*lead, N)
+    rotq = lambda x2: _convrot_quant(x2, convrot_groupsize, 0, rotation=rotation, activation=True, who='convrot_int8_linear')
+    return _w8a8_linear(x, weight, weight_scale, bias, out_dtype, (block_m, block_n, block_k), rotq, 'convrot_int8_linear')
 
 # %% ../../nbs/33_kernels_convrot.ipynb #b35c41fa
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-
 def _group_fits(K, group): return is_power_of_4(group) and K % group == 0
 
 def _bias_fits(bias, N): return bias is None or (bias.is_floating_point() and bias.numel() == N)

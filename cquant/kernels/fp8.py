@@ -12,8 +12,8 @@ __all__ = ['FAST_PATHS', 'fp8_quantize', 'fp8_dequantize', 'fp8_linear', 'fp8_li
 import contextlib
 import torch
 from .int8 import (
-    _jit, triton, tl, _HAS_TRITON, interpreting, triton_available, _round_to, _store_as, _kind, _out_view, autotuned,
-    _gemm_configs, _launch_gemm)
+    _jit, triton, tl, _HAS_TRITON, interpreting, triton_available, _round_to, _store_as, _load_f32, _div_scalar, _recip32,
+    _fp8_code, _fp8_decode, _kind, _FLOATS, _out_view, autotuned, _gemm_configs, _launch_gemm, _out_tile)
 from ..numerics import FP8_DTYPES, fp8_max
 from ..fp8 import FP8Layout, FP8Params, _fp32_scalar, quantize_per_tensor_fp8
 
@@ -24,61 +24,7 @@ def _quiet():
     import numpy as np
     return np.errstate(divide='ignore', over='ignore', invalid='ignore')
 
-def _recip32(v:float) -> float:
-    "The fp32 reciprocal of `v`, correctly rounded (what torch's CUDA division by a scalar multiplies by)."
-    return (torch.tensor(1.0) / torch.tensor(float(v))).item()
-
 # %% ../../nbs/31_kernels_fp8.ipynb #caa4811b
-@_jit
-def _round_bits(a, M: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr, MAXBITS: tl.constexpr):
-    "int32 bits of a non-negative, non-NaN fp32 -> FP8 magnitude byte: clamp to max, round half to even."
-    a = tl.minimum(a, MAXBITS)
-    e = tl.maximum(a >> 23, 1)                                  # biased exponent (1 for fp32 subnormals)
-    sig = (a & 0x7FFFFF) | tl.where(a >= 0x800000, 0x800000, 0)  # value = sig * 2**(e - 150)
-    shift = tl.minimum(23 - M + tl.maximum(EMIN + 127 - e, 0), 30)
-    half = tl.full(a.shape, 1, tl.int32) << (shift - 1)
-    q = (sig + half - 1 + ((sig >> shift) & 1)) >> shift       # value / grid step, rounded half to even
-    return tl.where(e - 127 >= EMIN, ((e - 128 + BIAS) << M) + q, q)
-
-@_jit
-def _fp8_code(v, E5M2: tl.constexpr):
-    "fp32 `v` -> int32 FP8 byte: clamp to +-max, round half to even; NaN -> 0x7F | sign (torch's encoding)."
-    b = v.to(tl.int32, bitcast=True)
-    sign = (b >> 24) & 0x80
-    a = b & 0x7FFFFFFF
-    if E5M2:
-        mag = _round_bits(a, 2, 15, -14, 0x47600000)             # 57344.0
-    else:
-        mag = _round_bits(a, 3, 7, -6, 0x43E00000)               # 448.0
-    return tl.where(a > 0x7F800000, 0x7F, mag) | sign
-
-@_jit
-def _fp8_decode(c, E5M2: tl.constexpr):
-    "int32 FP8 byte -> its fp32 value, through the fp16 bit pattern (exact, inf and NaN included)."
-    if E5M2:
-        v = (c << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    else:
-        h = ((c & 0x7F) << 7) | ((c & 0x80) << 8)               # e4m3 fields in fp16: value * 2**-8
-        v = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-        v = tl.where((c & 0x7F) == 0x7F, float('nan'), v)
-    return v
-
-@_jit
-def _widen(x, KIND: tl.constexpr):
-    "A loaded fp32 / fp16 / bf16 (KIND 0 / 1 / 2) tile -> fp32, exactly (bf16 through its bits)."
-    if KIND == 2:
-        r = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        r = x.to(tl.float32)
-    return r
-
-@_jit
-def _store_out(ptrs, v, mask, KIND: tl.constexpr):
-    "`_store_as`, with NaN made the canonical quiet NaN first for bf16 (bit rounding would carry a GPU NaN into -0.0)."
-    if KIND == 2:
-        v = tl.where(v != v, float('nan'), v)
-    _store_as(ptrs, v, mask, KIND)
-
 @_jit
 def _as_fp8(c, E5M2: tl.constexpr):
     "int32 FP8 bytes -> an FP8 tensor (a bitcast, no conversion)."
@@ -92,10 +38,7 @@ def _as_fp8(c, E5M2: tl.constexpr):
 @_jit
 def _absmax_scale(amax, KIND: tl.constexpr, FMAX: tl.constexpr, RFMAX: tl.constexpr, CUDA_DIV: tl.constexpr):
     "FP8Layout.quantize's default scale from the fp32 max|w| (a scalar), as the eager code computes it."
-    if CUDA_DIV:
-        s32 = amax * RFMAX                                      # torch on CUDA: times fp32(1/max)
-    else:
-        s32 = tl.math.div_rn(amax, FMAX)                        # torch on CPU: a correctly rounded division
+    s32 = _div_scalar(amax, FMAX, RFMAX, CUDA_DIV)              # CPU: correctly rounded; CUDA: times fp32(1/max)
     s = _round_to(s32, KIND)
     inv = _round_to(tl.math.div_rn(1.0, s), KIND)
     if not (tl.abs(inv) <= 3.4028234663852886e38):               # dtype(1/s) not finite: fp32 scale, 1.0 for zeros
@@ -114,7 +57,7 @@ def _quantize_values(x, s, inv, KIND: tl.constexpr, E5M2: tl.constexpr):
 @_jit
 def _amax_kernel(x_ptr, amax_ptr, n, KIND: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = _widen(tl.load(x_ptr + offs, mask=offs < n, other=0.0), KIND)
+    x = _load_f32(x_ptr + offs, offs < n, KIND)
     a = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF             # |x| as int32 bits: ordered like the values
     tl.atomic_max(amax_ptr, tl.max(a, axis=0))
 
@@ -132,7 +75,7 @@ def _quantize_kernel(x_ptr, q_ptr, amax_ptr, s_ptr, n, SCALE_GIVEN: tl.constexpr
     inv = _round_to(tl.math.div_rn(1.0, s), KIND)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    x = _widen(tl.load(x_ptr + offs, mask=m, other=0.0), KIND)
+    x = _load_f32(x_ptr + offs, m, KIND)
     tl.store(q_ptr + offs, _quantize_values(x, s, inv, KIND, E5M2).to(tl.uint8), mask=m)
 
 # %% ../../nbs/31_kernels_fp8.ipynb #23a6af74
@@ -179,7 +122,7 @@ def _dequantize_kernel(q_ptr, s_ptr, o_ptr, n, KIND: tl.constexpr, E5M2: tl.cons
     if KIND == 1:
         if s < 6.103515625e-05:                                 # fp16 output, scale below fp16's normal range
             d = s
-    _store_out(o_ptr + offs, v * d, m, KIND)
+    _store_as(o_ptr + offs, v * d, m, KIND)
 
 def fp8_dequantize(q:torch.Tensor, # FP8 tensor (float8_e4m3fn or float8_e5m2), any shape
                    scale:torch.Tensor, # fp32 one-element scale
@@ -203,9 +146,7 @@ def fp8_dequantize(q:torch.Tensor, # FP8 tensor (float8_e4m3fn or float8_e5m2), 
 def _fp8_gemm_kernel(x_ptr, w_ptr, o_ptr, sx_ptr, sw_ptr, b_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
                      QUANT_A: tl.constexpr, KIND: tl.constexpr, E5M2: tl.constexpr, FP8_DOT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BKIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mm, nm = rm < M, rn < N
+    rm, rn, mm, nm = _out_tile(M, N, BLOCK_M, BLOCK_N)
     sx = tl.load(sx_ptr)
     sw = tl.load(sw_ptr)
     inv = _round_to(tl.math.div_rn(1.0, sx), KIND)              # dtype(1 / input_scale)
@@ -217,7 +158,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, o_ptr, sx_ptr, sw_ptr, b_ptr, M, N, K, stride
         km = rk < K
         am = mm[:, None] & km[None, :]
         if QUANT_A:                                             # prologue: x tile -> FP8 bytes
-            x = _widen(tl.load(a_rows + rk[None, :] * stride_xk, mask=am, other=0.0), KIND)
+            x = _load_f32(a_rows + rk[None, :] * stride_xk, am, KIND)
             a = _quantize_values(x, sx, inv, KIND, E5M2)
         else:                                                   # bytes quantized by _quantize_kernel
             a = tl.load(a_rows + rk[None, :] * stride_xk, mask=am, other=0).to(tl.int32)
@@ -229,8 +170,8 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, o_ptr, sx_ptr, sw_ptr, b_ptr, M, N, K, stride
                          out_dtype=tl.float32)
     v = acc * (sx * sw)
     if HAS_BIAS:
-        v = v + _widen(tl.load(b_ptr + rn, mask=nm, other=0.0), BKIND)[None, :]
-    _store_out(o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], v, mm[:, None] & nm[None, :], KIND)
+        v = v + _load_f32(b_ptr + rn, nm, BKIND)[None, :]
+    _store_as(o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], v, mm[:, None] & nm[None, :], KIND)
 
 _fp8_gemm_tuned = autotuned(_fp8_gemm_kernel, _gemm_configs(), ['M', 'N', 'K'])
 _FUSE_MAX_M = 64
@@ -301,8 +242,6 @@ def fp8_linear_error_bound(x:torch.Tensor, # activations [..., K]
     return T.reshape(*x.shape[:-1], N)
 
 # %% ../../nbs/31_kernels_fp8.ipynb #d4157094
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
 def _is_scale(s) -> bool: return isinstance(s, torch.Tensor) and s.dtype == torch.float32 and s.numel() == 1
 
 def fp8_layout_quantize(w, stochastic_rounding=0, fp8_dtype=torch.float8_e4m3fn, scale=None):

@@ -33,8 +33,9 @@ def triton_available() -> bool:
 # %% ../../nbs/30_kernels_int8.ipynb #daf32935
 @_jit
 def _bf16_bits(v):
-    "fp32 -> the int32 bits of v rounded to bf16 (RNE), low 16 bits cleared."
+    "fp32 -> the int32 bits of v rounded to bf16 (RNE), low 16 bits cleared; any NaN -> the quiet NaN 0x7FC0."
     b = v.to(tl.int32, bitcast=True)
+    b = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, b)   # the carry below would turn 0x7FFFFFFF into -0.0
     return (b + 0x7FFF + ((b >> 16) & 1)) & -65536
 
 @_jit
@@ -57,24 +58,136 @@ def _store_as(ptrs, v, mask, KIND: tl.constexpr):
         tl.store(ptrs, v, mask=mask)
 
 @_jit
+def _widen(x, KIND: tl.constexpr):
+    "A loaded tile of dtype KIND (0 fp32, 1 fp16, 2 bf16 or its int16 bits) -> fp32, exactly (bf16 through its bits)."
+    if KIND == 2:
+        r = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        r = x.to(tl.float32)
+    return r
+
+@_jit
+def _load_f32(ptrs, mask, KIND: tl.constexpr):
+    "Masked load (0 where masked) of values of dtype KIND, widened exactly to fp32."
+    return _widen(tl.load(ptrs, mask=mask, other=0), KIND)
+
+@_jit
 def _rint(v):
     "Round half to even for |v| < 2**22 (fp32)."
     return (v + 12582912.0) - 12582912.0
 
+@_jit
+def _div_scalar(a, D: tl.constexpr, RD: tl.constexpr, CUDA_DIV: tl.constexpr):
+    "fp32 `a / D` for a Python number D as torch computes it: correctly rounded on CPU, `a * RD` (RD = fp32(1/D)) on CUDA."
+    if CUDA_DIV:
+        r = a * RD
+    else:
+        r = tl.math.div_rn(a, D)
+    return r
+
+@_jit
+def _round_bits(a, M: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr, MAXBITS: tl.constexpr):
+    "int32 bits of a non-negative, non-NaN fp32 -> FP8 magnitude byte: clamp to max, round half to even."
+    a = tl.minimum(a, MAXBITS)
+    e = tl.maximum(a >> 23, 1)                                  # biased exponent (1 for fp32 subnormals)
+    sig = (a & 0x7FFFFF) | tl.where(a >= 0x800000, 0x800000, 0)  # value = sig * 2**(e - 150)
+    shift = tl.minimum(23 - M + tl.maximum(EMIN + 127 - e, 0), 30)
+    half = tl.full(a.shape, 1, tl.int32) << (shift - 1)
+    q = (sig + half - 1 + ((sig >> shift) & 1)) >> shift       # value / grid step, rounded half to even
+    return tl.where(e - 127 >= EMIN, ((e - 128 + BIAS) << M) + q, q)
+
+@_jit
+def _fp8_code(v, E5M2: tl.constexpr):
+    "fp32 `v` -> int32 FP8 byte: clamp to +-max, round half to even; NaN -> 0x7F | sign (torch's encoding)."
+    b = v.to(tl.int32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    if E5M2:
+        mag = _round_bits(a, 2, 15, -14, 0x47600000)             # 57344.0
+    else:
+        mag = _round_bits(a, 3, 7, -6, 0x43E00000)               # 448.0
+    return tl.where(a > 0x7F800000, 0x7F, mag) | sign
+
+@_jit
+def _e4m3_decode(byte):
+    "int32 e4m3fn bytes 0..255 -> fp32 values (0x7F / 0xFF are NaN)."
+    a = byte & 0x7F                                             # exponent field E and mantissa m: a = 8 E + m
+    sub = (a.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)    # E = 0: m * 2**-9
+    bits = tl.where(a < 8, sub, (a << 20) + 0x3C000000)         # fp32 fields (E + 120, m << 20)
+    bits = tl.where(a == 0x7F, 0x7FC00000, bits)
+    return (bits | ((byte >> 7) << 31)).to(tl.float32, bitcast=True)
+
+@_jit
+def _fp8_decode(c, E5M2: tl.constexpr):
+    "int32 FP8 byte (0..255) -> its fp32 value, exactly (e5m2 through the fp16 bit pattern: inf and NaN included)."
+    if E5M2:
+        v = (c << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        v = _e4m3_decode(c)
+    return v
+
+@_jit
+def _e4m3_encode(v):
+    "fp32 v -> (int32 e4m3fn byte, fp32 value of that byte): clamp to +-448, round to nearest even on the bits."
+    c = _fp8_code(v, False)
+    return c, _e4m3_decode(c)
+
+@_jit
+def _e2m1_encode(x, t):
+    "E2M1 codes of x / t (t != 0): RNE with ties to the even code, saturating at 6, sign kept."
+    d = tl.math.div_rn(x, t)
+    a = tl.abs(d)
+    m = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
+         + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    return m | (((d.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
+
+@_jit
+def _e2m1_decode(c):
+    "int32 E2M1 codes 0..15 -> fp32 values (code 8 is -0.0)."
+    m = c & 7
+    e = m >> 1
+    bits = tl.where(e > 0, ((e + 126) << 23) | ((m & 1) << 22), tl.where(m == 1, 0x3F000000, 0))
+    return (bits | ((c >> 3) << 31)).to(tl.float32, bitcast=True)
+
+@_jit
+def _dot_acc(a, w, acc, DOT: tl.constexpr, INTERP: tl.constexpr):
+    "acc + a @ w (fp32 accumulation) of fp32 tiles a [M, K], w [K, N] fed as operand dtype DOT (0 fp32 IEEE, 1 fp16, 2 bf16)."
+    if DOT == 0:
+        r = tl.dot(a, w, acc, input_precision="ieee")
+    elif DOT == 1:
+        r = tl.dot(a.to(tl.float16), w.to(tl.float16), acc)
+    elif INTERP:                                    # the interpreter's bf16 dot is wrong: the same values as fp32
+        r = tl.dot(_round_to(a, 2), _round_to(w, 2), acc)
+    else:
+        r = tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16), acc)
+    return r
+
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_FLOATS = tuple(_KIND)
 _TINY = {0: torch.finfo(torch.float32).tiny, 1: torch.finfo(torch.float16).tiny, 2: torch.finfo(torch.bfloat16).tiny}
 
 def _kind(dtype):
     if dtype not in _KIND: raise ValueError(f"cquant.kernels.int8: expected float32, float16 or bfloat16, got {dtype}")
     return _KIND[dtype]
 
-def _out_view(out):
-    "bf16 outputs are written as their int16 bits (exact in the interpreter and on the GPU)."
-    return out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+def _out_view(t):
+    "A bf16 tensor as its int16 bits (exact in the interpreter and on the GPU: how bf16 outputs are written); others as they are."
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
-# %% ../../nbs/30_kernels_int8.ipynb #735fd64e
+def _recip32(v:float) -> float:
+    "The fp32 reciprocal of `v`, correctly rounded (what torch's CUDA division by a Python scalar multiplies by)."
+    return (torch.tensor(1.0) / torch.tensor(float(v))).item()
+
+# %% ../../nbs/30_kernels_int8.ipynb #2d509b57
 @_jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, KIND: tl.constexpr, TINY: tl.constexpr,
+def _int8_row_scale(amax, KIND: tl.constexpr, TINY: tl.constexpr, CUDA_DIV: tl.constexpr):
+    "Per-row INT8 (scale, divisor) from fp32 row maxima: max(amax / 127, 1e-30) in fp32, and that rounded to KIND (0 -> TINY)."
+    scale = tl.maximum(_div_scalar(amax, 127.0, 0.007874015718698502, CUDA_DIV), 1e-30)   # RD = fp32(1/127)
+    d = _round_to(scale, KIND)
+    return scale, tl.where(d == 0.0, TINY, d)
+
+@_jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, KIND: tl.constexpr, TINY: tl.constexpr, CUDA_DIV: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
@@ -82,17 +195,15 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, KIND: tl.constexpr, TINY: t
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         m = rmask[:, None] & (cols < K)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        x = _load_f32(x_ptr + rows[:, None] * K + cols[None, :], m, KIND)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    scale = tl.maximum(amax / 127.0, 1e-30)
+    scale, d = _int8_row_scale(amax, KIND, TINY, CUDA_DIV)
     tl.store(s_ptr + rows, scale, mask=rmask)
-    d = _round_to(scale, KIND)
-    d = tl.where(d == 0.0, TINY, d)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         m = rmask[:, None] & (cols < K)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        v = _round_to(x / d[:, None], KIND)
+        x = _load_f32(x_ptr + rows[:, None] * K + cols[None, :], m, KIND)
+        v = _round_to(tl.math.div_rn(x, d[:, None]), KIND)
         v = _rint(tl.minimum(tl.maximum(v, -128.0), 127.0))
         tl.store(q_ptr + rows[:, None] * K + cols[None, :], v.to(tl.int8), mask=m)
 
@@ -101,8 +212,9 @@ def _pow2(n): return 1 << max(0, int(n - 1).bit_length())
 def quantize_rows_int8(x:torch.Tensor, # activations or weights [..., K]: fp32, bf16 or fp16
                        block_m:int|None=None, # rows per program (default: about 4096 elements per tile)
                        block_k:int|None=None, # columns per tile (default: next power of 2 of K, at most 1024)
+                       cuda_div:bool|None=None, # amax / 127 as torch on CUDA (times fp32(1/127)); default: x.is_cuda
                       ) -> tuple: # (int8 [..., K], fp32 scale [..., 1])
-    "Triton per-row symmetric INT8 quantization, bit-exact with `cquant.int8.quantize_rows_int8`."
+    "Triton per-row symmetric INT8 quantization, bit-exact with `cquant.int8.quantize_rows_int8` on x's device."
     kind = _kind(x.dtype)
     K = x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
@@ -112,7 +224,8 @@ def quantize_rows_int8(x:torch.Tensor, # activations or weights [..., K]: fp32, 
     if M and K:
         bk = block_k or min(_pow2(K), 1024)
         bm = block_m or max(1, min(_pow2(M), 4096 // bk))
-        _quantize_rows_kernel[(triton.cdiv(M, bm),)](x2, q, s, M, K, kind, _TINY[kind], bm, bk)
+        _quantize_rows_kernel[(triton.cdiv(M, bm),)](x2, q, s, M, K, kind, _TINY[kind], x.is_cuda if cuda_div is None else bool(cuda_div),
+                                                     bm, bk)
     elif M:
         s.fill_(1e-30)
     return q.reshape(x.shape), s.reshape(*x.shape[:-1], 1)
@@ -158,22 +271,19 @@ def dequantize_int8(q:torch.Tensor, # int8 [..., K]
 
 # %% ../../nbs/30_kernels_int8.ipynb #d1ba1479
 @_jit
-def _int8_gemm_kernel(a_ptr, w_ptr, o_ptr, xs_ptr, ws_ptr, b_ptr, M, N, K, WS_PER_N: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, RESCALE: tl.constexpr, KIND: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _out_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    "This program's [BLOCK_M, BLOCK_N] output tile of a 2-D GEMM grid: (rows, columns, rows < M, columns < N)."
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mm, nm = rm < M, rn < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        km = rk < K
-        a = tl.load(a_ptr + rm[:, None] * K + rk[None, :], mask=mm[:, None] & km[None, :], other=0)
-        w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=nm[None, :] & km[:, None], other=0)   # W^T tile
-        acc += tl.dot(a, w, out_dtype=tl.int32)
-    offs = o_ptr + rm[:, None] * N + rn[None, :]
+    return rm, rn, rm < M, rn < N
+
+@_jit
+def _int_epilogue(acc, o_ptr, xs_ptr, ws_ptr, b_ptr, rm, rn, mm, nm, N, EPI: tl.constexpr, WS_PER_N: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, KIND: tl.constexpr):
+    "Store the int32 GEMM tile `acc`: raw (EPI 0 / False), or rescaled (1 / True: fp32 x_scale * w_scale; 2: kitchen's int4 order) + bias, in KIND."
+    offs = o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
     om = mm[:, None] & nm[None, :]
-    if not RESCALE:
+    if EPI == 0:
         tl.store(offs, acc, mask=om)
     else:
         xs = tl.load(xs_ptr + rm, mask=mm, other=0.0)
@@ -181,11 +291,29 @@ def _int8_gemm_kernel(a_ptr, w_ptr, o_ptr, xs_ptr, ws_ptr, b_ptr, M, N, K, WS_PE
             ws = tl.load(ws_ptr + rn, mask=nm, other=0.0)
         else:
             ws = tl.load(ws_ptr + rn * 0, mask=nm, other=0.0)
-        v = _round_to(acc.to(tl.float32) * (xs[:, None] * ws[None, :]), KIND)
-        if HAS_BIAS:
-            b = _round_to(tl.load(b_ptr + rn, mask=nm, other=0.0).to(tl.float32), KIND)
-            v = _round_to(v + b[None, :], KIND)
+        if EPI == 2:
+            v = _round_to(acc.to(tl.float32), KIND)
+            v = _round_to(v * xs[:, None], KIND)
+            v = _round_to(v * _round_to(ws, KIND)[None, :], KIND)
+        else:
+            v = _round_to(acc.to(tl.float32) * (xs[:, None] * ws[None, :]), KIND)
+        if HAS_BIAS:                                            # the bias is already in the output dtype
+            v = _round_to(v + _load_f32(b_ptr + rn, nm, KIND)[None, :], KIND)
         _store_as(offs, v, om, KIND)
+
+@_jit
+def _int8_gemm_kernel(a_ptr, w_ptr, o_ptr, xs_ptr, ws_ptr, b_ptr, M, N, K, WS_PER_N: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, RESCALE: tl.constexpr, KIND: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rm, rn, mm, nm = _out_tile(M, N, BLOCK_M, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        km = rk < K
+        a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], mask=mm[:, None] & km[None, :], other=0)
+        w = tl.load(w_ptr + rn.to(tl.int64)[None, :] * K + rk[:, None], mask=nm[None, :] & km[:, None], other=0)   # W^T tile
+        acc += tl.dot(a, w, out_dtype=tl.int32)
+    _int_epilogue(acc, o_ptr, xs_ptr, ws_ptr, b_ptr, rm, rn, mm, nm, N, RESCALE, WS_PER_N, HAS_BIAS, KIND)
 
 def autotuned(kernel, configs:list, key:list):
     "`kernel` autotuned over `configs` (keyed on the argument names `key`) on a GPU; the first config alone when interpreting."
@@ -224,6 +352,28 @@ def int8_mm(a:torch.Tensor, # int8 [M, K]
                      a.contiguous(), weight.contiguous(), out, out, out, out, M, N, K, False, False, False, 0)
     return out
 
+def _w8a8_linear(x, weight, weight_scale, bias, out_dtype, blocks, quantize, who):
+    "`int8_linear`'s checks and launch, with `quantize(x2) -> (int8 [M, K], fp32 scale, M elements)` the per-token quantizer."
+    K = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != K:
+        raise ValueError(f"{who}: x has K={K} features but the weight is {tuple(weight.shape)}")
+    N = weight.shape[0]
+    out_dtype = out_dtype or x.dtype
+    kind = _kind(out_dtype)
+    ws = weight_scale.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
+    if ws.numel() not in (1, N):
+        raise ValueError(f"{who}: weight scale must have 1 or N={N} elements, got shape {tuple(weight_scale.shape)}")
+    lead = x.shape[:-1]
+    xq, xs = quantize(x.reshape(-1, K))
+    M = xq.shape[0]
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if M and N:
+        b = ws if bias is None else bias.to(device=x.device, dtype=out_dtype).reshape(-1).contiguous()   # eager's cast
+        _launch_gemm(_int8_gemm_kernel, _int8_gemm_tuned, M, N, blocks,
+                     xq, weight.contiguous(), _out_view(out), xs.reshape(-1), ws, b, M, N, K, ws.numel() > 1 or N == 1,
+                     bias is not None, True, kind)
+    return out.reshape(*lead, N)
+
 def int8_linear(x:torch.Tensor, # activations [..., K]: fp32, bf16 or fp16
                 weight:torch.Tensor, # int8 weight [N, K] (not ConvRot-rotated)
                 weight_scale:torch.Tensor, # fp32 scale: 1 or N elements
@@ -231,26 +381,8 @@ def int8_linear(x:torch.Tensor, # activations [..., K]: fp32, bf16 or fp16
                 out_dtype:torch.dtype|None=None, # output dtype (default: x's dtype)
                 block_m:int|None=None, block_n:int|None=None, block_k:int|None=None, # GEMM tile sizes
                ) -> torch.Tensor: # [..., N]
-    "Triton W8A8 linear, bit-exact with `cquant.int8.int8_linear` (without ConvRot)."
-    K = x.shape[-1]
-    if weight.dim() != 2 or weight.shape[1] != K:
-        raise ValueError(f"int8_linear: x has K={K} features but the weight is {tuple(weight.shape)}")
-    N = weight.shape[0]
-    out_dtype = out_dtype or x.dtype
-    kind = _kind(out_dtype)
-    ws = weight_scale.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
-    if ws.numel() not in (1, N):
-        raise ValueError(f"int8_linear: weight scale must have 1 or N={N} elements, got shape {tuple(weight_scale.shape)}")
-    lead = x.shape[:-1]
-    xq, xs = quantize_rows_int8(x.reshape(-1, K))
-    M = xq.shape[0]
-    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    if M and N:
-        b = bias.to(device=x.device).reshape(-1).contiguous() if bias is not None else ws
-        _launch_gemm(_int8_gemm_kernel, _int8_gemm_tuned, M, N, (block_m, block_n, block_k),
-                     xq, weight.contiguous(), _out_view(out), xs.reshape(-1), ws, b, M, N, K, ws.numel() > 1 or N == 1,
-                     bias is not None, True, kind)
-    return out.reshape(*lead, N)
+    "Triton W8A8 linear, bit-exact with `cquant.int8.int8_linear` (without ConvRot) on x's device."
+    return _w8a8_linear(x, weight, weight_scale, bias, out_dtype, (block_m, block_n, block_k), quantize_rows_int8, 'int8_linear')
 
 # %% ../../nbs/30_kernels_int8.ipynb #4e77ef09
 from ..int8 import Int8Layout, Int8Params

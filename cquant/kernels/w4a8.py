@@ -12,20 +12,12 @@ __all__ = ['FAST_PATHS', 'w4a8_int8_grid', 'dequantize_w4a8', 'w4a8_mm', 'w4a8_l
 import functools
 import torch
 from .int8 import (_jit, triton, tl, _HAS_TRITON, interpreting, triton_available, _round_to, _store_as,
-                                 _rint, _kind, _KIND, _out_view, _pow2, autotuned, _gemm_configs, _launch_gemm, quantize_rows_int8)
+                                 _load_f32, _rint, _e4m3_decode, _dot_acc, _kind, _KIND, _out_view, _pow2, autotuned,
+                                 _gemm_configs, _launch_gemm, _out_tile, _int_epilogue, quantize_rows_int8)
 from ..numerics import rotate, hadamard
 from ..w4a8 import w4a8_levels, _check_operands, W4A8Layout, W6A8Layout
 
 # %% ../../nbs/34_kernels_w4a8.ipynb #406560b4
-@_jit
-def _e4m3_f32(b):
-    "An e4m3fn byte (int32 0..255, not NaN) -> its fp32 value, exactly, from the bits (no fp8 conversion)."
-    e = (b >> 3) & 15
-    m = b & 7
-    normal = ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    return tl.where(b >= 128, -mag, mag)
-
 @_jit
 def _grid_tile(w_ptr, s_ptr, lv_ptr, rn, rk, m2, K, G: tl.constexpr, BITS: tl.constexpr, S_E4M3: tl.constexpr,
                HAS_CB: tl.constexpr):
@@ -42,7 +34,7 @@ def _grid_tile(w_ptr, s_ptr, lv_ptr, rn, rk, m2, K, G: tl.constexpr, BITS: tl.co
         lv = (code - (1 << (BITS - 1))).to(tl.float32)
     sp = s_ptr + rn.to(tl.int64)[:, None] * (K // G) + rk[None, :] // G
     if S_E4M3:
-        s = _e4m3_f32(tl.load(sp, mask=m2, other=0).to(tl.int32))
+        s = _e4m3_decode(tl.load(sp, mask=m2, other=0).to(tl.int32))
     else:
         s = tl.load(sp, mask=m2, other=0.0)
     return _rint(tl.minimum(tl.maximum(lv * s, -127.0), 127.0))
@@ -98,17 +90,13 @@ def _weight_tile(w_ptr, s_ptr, lv_ptr, sc, c_ptr, rn, rk, m2, N, K, G: tl.conste
     v = _grid_tile(w_ptr, s_ptr, lv_ptr, rn, rk, m2, K, G, BITS, S_E4M3, HAS_CB) * sc[:, None]
     if HAS_CORR:
         cp = c_ptr + (rk // G).to(tl.int64)[None, :] * N + rn[:, None]     # the correction is [K/G, N]
-        if CKIND == 2:                                                      # bf16, loaded as its int16 bits
-            c = (tl.load(cp, mask=m2, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        else:
-            c = tl.load(cp, mask=m2, other=0.0).to(tl.float32)
-        v = v + c
+        v = v + _load_f32(cp, m2, CKIND)
     return _round_to(v, KIND)
 
 @_jit
 def _dequant_kernel(w_ptr, s_ptr, lv_ptr, sc_ptr, c_ptr, h_ptr, o_ptr, N, K, G: tl.constexpr, BITS: tl.constexpr,
                     S_E4M3: tl.constexpr, HAS_CB: tl.constexpr, HAS_CORR: tl.constexpr, CKIND: tl.constexpr,
-                    KIND: tl.constexpr, ROTATE: tl.constexpr, NARROW: tl.constexpr, CGE: tl.constexpr,
+                    KIND: tl.constexpr, ROTATE: tl.constexpr, DOT: tl.constexpr, INTERP: tl.constexpr, CGE: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     o0 = tl.program_id(1) * BLOCK_O
@@ -124,12 +112,7 @@ def _dequant_kernel(w_ptr, s_ptr, lv_ptr, sc_ptr, c_ptr, h_ptr, o_ptr, N, K, G: 
             v = _weight_tile(w_ptr, s_ptr, lv_ptr, sc, c_ptr, rn, rj, nm[:, None] & (rj < K)[None, :], N, K, G, BITS,
                              S_E4M3, HAS_CB, HAS_CORR, CKIND, KIND)
             h = tl.load(h_ptr + (rj - g0)[:, None] * CGE + (ro - g0)[None, :])
-            if NARROW and KIND == 2:
-                acc += tl.dot(v.to(tl.bfloat16), h.to(tl.bfloat16), out_dtype=tl.float32)
-            elif NARROW and KIND == 1:
-                acc += tl.dot(v.to(tl.float16), h.to(tl.float16), out_dtype=tl.float32)
-            else:
-                acc += tl.dot(v, h, input_precision="ieee")
+            acc += _dot_acc(v, h, tl.zeros([BLOCK_N, BLOCK_O], dtype=tl.float32), DOT, INTERP)
         v = acc
     else:
         v = _weight_tile(w_ptr, s_ptr, lv_ptr, sc, c_ptr, rn, ro, m2, N, K, G, BITS, S_E4M3, HAS_CB, HAS_CORR, CKIND, KIND)
@@ -169,7 +152,6 @@ def dequantize_w4a8(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
     if correction is not None:
         ckind = _kind(correction.dtype)
         c = correction.to(dev).contiguous()
-        if ckind == 2: c = c.view(torch.int16)
     cge = max(cg, 16)
     if fuse_rotation is None: fuse_rotation = _fusion_exact(sc, dtype, correction, cg)
     fuse = bool(fuse_rotation) and K % cge == 0
@@ -177,10 +159,12 @@ def dequantize_w4a8(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
     if N and K:
         bo = min(cge, 64) if fuse else min(_pow2(K), 256)
         bn = block_n or max(16, min(_pow2(N), 4096 // bo))
-        narrow = kind == 1 or not interpreting()      # the interpreter's bf16 tl.dot is wrong: fp32 operands there (same values)
+        dot = 0 if kind == 2 and interpreting() else kind    # operands in the output dtype, whose values they are (exact);
+                                                             # bf16 values as fp32 in the interpreter: the same, and cheaper
         _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bo))](
             w, s, w if lv is None else lv, sc, c, _rotation_matrix(cg, dev) if fuse else sc, _out_view(out), N, K, group_size,
-            bits, e4, lv is not None, correction is not None, ckind, kind, fuse, narrow, cge, bn, bo, enable_fp_fusion=False)
+            bits, e4, lv is not None, correction is not None, ckind, kind, fuse, dot, interpreting(), cge, bn, bo,
+            enable_fp_fusion=False)
     return out if fuse else rotate(out, cg, as_weight=True)
 
 # %% ../../nbs/34_kernels_w4a8.ipynb #46e03bff
@@ -189,9 +173,7 @@ def _w4a8_gemm_kernel(a_ptr, w_ptr, s_ptr, lv_ptr, o_ptr, xs_ptr, sc_ptr, b_ptr,
                       BITS: tl.constexpr, S_E4M3: tl.constexpr, HAS_CB: tl.constexpr, HAS_BIAS: tl.constexpr,
                       RESCALE: tl.constexpr, KIND: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mm, nm = rm < M, rn < N
+    rm, rn, mm, nm = _out_tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -199,18 +181,7 @@ def _w4a8_gemm_kernel(a_ptr, w_ptr, s_ptr, lv_ptr, o_ptr, xs_ptr, sc_ptr, b_ptr,
         a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], mask=mm[:, None] & km[None, :], other=0)
         w = _grid_tile(w_ptr, s_ptr, lv_ptr, rn, rk, nm[:, None] & km[None, :], K, G, BITS, S_E4M3, HAS_CB).to(tl.int8)
         acc += tl.dot(a, tl.trans(w), out_dtype=tl.int32)
-    offs = o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
-    om = mm[:, None] & nm[None, :]
-    if not RESCALE:
-        tl.store(offs, acc, mask=om)
-    else:
-        xs = tl.load(xs_ptr + rm, mask=mm, other=0.0)
-        ws = tl.load(sc_ptr + rn, mask=nm, other=0.0)
-        v = _round_to(acc.to(tl.float32) * (xs[:, None] * ws[None, :]), KIND)
-        if HAS_BIAS:
-            b = _round_to(tl.load(b_ptr + rn, mask=nm, other=0.0), KIND)
-            v = _round_to(v + b[None, :], KIND)
-        _store_as(offs, v, om, KIND)
+    _int_epilogue(acc, o_ptr, xs_ptr, sc_ptr, b_ptr, rm, rn, mm, nm, N, RESCALE, True, HAS_BIAS, KIND)
 
 _w4a8_gemm_tuned = autotuned(_w4a8_gemm_kernel, _gemm_configs(), ['M', 'N', 'K'])
 
@@ -264,7 +235,7 @@ def w4a8_linear(x:torch.Tensor, # activations [..., K]: fp32, bf16 or fp16
     M = xq.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
-        b = sc if bias is None else bias.float().reshape(-1).contiguous()            # exact: bias is already in x's dtype
+        b = sc if bias is None else bias.reshape(-1).contiguous()                   # already in x's dtype (eager's cast)
         _launch_gemm(_w4a8_gemm_kernel, _w4a8_gemm_tuned, M, N, (block_m, block_n, block_k), xq, w, s,
                            w if lv is None else lv, _out_view(out), xs.reshape(-1), sc, b, M, N, K, group_size, bits, e4,
                            lv is not None, bias is not None, True, kind)
