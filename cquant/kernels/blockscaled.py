@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 import torch
 from .int8 import (_jit, triton, tl, _HAS_TRITON, interpreting, triton_available, _round_to, _store_as,
-                                 _load_f32, _e4m3_encode, _e4m3_decode, _e2m1_encode, _e2m1_decode, _dot_acc, _kind, _FLOATS,
+                                 _load_f32, _div_scalar, _recip32, _e4m3_encode, _e4m3_decode, _e2m1_encode, _e2m1_decode,
+                                 _dot_acc, _kind, _FLOATS,
                                  _out_view, _pow2, autotuned, _gemm_configs, _launch_gemm, _out_tile)
 from ..numerics import round_up
 from ..nvfp4 import NVFP4Layout, NVFP4Params, nvfp4_storage_shape, nvfp4_scale_shape, _as_scale, _check_qdata
@@ -55,7 +56,8 @@ def _absmax_bits(x, block_r=None, block_c=None) -> torch.Tensor:
 # %% ../../nbs/32_kernels_blockscaled.ipynb #9240e102
 @_jit
 def _nvfp4_quantize_kernel(x_ptr, q_ptr, sc_ptr, s_ptr, amax_ptr, N, K, sxr, sxc, NP, QC, RS, CB4,
-                           DYNAMIC: tl.constexpr, IN_KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+                           DYNAMIC: tl.constexpr, IN_KIND: tl.constexpr, CUDA_DIV: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     blks = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     r3 = rows[:, None, None]
@@ -66,12 +68,13 @@ def _nvfp4_quantize_kernel(x_ptr, q_ptr, sc_ptr, s_ptr, amax_ptr, N, K, sxr, sxc
     amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))    # [BLOCK_R, BLOCK_B]
     if DYNAMIC:
         g = tl.load(amax_ptr).to(tl.float32, bitcast=True)
-        s = _round_to(tl.math.div_rn(g, 2688.0), IN_KIND)
-        s = tl.where((s == 0.0) & (g != 0.0), tl.math.div_rn(g, 2688.0), s)
+        s32 = _div_scalar(g, 2688.0, 0.00037202381645329297, CUDA_DIV)              # RD = fp32(1/2688)
+        s = _round_to(s32, IN_KIND)
+        s = tl.where((s == 0.0) & (g != 0.0), s32, s)
         tl.store(s_ptr, s, mask=(tl.program_id(0) == 0) & (tl.program_id(1) == 0))
     else:
         s = tl.load(s_ptr)
-    bs = tl.where(amax == 0.0, 0.0, tl.math.div_rn(tl.math.div_rn(amax, 6.0), s))
+    bs = tl.where(amax == 0.0, 0.0, tl.math.div_rn(_div_scalar(amax, 6.0, 0.1666666716337204, CUDA_DIV), s))   # fp32(1/6)
     code, bval = _e4m3_encode(tl.minimum(tl.maximum(bs, -448.0), 448.0))
     total = s * bval
     zero = (total == 0.0)[:, :, None]
@@ -97,8 +100,9 @@ def nvfp4_quantize(x:torch.Tensor, # 2-D float tensor (fp32, bf16 or fp16)
                    global_scale=None, # None: dynamic amax(|x|)/2688 in x's dtype; else a float or tensor (fp32 after a value cast)
                    block_r:int|None=None, # rows per program (default 64; 128 when interpreting)
                    block_b:int|None=None, # blocks of 16 per program (default up to 8)
+                   cuda_div:bool|None=None, # `/ 2688` and `/ 6` as torch on CUDA (times fp32(1/D)); default: x.is_cuda
                   ) -> tuple: # (qdata uint8 [Np, Kp/2], global_scale fp32 0-d, block_scale e4m3 swizzled)
-    "Triton nvfp4 quantization, bit-exact with `cquant.nvfp4.nvfp4_quantize` (round to nearest)."
+    "Triton nvfp4 quantization, bit-exact with `cquant.nvfp4.nvfp4_quantize` (round to nearest) on x's device."
     kind = _check_2d_float(x, 'nvfp4_quantize')
     x = _rows_view(x)
     N, K = x.shape
@@ -113,14 +117,16 @@ def nvfp4_quantize(x:torch.Tensor, # 2-D float tensor (fp32, bf16 or fp16)
     bb = block_b or min(_pow2(CS), 8)
     br = block_r or _quant_rows()
     _nvfp4_quantize_kernel[(triton.cdiv(RS, br), triton.cdiv(CS, bb))](
-        x, q, sc, s, amax, N, K, x.stride(0), x.stride(1), NP, QC, RS, CS // 4, global_scale is None, kind, br, bb)
+        x, q, sc, s, amax, N, K, x.stride(0), x.stride(1), NP, QC, RS, CS // 4, global_scale is None, kind,
+        x.is_cuda if cuda_div is None else bool(cuda_div), br, bb)
     return q, s, sc.view(torch.float8_e4m3fn)
 
 # %% ../../nbs/32_kernels_blockscaled.ipynb #eda3e557
 @_jit
-def _e8m0_exponent(amax):
-    "Eager mxfp8's E8M0 exponent of fp32 block maxima: ceil(fp32 log2(max(amax/448, 2^-127))) + 127, from the bits."
-    b = tl.maximum(tl.math.div_rn(amax, 448.0).to(tl.int32, bitcast=True), 0x400000)   # n >= 2^-127 (n >= 0)
+def _e8m0_exponent(amax, CUDA_DIV: tl.constexpr):
+    "Eager mxfp8's E8M0 exponent of fp32 block maxima: ceil(fp32 log2(max(amax/448, 2^-127))) + 127 (CPU log2), from the bits."
+    n = _div_scalar(amax, 448.0, 0.0022321429569274187, CUDA_DIV)                    # RD = fp32(1/448)
+    b = tl.maximum(n.to(tl.int32, bitcast=True), 0x400000)                             # n >= 2^-127 (n >= 0)
     E = b >> 23
     k = tl.where(E == 0, -127, E - 127)
     j = tl.where(E == 0, (b - 0x400000) * 2, b & 0x7FFFFF)
@@ -132,14 +138,14 @@ def _e8m0_exponent(amax):
 
 @_jit
 def _mxfp8_quantize_kernel(x_ptr, q_ptr, sc_ptr, N, K, sxr, sxc, NP, KP, RS, CB4,
-                           IN_KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
+                           IN_KIND: tl.constexpr, CUDA_DIV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     blks = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     r3 = rows[:, None, None]
     cols = blks[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
     x = _load_f32(x_ptr + r3.to(tl.int64) * sxr + cols * sxc, (r3 < N) & (cols < K), IN_KIND)
     amax = tl.max(tl.abs(x), axis=2)
-    e = _e8m0_exponent(amax)
+    e = _e8m0_exponent(amax, CUDA_DIV)
     v = x * ((254 - e) << 23).to(tl.float32, bitcast=True)[:, :, None]
     v = tl.where((amax == 0.0)[:, :, None], 0.0, v)
     code, _ = _e4m3_encode(tl.minimum(tl.maximum(v, -448.0), 448.0))
@@ -147,7 +153,7 @@ def _mxfp8_quantize_kernel(x_ptr, q_ptr, sc_ptr, N, K, sxr, sxc, NP, KP, RS, CB4
     r2, b2 = rows[:, None], blks[None, :]
     tl.store(sc_ptr + _swizzle(r2, b2, CB4), e.to(tl.uint8), mask=(r2 < RS) & (b2 < CB4 * 4))
 
-def _mxfp8_encode(x, row_pad, block_r=None, block_b=None):
+def _mxfp8_encode(x, row_pad, block_r=None, block_b=None, cuda_div=None):
     "uint8 e4m3 codes [roundup(N,row_pad), roundup(K,32)] and uint8 swizzled exponents."
     kind = _check_2d_float(x, 'quantize_mxfp8')
     x = _rows_view(x)
@@ -159,15 +165,16 @@ def _mxfp8_encode(x, row_pad, block_r=None, block_b=None):
     bb = block_b or min(_pow2(CS), 4)
     br = block_r or _quant_rows()
     _mxfp8_quantize_kernel[(triton.cdiv(RS, br), triton.cdiv(CS, bb))](
-        x, q, sc, N, K, x.stride(0), x.stride(1), NP, KP, RS, CS // 4, kind, br, bb)
+        x, q, sc, N, K, x.stride(0), x.stride(1), NP, KP, RS, CS // 4, kind, x.is_cuda if cuda_div is None else bool(cuda_div), br, bb)
     return q, sc
 
 def quantize_mxfp8(x:torch.Tensor, # [N, K] weight (fp32, bf16 or fp16)
                    block_r:int|None=None, # rows per program (default 64; 128 when interpreting)
                    block_b:int|None=None, # blocks of 32 per program (default up to 4)
+                   cuda_div:bool|None=None, # `amax / 448` as torch on CUDA (times fp32(1/448)); default: x.is_cuda
                   ) -> tuple: # (e4m3 [Np, Kp], float8_e8m0fnu swizzled block scales)
-    "Triton mxfp8 quantization, bit-exact with `cquant.mxfp8.quantize_mxfp8` (round to nearest)."
-    q, sc = _mxfp8_encode(x, 32, block_r, block_b)
+    "Triton mxfp8 quantization, bit-exact with `cquant.mxfp8.quantize_mxfp8` (round to nearest) on CPU (see the CUDA caveat)."
+    q, sc = _mxfp8_encode(x, 32, block_r, block_b, cuda_div)
     return q.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu)
 
 # %% ../../nbs/32_kernels_blockscaled.ipynb #eb785a04
@@ -309,10 +316,11 @@ def nvfp4_linear(x:torch.Tensor, # activation [..., K]: fp32, bf16 or fp16
                  input_scale=None, # the activation's global scale; None: dynamic amax/2688
                  operand_dtype:torch.dtype=torch.float16, # tl.dot operands (fp16 and bf16 are exact for nvfp4)
                  block_m:int|None=None, block_n:int|None=None, block_k:int|None=None, # GEMM tiles (default: autotuned)
+                 cuda_div:bool|None=None, # the activation's `/ 2688`, `/ 6` as torch on CUDA; default: x.is_cuda
                 ) -> torch.Tensor: # [..., N] in x's dtype
     "Triton nvfp4 linear: x quantized as `cquant.nvfp4.nvfp4_linear` does, then a dequant-fused GEMM (see the tolerance)."
     def quantize(x2):
-        xq, xg, xs = nvfp4_quantize(x2, input_scale)
+        xq, xg, xs = nvfp4_quantize(x2, input_scale, cuda_div=cuda_div)
         return xq, xs.view(torch.uint8), xg
     wg = global_scale.to(device=x.device, dtype=torch.float32).reshape(())
     return _linear(0, x, qdata, block_scale, shape, wg, quantize, bias, operand_dtype, (block_m, block_n, block_k))
@@ -324,10 +332,11 @@ def mxfp8_linear(x:torch.Tensor, # activation [..., K]: fp32, bf16 or fp16
                  bias:torch.Tensor|None=None, # [N] or None
                  operand_dtype:torch.dtype=torch.bfloat16, # tl.dot operands (bf16 exact for block exponents 3..246)
                  block_m:int|None=None, block_n:int|None=None, block_k:int|None=None, # GEMM tiles (default: autotuned)
+                 cuda_div:bool|None=None, # the activation's `amax / 448` as torch on CUDA; default: x.is_cuda
                 ) -> torch.Tensor: # [..., N] in x's dtype
     "Triton mxfp8 linear: x quantized per 32 along K as `cquant.mxfp8.mxfp8_linear` does, then a dequant-fused GEMM."
-    return _linear(1, x, qdata, block_scale, shape, None, lambda x2: (*_mxfp8_encode(x2, 1), None), bias, operand_dtype,
-                   (block_m, block_n, block_k))
+    quantize = lambda x2: (*_mxfp8_encode(x2, 1, cuda_div=cuda_div), None)
+    return _linear(1, x, qdata, block_scale, shape, None, quantize, bias, operand_dtype, (block_m, block_n, block_k))
 
 _EPS = {torch.float32: (0.0, 2.0 ** -149), torch.bfloat16: (2.0 ** -7, 2.0 ** -133), torch.float16: (2.0 ** -10, 2.0 ** -24)}
 
