@@ -360,7 +360,9 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                                    sqnr_db=energy_db(out['sig'], out['noise']) if measure else None,
                                    rel_error=math.sqrt(out['noise'] / out['sig']) if measure and out['sig'] > 0 else None,
                                    max_abs_error=out['max_abs'] if measure else None,
-                                   bytes_before=old, bytes_after=out['bytes'], _sig=out['sig'], _noise=out['noise'])
+                                   bytes_before=old, bytes_after=out['bytes'], _sig=out['sig'], _noise=out['noise'],
+                                   input_scale=float(extras['input_scale']) if 'input_scale' in extras else None,
+                                   smoothed='pre_quant_scale' in extras)
                 elif d is not None and d.format and s in drop[m]: pass
                 else:
                     w.add(key, ck[key])

@@ -202,13 +202,15 @@ def test_quantize_model_and_checkpoint_with_calibration(tmp_path):
     float_model = _ckpt_model()
     cq.save_file({k: v.contiguous() for k, v in float_model.state_dict().items()}, tmp_path / 'f.safetensors')
     inputs = collect_inputs(float_model, batches, max_rows=512)
-    cq.quantize_checkpoint(tmp_path / 'f.safetensors', tmp_path / 'c.safetensors', cq.Policy(mode='fp8'), progress=False,
-                           calibration=inputs)
+    rep = cq.quantize_checkpoint(tmp_path / 'f.safetensors', tmp_path / 'c.safetensors', cq.Policy(mode='fp8'), progress=False,
+                                 calibration=inputs)
     c = cq.load_file(tmp_path / 'c.safetensors')
     assert cq.decode_json(c['fc1.comfy_quant'])['format'] == 'float8_e4m3fn'
     ref_scale = Calibration(inputs).layer('fc1', 'float8_e4m3fn', float_model.fc1.weight.detach())[1]['input_scale']
     assert cq.same_bits(c['fc1.input_scale'], ref_scale)
     assert cq.same_bits(c['fc1.input_scale'], sd['fc1.input_scale'])
+    row = {r['name']: r for r in rep.layers}['fc1']
+    assert row['input_scale'] == float(c['fc1.input_scale']) and row['smoothed'] is False
     with pytest.raises(ValueError, match='need the model'):
         cq.quantize_checkpoint(tmp_path / 'f.safetensors', tmp_path / 'd.safetensors', progress=False, calibration=Calibration(batches))
     assert not (tmp_path / 'd.safetensors').exists()
