@@ -76,12 +76,14 @@ def main(argv=None):
         print(' '.join(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}' for k, v in kw.items()
                        if k not in ('gpu', 'torch', 'triton', 'cuda')), flush=True)
 
+    peer_errors = []
     def peer(fn):
-        "Time a peer, or None (with the reason printed) when it cannot run here."
-        if args.smoke: return None
-        try: fn(); return bench(fn)
+        "Time a peer (--smoke: only run it once), or None (with the reason printed) when it cannot run here."
+        try: fn()
         except Exception as e:
-            print(f'    peer unavailable: {type(e).__name__}: {str(e)[:120]}'); return None
+            peer_errors.append(f'{type(e).__name__}: {str(e)[:120]}')
+            print(f'    peer unavailable: {peer_errors[-1]}'); return None
+        return None if args.smoke else bench(fn)
 
     def nbytes(*ts): return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
 
@@ -111,8 +113,10 @@ def main(argv=None):
         if ck is None: return None
         p, q = qt.params, qt.qdata
         f = {'int8_tensorwise': lambda: ck.int8_linear(x, q, p.scale, b, convrot=p.convrot, convrot_groupsize=p.convrot_groupsize),
-             'convrot_w4a4': lambda: ck.convrot_w4a4_linear(x, q, p.scale if hasattr(p, 'scale') else p.wscales, b,
-                                                            convrot_groupsize=p.convrot_groupsize, linear_dtype=p.linear_dtype)}.get(fmt)
+             'convrot_w4a4': lambda: ck.convrot_w4a4_linear(x, q, p.scale, b, convrot_groupsize=p.convrot_groupsize,
+                                                            linear_dtype=p.linear_dtype),
+             'asym_w4a8_int8': lambda: ck.w4a8_int8_linear(x, q, p.s_rel, p.s_channel, p.codebook if torch.is_tensor(p.codebook) else None,
+                                                           p.correction, b, p.group_size, p.convrot_groupsize, x.dtype)}.get(fmt)
         return f
 
     g = torch.Generator(device=dev).manual_seed(0)
@@ -177,7 +181,7 @@ def main(argv=None):
     dispatch.disable()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, 'w') as f:
-        json.dump(dict(records=recs, seconds=time.time() - t_start, host=platform.node(), argv=sys.argv[1:]), f, indent=1)
+        json.dump(dict(records=recs, peer_errors=peer_errors, seconds=time.time() - t_start, host=platform.node(), argv=sys.argv[1:]), f, indent=1)
     bad = [r for r in recs if r['kernel'] != 'linear' and not r['exact']]
     print(f'{len(recs)} records in {time.time() - t_start:.0f} s -> {args.out}; quantize/dequantize not bit-exact: {len(bad)}')
     return 1 if bad else 0
