@@ -130,7 +130,7 @@ def main(argv=None):
             dispatch.disable()
             qe = cq.quantize(w, fmt, **opts)
             t_e = bench(lambda: cq.quantize(w, fmt, **opts)) if covered(spec.layout, 'quantize') else None
-            dispatch.enable(cpu=args.smoke)
+            dispatch.enable(cpu=args.smoke, strict=True)
             if covered(spec.layout, 'quantize') and fits(spec.layout, 'quantize', w, stochastic_rounding=0, **spec.layout_kwargs,
                                                          **spec.resolve(None, **opts)):
                 qk = cq.quantize(w, fmt, **opts)
@@ -147,7 +147,7 @@ def main(argv=None):
                 t_k = bench(lambda: qe.dequantize(torch.bfloat16))
                 dispatch.disable()
                 de = qe.dequantize(torch.bfloat16); t_e = bench(lambda: qe.dequantize(torch.bfloat16))
-                dispatch.enable(cpu=args.smoke)
+                dispatch.enable(cpu=args.smoke, strict=True)
                 mb = nbytes(de, *qe.state_dict('').values())
                 rec(kernel='dequantize', case=label, N=NK, K=NK, exact=same_bits(dk, de), ms=t_k, eager_ms=t_e,
                     GBps=mb / t_k / 1e6, hbm_frac=(mb / t_k / 1e-3 / peaks['hbm']) if peaks else None, speedup_vs_eager=t_e / t_k)
@@ -159,7 +159,7 @@ def main(argv=None):
                 yk = qe.linear(x, bias); t_k = bench(lambda: qe.linear(x, bias))
                 dispatch.disable()
                 ye = qe.linear(x, bias); t_e = bench(lambda: qe.linear(x, bias))
-                dispatch.enable(cpu=args.smoke)
+                dispatch.enable(cpu=args.smoke, strict=True)
                 flops = 2 * M * NK * NK
                 rel = ((yk.float() - ye.float()).norm() / ye.float().norm().clamp_min(1e-30)).item()
                 t_bf16 = peer(lambda: F.linear(x, w, bias))
