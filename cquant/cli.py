@@ -11,7 +11,7 @@ __all__ = ['formats_table', 'build_parser', 'main']
 import argparse, sys, json
 import cquant as cq
 from .checkpoint import add_inspect_parser
-from .convert import add_quantize_parser, add_plan_parser, add_report_parser, add_demo_parser
+from .convert import add_quantize_parser, add_plan_parser, add_report_parser, add_demo_parser, add_convert_parser
 
 # %% ../nbs/20_cli.ipynb #1403675a
 def formats_table(as_json:bool=False) -> str:
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser('formats', help='list the registered formats')
     f.add_argument('--json', action='store_true', help='machine-readable output')
     f.set_defaults(func=_cmd_formats)
-    for add in (add_demo_parser, add_quantize_parser, add_plan_parser, add_report_parser, add_inspect_parser): add(sub)
+    for add in (add_demo_parser, add_quantize_parser, add_plan_parser, add_report_parser, add_inspect_parser, add_convert_parser): add(sub)
     return p
 
 def main(argv=None) -> int:

@@ -19,9 +19,9 @@ from .calibrate import Calibration
 
 # %% auto #0
 __all__ = ['ROW_INDEPENDENT', 'BLOCK_MIN', 'BLOCK_MAX', 'StreamingWriter', 'block_elems', 'row_blocks', 'quantize_rows', 'Report',
-           'plot_report', 'trim_heap', 'quantize_checkpoint', 'report_error', 'policy_from_args', 'cmd_quantize',
-           'add_quantize_parser', 'cmd_plan', 'add_plan_parser', 'cmd_report', 'add_report_parser', 'minilm_path',
-           'demo', 'cmd_demo', 'add_demo_parser']
+           'plot_report', 'trim_heap', 'quantize_checkpoint', 'report_error', 'convert_checkpoint', 'cmd_convert',
+           'add_convert_parser', 'policy_from_args', 'cmd_quantize', 'add_quantize_parser', 'cmd_plan',
+           'add_plan_parser', 'cmd_report', 'add_report_parser', 'minilm_path', 'demo', 'cmd_demo', 'add_demo_parser']
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #483822d9
 class _RowStream:
@@ -294,12 +294,12 @@ def trim_heap():
         except (OSError, AttributeError): _LIBC = False
     if _LIBC: _LIBC.malloc_trim(0)
 
-def _refuse_same(src:str, dst:str):
+def _refuse_same(src:str, dst:str, job:str='quantize_checkpoint'):
     same = os.path.realpath(src) == os.path.realpath(dst)
     if not same and os.path.exists(dst):
         try: same = os.path.samefile(src, dst)
         except OSError: pass
-    if same: raise ValueError(f"quantize_checkpoint: the destination {dst!r} is the source file; choose another path (the source is never overwritten)")
+    if same: raise ValueError(f"{job}: the destination {dst!r} is the source file; choose another path (the source is never overwritten)")
 
 def _as_policy(policy) -> Policy:
     if policy is None: return Policy()
@@ -434,6 +434,42 @@ def report_error(src_float, # the float (or fp8) original
     totals.update(identical=identical, differ=differ, missing=missing)
     for r in rows: r.pop('_sig'); r.pop('_noise')
     return Report(os.fspath(src_float), os.fspath(dst_quant), rows, totals, None, '', time.time() - t0, 'error')
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #6b59689a
+def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
+                       dst, # output file (replaced atomically on success; never the source)
+                      ) -> dict: # legacy kind, quantized modules per format, keys removed / added
+    "Rewrite `src` with per-module `comfy_quant` entries (legacy headers and markers converted), streaming."
+    from collections import Counter
+    from cquant.checkpoint import read_header
+    src, dst = os.fspath(src), os.fspath(dst)
+    _refuse_same(src, dst, 'convert_checkpoint')
+    raw = set(read_header(src)[0])
+    with open_checkpoint(src) as ck:
+        mods = ck.modules()
+        with StreamingWriter(dst, ck.metadata) as w:
+            for k in ck: w.add(k, ck[k])
+        keys, legacy = set(ck), ck.legacy
+    return dict(src=src, dst=dst, legacy=legacy, formats=dict(Counter(e.format for e in mods.values() if e.quantized)),
+                removed=sorted(raw - keys), added=sorted(keys - raw))
+
+def cmd_convert(args) -> int:
+    "Run `cquant convert`."
+    r = convert_checkpoint(args.src, args.dst)
+    if args.json: print(json.dumps(r, indent=1)); return 0
+    print(f"{r['src']}: {'legacy ' + repr(r['legacy']) if r['legacy'] else 'no legacy markings (validated copy)'}; "
+          f"quantized modules {r['formats'] or 'none'}; {len(r['removed'])} key(s) removed, {len(r['added'])} added")
+    print(f"wrote {r['dst']}")
+    return 0
+
+def add_convert_parser(subparsers):
+    "Add `cquant convert SRC DST` (legacy scaled_fp8 / _quantization_metadata -> comfy_quant)."
+    p = subparsers.add_parser('convert', help='rewrite a legacy checkpoint (scaled_fp8, _quantization_metadata) with comfy_quant entries')
+    p.add_argument('src', help='a legacy .safetensors checkpoint')
+    p.add_argument('dst', help='output .safetensors (replaced only on success; never the source)')
+    p.add_argument('--json', action='store_true', help='machine-readable summary')
+    p.set_defaults(func=cmd_convert)
+    return p
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #ee8d8886
 def _add_policy_args(p):

@@ -201,3 +201,25 @@ def test_w4a8_mode_convert(tmp_path):
         assert cq.decode_json(out[name + '.comfy_quant']) == d.config
         for k, t in cq.quantize(sd[name + '.weight'], d.format, **d.options).state_dict(name + '.').items(): cq.test_bits(out[k], t, k)
     assert {r['name']: r['label'] for r in rep.layers} == {'a': 'W4A8', 'b': 'INT8'}
+
+
+def test_cli_convert_quantization_metadata(tmp_path, capsys):
+    "`cquant convert` turns a `_quantization_metadata` header into comfy_quant entries; the result loads identically."
+    import json as _json
+    from safetensors.torch import save_file as st_save
+    from cquant.cli import main
+    w = torch.randn(48, 64, dtype=torch.bfloat16)
+    qt = cq.quantize(w, 'nvfp4')
+    sd = {**qt.state_dict('blk.proj.'), 'blk.proj.bias': torch.zeros(48), 'head.weight': torch.randn(8, 48)}
+    meta = {'_quantization_metadata': _json.dumps({'format_version': '1.0', 'layers': {'blk.proj': {'format': 'nvfp4'}}}), 'note': 'x'}
+    st_save({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / 'old.safetensors'), metadata=meta)
+    assert main(['convert', str(tmp_path / 'old.safetensors'), str(tmp_path / 'new.safetensors'), '--json']) == 0
+    r = _json.loads(capsys.readouterr().out)
+    assert r['legacy'] == '_quantization_metadata' and r['formats'] == {'nvfp4': 1}
+    assert r['added'] == ['blk.proj.comfy_quant'] and r['removed'] == []
+    new, md = cq.load_file(tmp_path / 'new.safetensors', with_metadata=True)
+    assert '_quantization_metadata' not in md and md['note'] == 'x'
+    assert cq.decode_json(new['blk.proj.comfy_quant']) == {'format': 'nvfp4'}
+    cq.test_bits(cq.load_quantized(new, 'blk.proj.', (48, 64)).dequantize(), qt.dequantize())
+    assert main(['convert', str(tmp_path / 'missing.safetensors'), str(tmp_path / 'x.safetensors')]) == 1
+    assert not (tmp_path / 'x.safetensors').exists()
