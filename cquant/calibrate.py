@@ -322,13 +322,15 @@ class Calibration:
     def __init__(self, data, # {layer: inputs [..., K]}, or (with a model) an iterable of batches
                  method:str='amax', percentile:float=99.99, pow2:bool=False, # the clip (see `calibrate`)
                  smoothing:bool=True, # NVFP4: search pre_quant_scale
-                 search:bool=True, # keep the best of the clip scale, its power of two and 1.0 on the layer's inputs
+                 search:bool=True, # FP8/NVFP4: the clip scale only where it beats the safe scale by 0.5 dB (`calibrate_layer`)
                  max_rows:int=512, # rows per layer kept for the searches (batches only)
                 ):
         if method not in ('amax', 'percentile', 'mse'): raise ValueError(f"Calibration: method must be 'amax', 'percentile' or 'mse', got {method!r}")
-        self.data, self.method, self.percentile, self.pow2, self.max_rows = data, method, percentile, pow2, max_rows
+        self.method, self.percentile, self.pow2, self.max_rows = method, percentile, pow2, max_rows
         self.smoothing, self.search = smoothing, search
-        self.inputs, self.stats = (dict(data), None) if isinstance(data, dict) else (None, None)
+        given = isinstance(data, dict)
+        self.batches = None if given else list(data)          # kept: every `prepare` runs them again
+        self.inputs, self.stats = (dict(data) if given else None), None
 
     @classmethod
     def of(cls, c) -> 'Calibration|None':
@@ -337,18 +339,17 @@ class Calibration:
 
     def prepare(self, model:nn.Module|None=None, plan:dict|None=None) -> 'Calibration':
         "Run the batches through `model` (float) for the layers of `plan` ({layer: format}) whose format takes an input_scale."
-        if self.inputs is not None: return self
+        if self.batches is None: return self                  # given {layer: inputs}
         if model is None: raise ValueError("Calibration: batches need the model (a checkpoint conversion takes {layer: inputs})")
         want = {k for k, f in (plan or {}).items() if input_scale_rule(f) is not None} if plan is not None else None
-        batches = list(self.data)
-        self.stats = collect_stats(model, batches, want)
+        self.stats = collect_stats(model, self.batches, want)
         rows = {k for k, f in (plan or {}).items() if self.search and input_scale_rule(f) is not None or
                 self.smoothing and get_format(f).name in SMOOTHING_SEARCH}
-        self.inputs = collect_inputs(model, batches, rows, self.max_rows) if rows else {}
+        self.inputs = collect_inputs(model, self.batches, rows, self.max_rows) if rows else {}
         return self
 
     def layer(self, name:str, fmt, weight:torch.Tensor) -> tuple:
         "`calibrate_layer` for layer `name`: (weight to quantize, activation tensors); no data for it: (weight, {})."
         x, st = (self.inputs or {}).get(name), (self.stats or {}).get(name)
-        if (x is None and st is None) or input_scale_rule(fmt) is None: return weight, {}
+        if x is None and st is None: return weight, {}
         return calibrate_layer(fmt, weight, x, st, self.method, self.percentile, self.pow2, self.smoothing, self.search)

@@ -8,7 +8,7 @@ Docs: https://cquant-dev.github.io/cquant/minilm.html.md"""
 __all__ = ['SENTENCES', 'minilm_dir', 'minilm_vocab', 'tokenize', 'MiniLM', 'minilm_model', 'sentence_batches']
 
 # %% ../nbs/08_minilm.ipynb #c796cccf
-import unicodedata
+import functools, unicodedata
 import importlib.resources
 import torch
 import torch.nn as nn
@@ -41,12 +41,10 @@ def _wordpieces(word:str, vocab:dict) -> list:
         out.append(word[s:e] if s == 0 else '##' + word[s:e]); s = e
     return out
 
-_VOCAB = None
+@functools.cache
 def minilm_vocab() -> dict:
     "{token: id} from the wheel's vocab.txt (loaded once)."
-    global _VOCAB
-    if _VOCAB is None: _VOCAB = {w: i for i, w in enumerate((minilm_dir() / 'vocab.txt').read_text(encoding='utf-8').splitlines())}
-    return _VOCAB
+    return {w: i for i, w in enumerate((minilm_dir() / 'vocab.txt').read_text(encoding='utf-8').splitlines())}
 
 def tokenize(texts, # a string or a list of strings
              max_len:int=128, # truncate to this many tokens, [CLS] and [SEP] included

@@ -236,3 +236,15 @@ def test_cli_quantize_with_calibration(tmp_path, capsys):
                  '--calibration', str(tmp_path / 'cal.safetensors'), '--no-smoothing', '--quiet', '--no-sqnr']) == 0
     r = cq.load_file(tmp_path / 'r.safetensors')
     assert 'fc2.pre_quant_scale' not in r and 'fc2.input_scale' in r
+
+
+def test_calibration_reused_across_plans():
+    "One Calibration of batches (even a generator) serves two quantize_model calls with different plans."
+    from cquant.calibrate import Calibration
+    g = torch.Generator().manual_seed(7)
+    cal = Calibration(torch.randn(16, 64, generator=g) * 200 for _ in range(2))
+    a = quantize_model(_ckpt_model(), {'fc1': 'float8_e4m3fn'}, calibration=cal)
+    b = quantize_model(_ckpt_model(), {'fc2': 'float8_e4m3fn'}, calibration=cal)
+    assert a.fc1.input_scale is not None and b.fc2.input_scale is not None
+    ref = Calibration(list(cal.batches)).prepare(_ckpt_model(), {'fc2': 'float8_e4m3fn'})
+    assert cq.same_bits(b.fc2.input_scale, ref.layer('fc2', 'float8_e4m3fn', _ckpt_model().fc2.weight.detach())[1]['input_scale'])
