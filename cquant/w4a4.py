@@ -62,6 +62,15 @@ def _rescale(acc, x_scale, w_scale, bias, out_dtype):
     if bias is not None: out.add_(bias.to(device=out.device, dtype=out_dtype))
     return out
 
+def _linear_dims(x, qweight, linear_dtype) -> tuple:
+    "(K, N) of a W4A4 linear call; a ValueError for an unknown `linear_dtype` or a weight that does not fit x."
+    if linear_dtype not in W4A4_LINEAR_DTYPES:
+        raise ValueError(f"w4a4_linear: linear_dtype must be 'int4' or 'int8', got {linear_dtype!r}")
+    K, N = x.shape[-1], qweight.shape[0]
+    if qweight.dim() != 2 or 2 * qweight.shape[1] != K:
+        raise ValueError(f"w4a4_linear: x has K={K} features but the packed weight is {tuple(qweight.shape)} (K/2 bytes per row expected)")
+    return K, N
+
 def w4a4_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp16)
                 qweight:torch.Tensor, # int8 [N, K/2] packed int4 weight (rotated)
                 weight_scale:torch.Tensor, # fp32 [N] per-row scales
@@ -71,11 +80,7 @@ def w4a4_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp16)
                 exact:bool=False, # int4 only: exact int32 accumulation + fp32 rescale instead of kitchen's eager float GEMM
                ) -> torch.Tensor: # [..., N] in x's dtype
     "`x @ W.T + bias` for a convrot_w4a4 weight, as ComfyUI runs it (int4 path bit-exact with kitchen eager)."
-    if linear_dtype not in W4A4_LINEAR_DTYPES:
-        raise ValueError(f"w4a4_linear: linear_dtype must be 'int4' or 'int8', got {linear_dtype!r}")
-    K, N = x.shape[-1], qweight.shape[0]
-    if qweight.dim() != 2 or 2 * qweight.shape[1] != K:
-        raise ValueError(f"w4a4_linear: x has K={K} features but the packed weight is {tuple(qweight.shape)} (K/2 bytes per row expected)")
+    K, N = _linear_dims(x, qweight, linear_dtype)
     if K % convrot_groupsize: raise ValueError(f"w4a4_linear: K={K} is not divisible by convrot_groupsize={convrot_groupsize}")
     dt, lead = x.dtype, x.shape[:-1]
     xr = rotate(x.reshape(-1, K), convrot_groupsize)

@@ -18,7 +18,7 @@ from .int8 import (_jit, triton, tl, _HAS_TRITON, interpreting, triton_available
                                  _w8a8_linear)
 from ..numerics import hadamard, is_power_of_4
 from ..int8 import Int8Layout, Int8Params
-from ..w4a4 import W4A4Layout, W4A4Params, W4A4_KERNEL_GROUP, W4A4_LINEAR_DTYPES
+from ..w4a4 import W4A4Layout, W4A4Params, W4A4_KERNEL_GROUP, W4A4_LINEAR_DTYPES, _linear_dims
 
 # %% ../../nbs/33_kernels_convrot.ipynb #6fa997d4
 ROT_CHUNK = 128   # the kernels sum each Hadamard group in chunks of this many k (sequential inside a chunk)
@@ -340,11 +340,7 @@ def w4a4_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp16)
                 block_m:int|None=None, block_n:int|None=None, block_k:int|None=None, # GEMM tiles
                ) -> torch.Tensor: # [..., N] in x's dtype
     "Triton `x @ W.T + bias` for a convrot_w4a4 weight (`cquant.w4a4.w4a4_linear`): rotate + quantize x, int GEMM, epilogue."
-    if linear_dtype not in W4A4_LINEAR_DTYPES:
-        raise ValueError(f"w4a4_linear: linear_dtype must be 'int4' or 'int8', got {linear_dtype!r}")
-    K, N = x.shape[-1], qweight.shape[0]
-    if qweight.dim() != 2 or 2 * qweight.shape[1] != K:
-        raise ValueError(f"w4a4_linear: x has K={K} features but the packed weight is {tuple(qweight.shape)} (K/2 bytes per row expected)")
+    K, N = _linear_dims(x, qweight, linear_dtype)
     dt, lead = x.dtype, x.shape[:-1]
     kind = _kind(dt)
     ws = weight_scale.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
