@@ -255,8 +255,11 @@ def test_linears_equal_eager_of_rotate_ordered(dtype):
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('layout,kw', [(Int8Layout, dict(convrot=True, convrot_groupsize=64)), (Int8Layout, dict(convrot=True)),
                                        (W4A4Layout, dict(convrot_groupsize=16)), (W4A4Layout, dict(linear_dtype='int8'))])
-def test_fast_paths_bits(dtype, layout, kw):
-    "Every FAST_PATHS fn gives the classmethod's bits (exact-rotation weights; fp16 rows on the Layout's fp32 rule)."
+def test_fast_paths_bits(dtype, layout, kw, monkeypatch):
+    """Every FAST_PATHS fn gives the classmethod's bits (exact-rotation weights; fp16 rows on the Layout's fp32 rule),
+    the classmethod's rotations taken in the kernels' fixed order: dequantizing ordinary scales and rotating bf16
+    activations are rounded sums whose order belongs to the CPU's GEMM (it differs under ATEN_CPU_CAPABILITY=default)."""
+    for mod in (E8, E4): monkeypatch.setattr(mod, 'rotate', lambda x, g, dtype=None, as_weight=False: C.rotate_ordered(x, g, dtype))
     paths = {op: (fn, fits) for L, op, fn, fits in C.FAST_PATHS if L is layout}
     g = _gen(17)
     W = _grid((24, 256), g, 64)
