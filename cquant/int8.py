@@ -7,6 +7,7 @@ Docs: https://cquant-dev.github.io/cquant/int8.html.md"""
 
 # %% ../nbs/05_int8.ipynb #92b53ed6
 from __future__ import annotations
+import functools
 from dataclasses import dataclass
 import torch
 from .tensor import (Params, Layout, Option, FormatSpec, register_format, format_error, check_2d,
@@ -133,10 +134,20 @@ def _fp32_matmul_exact() -> bool:
     mm = getattr(getattr(torch.backends, 'mkldnn', None), 'matmul', None)
     return getattr(mm, 'fp32_precision', 'none') in ('none', 'ieee')
 
+@functools.cache
+def _int_mm_probe() -> bool:
+    "Whether torch's CPU `_int_mm` is exact on a worst case: oneDNN's int8 GEMM without VNNI saturates int16 pair sums."
+    g = torch.Generator().manual_seed(0)
+    ext = torch.tensor([-128, 127], dtype=torch.int8)
+    a, b = ext[torch.randint(0, 2, (32, 256), generator=g)], ext[torch.randint(0, 2, (256, 32), generator=g)]
+    a[0], b[:, 0] = 127, 127                                      # 255 * 127 * 2 > 2**15 after oneDNN's u8 shift
+    return torch.equal(torch._int_mm(a, b), (a.double() @ b.double()).to(torch.int32))
+
 def _cpu_int_mm_is_fast() -> bool:
-    "torch's CPU `_int_mm` runs oneDNN (fast, exact) only with mkldnn enabled and a VNNI CPU; else a naive loop."
+    "torch's CPU `_int_mm` runs oneDNN (fast) only with mkldnn enabled and a VNNI CPU (else a naive loop), and must be exact."
     vnni = getattr(torch.cpu, '_is_vnni_supported', None)
-    return bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and vnni is not None and vnni())
+    return bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and vnni is not None and vnni()
+                and _int_mm_probe())
 
 def _int_mm_float(a, b):
     "Exact int8 GEMM through float GEMMs: fp32 over K-chunks of 1024 (summed in int32), or fp64."
