@@ -146,9 +146,9 @@ _SCALE_OPTION = Option('scale', None, (float, int, torch.Tensor, type(None)),
 FP8_E4M3 = register_format(FormatSpec(
     'float8_e4m3fn', FP8Layout, torch.float8_e4m3fn, keys=('weight_scale',), extra_keys=('input_scale',),
     options=(_SCALE_OPTION,), quantize_input=True, layout_kwargs={'fp8_dtype': torch.float8_e4m3fn},
-    doc='FP8 E4M3 elements with one fp32 scale per tensor.'))
+    doc='FP8 E4M3 elements with one fp32 scale per tensor.', aliases=('fp8', 'e4m3', 'fp8_e4m3fn')))
 
 FP8_E5M2 = register_format(FormatSpec(
     'float8_e5m2', FP8Layout, torch.float8_e5m2, keys=('weight_scale',), extra_keys=('input_scale',),
     options=(_SCALE_OPTION,), quantize_input=True, layout_kwargs={'fp8_dtype': torch.float8_e5m2},
-    doc='FP8 E5M2 elements with one fp32 scale per tensor.'))
+    doc='FP8 E5M2 elements with one fp32 scale per tensor.', aliases=('e5m2', 'fp8_e5m2')))

@@ -287,5 +287,5 @@ INT8_TENSORWISE = register_format(FormatSpec(
     options=(Option('per_row', False, bool, 'one scale per output row ([N, 1]) instead of one per tensor', stored=False),
              Option('convrot', False, bool, 'ConvRot: Hadamard-rotate groups of input features first (implies per_row)', write='non_default'),
              Option('convrot_groupsize', 256, int, 'ConvRot group: a power of 4 dividing K', write=lambda o: bool(o['convrot']))),
-    quantize_input=False, extra_keys=(),
+    quantize_input=False, extra_keys=(), aliases=('int8', 'int8_convrot', 'w8a8'),
     doc='Symmetric absmax INT8, tensor-wise or per-row scale, optional ConvRot; per-token INT8 activations in the linear.'))

@@ -6,27 +6,29 @@ Docs: https://cquant-dev.github.io/cquant/modules.html.md"""
 
 # %% ../nbs/11_modules.ipynb #2b047c81
 from __future__ import annotations
-import math, zlib
+import math, warnings, zlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .tensor import (QuantFormatError, QuantizedTensor, decode_json, encode_json, format_error, get_format,
-                           load_quantized, quantize)
+                           load_quantized, module_prefix, quantize)
 
 # %% auto #0
 __all__ = ['FPMM', 'INT8_FAMILY', 'ROW_FORMATS', 'EMBEDDING_FORMATS', 'FLAT_FORMATS', 'MOE_DIT', 'read_comfy_quant',
            'comfy_config', 'comfy_disabled_formats', 'select_rows', 'dequantize_rows', 'QuantModule', 'QuantLinear',
            'QuantEmbedding', 'split_bank', 'expert_tensors', 'QuantMoEExperts', 'quantized_names', 'quant_module',
-           'set_quant_compute', 'load_quantized_model', 'quantize_model', 'uniform_plan', 'string_to_seed',
-           'requantize_options', 'lora_delta', 'apply_lora', 'unpatch', 'bank_from_linears', 'BankMoE', 'moe_dit_model']
+           'set_quant_compute', 'LoadKeysError', 'LoadKeysWarning', 'key_report', 'load_quantized_model',
+           'quantize_model', 'uniform_plan', 'string_to_seed', 'requantize_options', 'lora_delta', 'apply_lora',
+           'unpatch', 'bank_from_linears', 'BankMoE', 'moe_dit_model']
 
 # %% ../nbs/11_modules.ipynb #fcf8f0f6
 FPMM = 'full_precision_matrix_mult'
 
 def read_comfy_quant(sd:dict, # a state dict (or any mapping of tensors)
-                     prefix:str='', # the module prefix, e.g. 'blocks.0.attn.qkv.'
+                     prefix:str='', # the module prefix, e.g. 'blocks.0.attn.qkv.' (the trailing dot may be left out)
                     ) -> dict: # the decoded JSON object (it has a 'format')
     "The decoded `<prefix>comfy_quant` of `sd`: a JSON object with a `format` (errors name the key)."
+    prefix = module_prefix(prefix)
     key = prefix + 'comfy_quant'
     cfg = decode_json(sd[key], key)
     if not isinstance(cfg, dict): raise format_error(prefix, 'comfy_quant', 'a JSON object', f'{type(cfg).__name__} {str(cfg)[:60]}')
@@ -246,7 +248,7 @@ class QuantModule(nn.Module):
         "Quantize this module's float weight in place."
         w = self._parameters.get('weight')
         if isinstance(w, QuantizedTensor): raise ValueError(f"{self.key or type(self).__name__}: the weight is already quantized ({w.format})")
-        spec = get_format(fmt)
+        spec = get_format(fmt, caller=f'{type(self).__name__}.quantize_')
         if self._formats is not None and spec.name not in self._formats:
             raise format_error('', f'{self.key or "weight"} format', f'one of {list(self._formats)} for {type(self).__name__}', repr(spec.name))
         self.weight = _qparam(quantize(w.detach(), spec, stochastic_rounding=stochastic_rounding, name=self.key or 'weight', **options))
@@ -325,7 +327,9 @@ class QuantEmbedding(QuantModule):
             out = F.embedding(idx, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
             return out if out_dtype is None else out.to(out_dtype)
         if self.max_norm is not None: raise NotImplementedError("QuantEmbedding: max_norm renormalizes rows in place, which a quantized table cannot do")
-        return dequantize_rows(w, idx, out_dtype or w.dtype)
+        dtype = out_dtype or w.dtype
+        if hasattr(w.layout, 'dequantize_rows'): return dequantize_rows(w, idx).to(dtype)   # ComfyUI: the layout's gather, then a cast
+        return dequantize_rows(w, idx, dtype)
 
     def extra_repr(self):
         pad = f', padding_idx={self.padding_idx}' if self.padding_idx is not None else ''
@@ -412,11 +416,11 @@ class QuantMoEExperts(QuantModule):
         return self.experts[i] if self.experts is not None else self.weight[i]
 
     def expert_linear(self, x:torch.Tensor, i:int) -> torch.Tensor:
-        "`x @ W_i^T + b_i` through expert i's format linear (dynamic activation quantization), or dequantized."
+        "`x @ W_i^T + b_i`: expert i's format linear for 2-D x, else (full precision, or x not 2-D) ComfyUI's dequantized `F.linear`."
         b = None if self.bias is None else self.bias[i].to(x.dtype)
         if self.experts is None: return F.linear(x, self.weight[i].to(x.dtype), b)
         qt = self.experts[i]
-        if self.runs_full_precision: return F.linear(x, qt.dequantize(x.dtype), b)
+        if self.runs_full_precision or x.dim() != 2: return F.linear(x, qt.dequantize().to(x.dtype), b)
         return qt.linear(x, b)
 
     def forward(self, x:torch.Tensor, # [E, ..., K] (slice e for expert e), or [..., K] routed by `expert_ids`
@@ -485,7 +489,7 @@ class QuantMoEExperts(QuantModule):
                   **options):
         "Quantize the float bank in place: per expert, or (flattened banks, `shared_scale`) as one `[E*N, K]` tensor."
         if self.experts is not None: raise ValueError(f"{self.key or 'QuantMoEExperts'}: the bank is already quantized ({self.format})")
-        spec, W, name = get_format(fmt), self.weight.detach(), self.key or 'weight'
+        spec, W, name = get_format(fmt, caller='QuantMoEExperts.quantize_'), self.weight.detach(), self.key or 'weight'
         E, N, K = W.shape
         flat = spec.name in FLAT_FORMATS or (spec.name == 'int8_tensorwise' and bool(options.get('per_row') or options.get('convrot')))
         if shared_scale and (spec.name not in ROW_FORMATS or flat):
@@ -540,13 +544,44 @@ def set_quant_compute(model:nn.Module, # a model with quantized modules
         elif disabled_formats is not None: m.disabled_formats = frozenset(disabled_formats)
     return model
 
+class LoadKeysError(RuntimeError):
+    "A state dict whose keys do not match the model: `.missing_keys`, `.unexpected_keys` and the message lists them by module."
+    def __init__(self, msg:str, result):
+        super().__init__(msg)
+        self.missing_keys, self.unexpected_keys = list(result.missing_keys), list(result.unexpected_keys)
+
+class LoadKeysWarning(UserWarning):
+    "`load_quantized_model(..., strict=False)` loaded a state dict whose keys do not match the model."
+
+def _by_module(keys) -> list:
+    "'module: key, key' lines, one per module, sorted ('(root)' for top-level keys)."
+    groups = {}
+    for k in keys:
+        mod, _, leaf = k.rpartition('.')
+        groups.setdefault(mod or '(root)', []).append(leaf)
+    return [f'{m}: {", ".join(groups[m])}' for m in sorted(groups)]
+
+def key_report(result, # `load_state_dict`'s result (missing_keys, unexpected_keys)
+               title:str='the state dict', # what the first line names
+               limit:int=20, # modules listed per kind; the rest are counted
+              ) -> str: # '' when every key matched
+    "The missing and unexpected keys of `result`, grouped by module, readable."
+    parts = []
+    for what, keys, why in (('missing', result.missing_keys, 'the model has them, the state dict does not'),
+                            ('unexpected', result.unexpected_keys, 'the state dict has them, the model does not')):
+        if not keys: continue
+        lines = _by_module(keys)
+        parts.append(f"  {len(keys)} {what} key(s) in {len(lines)} module(s) ({why}):")
+        parts += [f"    {l}" for l in lines[:limit]] + ([f"    ... and {len(lines) - limit} more module(s)"] if len(lines) > limit else [])
+    return '\n'.join([f"{title} does not match the model:"] + parts) if parts else ''
+
 def load_quantized_model(model:nn.Module, # a model; its Linear/Embedding modules are swapped where `state_dict` has comfy_quant
                          state_dict, # a Comfy state dict (`cq.load_file(path)`, a dict, a Checkpoint)
-                         strict:bool=True, # as `nn.Module.load_state_dict`
+                         strict:bool=True, # True: mismatched keys raise `LoadKeysError`; False: a `LoadKeysWarning`
                          assign:bool=False, # as `nn.Module.load_state_dict` (float parameters; quantized ones are always taken as loaded)
                          disabled_formats=None, # see `set_quant_compute`
                          full_precision_mm:bool|None=None, # see `set_quant_compute`
-                        ): # `load_state_dict`'s result: missing_keys, unexpected_keys
+                        ) -> nn.Module: # `model`, loaded; `model.load_result` holds missing_keys and unexpected_keys
     "Load a Comfy quantized state dict into `model`, swapping each module that has a `comfy_quant` for its quantized version."
     sd = dict(state_dict)
     for name in quantized_names(sd):
@@ -557,7 +592,11 @@ def load_quantized_model(model:nn.Module, # a model; its Linear/Embedding module
             if not name: raise TypeError("load_quantized_model: the root module itself has a comfy_quant; load it through a parent module")
             _swap(model, name, q)
     set_quant_compute(model, disabled_formats, full_precision_mm)
-    return model.load_state_dict(sd, strict=strict, assign=assign)
+    model.load_result = res = model.load_state_dict(sd, strict=False, assign=assign)
+    msg = key_report(res, f'load_quantized_model: the state dict for {type(model).__name__}')
+    if msg and strict: raise LoadKeysError(msg + '\n(strict=False loads it anyway, with a warning; the lists are then on model.load_result)', res)
+    if msg: warnings.warn(msg, LoadKeysWarning, stacklevel=2)
+    return model
 
 def _decision(d) -> tuple:
     "(format or None, options, full precision) of a plan entry."
@@ -567,7 +606,7 @@ def _decision(d) -> tuple:
     elif hasattr(d, 'format'): fmt, opts, cfg = d.format, dict(getattr(d, 'options', None) or {}), dict(getattr(d, 'config', None) or {})
     else: raise TypeError(f"plan entry: expected a format name, (format, options), a comfy_quant dict or a Decision, got {d!r}")
     if fmt is None: return None, {}, False
-    spec = get_format(fmt)
+    spec = get_format(fmt, caller='quantize_model: plan entry')
     if not opts and cfg: opts = {k: v for k, v in {**_nested(cfg), **cfg}.items() if k in spec.option_names}
     return spec.name, opts, bool(opts.pop(FPMM, False) or _file_value(cfg, FPMM))
 
@@ -603,7 +642,7 @@ def uniform_plan(model:nn.Module, # a float model
                  skip:tuple=('gate',), # name substrings kept float (MoE routers by default)
                  **options) -> dict: # {module name: (fmt, options)}
     "A plan giving `fmt` to every Linear, Embedding and expert bank of `model` whose shape the format accepts."
-    spec = get_format(fmt)
+    spec = get_format(fmt, caller='uniform_plan')
     opts = spec.resolve(None, **{k: v for k, v in options.items() if k not in ('shared_scale', 'stochastic_rounding')})
     plan = {}
     for name, m in model.named_modules():

@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/tensor.html.md"""
 
 # %% ../nbs/01_tensor.ipynb #77d583af
 from __future__ import annotations
-import json, logging, math
+import difflib, json, logging, math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 import torch
@@ -16,7 +16,7 @@ __all__ = ['log', 'FAST_PATH_OPS', 'FAST_PATHS', 'FORMATS', 'aten', 'GENERIC_OPS
            'format_error', 'check_2d', 'same_bits', 'test_bits', 'encode_json', 'decode_json', 'Option', 'Params',
            'Layout', 'register_fast_path', 'remove_fast_paths', 'layout_op', 'FormatSpec', 'register_format',
            'get_format', 'QuantizedTensor', 'implements', 'check_finite', 'round_stochastic', 'quantize',
-           'load_quantized']
+           'module_prefix', 'load_quantized']
 
 # %% ../nbs/01_tensor.ipynb #464385b5
 log = logging.getLogger("cquant")
@@ -191,6 +191,7 @@ class FormatSpec:
     quantize_input: bool = True         # activations quantized outside the kernel (ComfyUI `quantize_input`)
     layout_kwargs: dict = field(default_factory=dict)
     doc: str = ''
+    aliases: tuple = ()                 # other names people pass (policy modes, short names): errors suggest this format
 
     @property
     def option_names(self) -> tuple: return tuple(o.name for o in self.options)
@@ -235,11 +236,38 @@ def register_format(spec:FormatSpec) -> FormatSpec:
     _register_linear(spec.layout)
     return spec
 
-def get_format(fmt, prefix:str='') -> FormatSpec:
-    "The `FormatSpec` for a name (or the spec itself); unknown names list the known ones."
+# %% ../nbs/01_tensor.ipynb #67685b12
+def _suggest(name:str) -> tuple:
+    "(the format declaring `name` as an alias or None, up to 3 formats whose name, alias or name part is spelled closest)."
+    low = name.lower()
+    owner = next((s.name for s in FORMATS.values() if low in (a.lower() for a in s.aliases)), None)
+    spelled = {}                                   # lower-case spelling -> formats it belongs to
+    for s in FORMATS.values():
+        for w in (s.name, *s.aliases, *s.name.split('_')): spelled.setdefault(w.lower(), []).append(s.name)
+    near = difflib.get_close_matches(low, list(spelled), n=6, cutoff=0.6)
+    return owner, list(dict.fromkeys(n for m in near for n in spelled[m]))[:3]
+
+def _hint(fmt) -> str:
+    "What an unknown format name probably meant ('' when nothing is close)."
+    if not isinstance(fmt, str): return ''
+    owner, near = _suggest(fmt)
+    if owner: return f"{fmt!r} is a policy mode or short name; the format is {owner!r}"
+    return f"did you mean {' or '.join(map(repr, near))}?" if near else ''
+
+def get_format(fmt, # a format name or a `FormatSpec`
+               prefix:str|None=None, # a file's module prefix: the name came from `<prefix>comfy_quant`
+               caller:str|None=None, # a Python argument: the function named in the error (e.g. 'cq.quantize')
+              ) -> FormatSpec:
+    "The `FormatSpec` for a name (or the spec itself); an unknown name raises, naming the key or argument and the likely format."
     if isinstance(fmt, FormatSpec): return fmt
-    if not isinstance(fmt, str) or fmt not in FORMATS: raise format_error(prefix, 'comfy_quant["format"]', f'one of {sorted(FORMATS)}', repr(fmt))
-    return FORMATS[fmt]
+    if isinstance(fmt, str) and fmt in FORMATS: return FORMATS[fmt]
+    hint = _hint(fmt)
+    if prefix is not None:
+        raise format_error(prefix, 'comfy_quant["format"]', f'one of {sorted(FORMATS)}', repr(fmt) + (f' ({hint})' if hint else ''))
+    who = f'{caller}: ' if caller else ''
+    if not isinstance(fmt, str): raise QuantFormatError(f"{who}format must be a format name (str) or a FormatSpec, got {type(fmt).__name__} {fmt!r}")
+    if _suggest(fmt)[0]: raise QuantFormatError(f"{who}format {hint}")
+    raise QuantFormatError(f"{who}unknown format {fmt!r}; " + (f"{hint} " if hint else '') + f"registered formats: {sorted(FORMATS)}")
 
 # %% ../nbs/01_tensor.ipynb #4100bdd6
 class QuantizedTensor(torch.Tensor):
@@ -423,7 +451,7 @@ def round_stochastic(x:torch.Tensor, seed:int) -> torch.Tensor:
 def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:bool=False,
              name:str='weight', **options) -> QuantizedTensor:
     "Quantize float tensor `w` (named `name` in errors, e.g. 'blocks.0.proj.weight') to format `fmt` with its `options`."
-    spec = get_format(fmt)
+    spec = get_format(fmt, caller='cq.quantize')
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or isinstance(w, QuantizedTensor):
         raise format_error('', name, 'a floating-point torch.Tensor', type(w).__name__ if not isinstance(w, torch.Tensor) else f'dtype {w.dtype}')
     if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2): raise format_error('', name, 'fp32, bf16 or fp16 (dequantize fp8 first)', f'dtype {w.dtype}')
@@ -437,9 +465,15 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     return QuantizedTensor(qdata, params, spec)
 
 # %% ../nbs/01_tensor.ipynb #044992b1
+def module_prefix(prefix:str) -> str:
+    "The state-dict prefix of a module name: `''` stays `''`, otherwise it ends in exactly one dot ('x.dense' -> 'x.dense.')."
+    if not isinstance(prefix, str): raise TypeError(f"prefix: expected a module name such as 'x.dense' (str), got {type(prefix).__name__} {prefix!r}")
+    return prefix if not prefix or prefix.endswith('.') else prefix + '.'
+
 def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dtype=torch.bfloat16,
                    config:dict|None=None) -> QuantizedTensor:
-    "A `QuantizedTensor` from the file entries `sd[prefix+'weight']`, scales and `comfy_quant` (or `config`)."
+    "A `QuantizedTensor` from the file entries `sd[prefix+'weight']`, scales and `comfy_quant` (or `config`); `prefix` with or without its dot."
+    prefix = module_prefix(prefix)
     if config is None:
         if prefix + 'comfy_quant' not in sd: raise format_error(prefix, 'comfy_quant', 'a comfy_quant entry (or config=...)', 'none')
         config = decode_json(sd[prefix + 'comfy_quant'], prefix + 'comfy_quant')

@@ -167,5 +167,5 @@ CONVROT_W4A4 = register_format(FormatSpec(
     options=(Option('convrot_groupsize', 256, int, 'ConvRot group G: a power of 4 dividing K'),
              Option('linear_dtype', 'int4', str, "activations in the linear: 'int4' or 'int8' per token",
                     choices=W4A4_LINEAR_DTYPES, write='non_default')),
-    quantize_input=False, extra_keys=(),
+    quantize_input=False, extra_keys=(), aliases=('w4a4', 'int4', 'int4_full', 'int4_mixed'),
     doc='ConvRot-rotated symmetric int4, one scale per output row, packed low nibble first; int4 or int8 activations.'))

@@ -498,11 +498,11 @@ ASYM_W4A8_INT8 = register_format(FormatSpec(
     options=_W4A8_OPTIONS + (Option('codebook', True, (bool, torch.Tensor), 'True: the default Lloyd-Max table; False: uniform levels; or a [16] table', stored=False),
                              Option('symmetric', True, bool, 'False: asymmetric (uniform levels + per-group correction)', stored=False),
                              _SEARCH_OPTION),
-    group_size=16, quantize_input=False, layout_kwargs={'bits': 4},
+    group_size=16, quantize_input=False, layout_kwargs={'bits': 4}, aliases=('w4a8', 'w4a8_int8'),
     doc='ConvRot-rotated 4-bit codes (codebook, uniform or asymmetric) with e4m3 group scales and fp32 row scales; int8 activations.'))
 
 W6A8_INT8 = register_format(FormatSpec(
     'w6a8_int8', W6A8Layout, torch.int8, keys=('weight_s_rel', 'weight_s_channel'), optional_keys=(),
     options=_W4A8_OPTIONS + (_SEARCH_OPTION,),
-    group_size=16, quantize_input=False, layout_kwargs={'bits': 6},
+    group_size=16, quantize_input=False, layout_kwargs={'bits': 6}, aliases=('w6a8',),
     doc='ConvRot-rotated uniform 6-bit codes (two-plane packing) with e4m3 group scales and fp32 row scales; int8 activations.'))

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import cquant as cq
 from cquant.modules import (QuantModule, QuantLinear, QuantEmbedding, QuantMoEExperts, load_quantized_model, quantize_model,
                             uniform_plan, set_quant_compute, apply_lora, unpatch, lora_delta, string_to_seed, dequantize_rows,
-                            moe_dit_model, MOE_DIT, FPMM, comfy_disabled_formats)
+                            moe_dit_model, MOE_DIT, FPMM, comfy_disabled_formats, LoadKeysError, LoadKeysWarning)
 from cquant.tensor import QuantizedTensor, same_bits, test_bits as assert_bits   # alias: pytest would collect test_bits
 from cquant.numerics import sqnr
 from cquant.policy import dit_batches, Policy
@@ -130,8 +130,8 @@ def mixed(tmp_path_factory):
     cq.save_file(sd, path)
     loaded = cq.load_file(path)
     fresh = moe_dit_model(1)
-    res = load_quantized_model(fresh, loaded)
-    return types.SimpleNamespace(xb=xb, ref=ref, model=model, out=out, sd=sd, path=path, loaded=loaded, fresh=fresh, res=res)
+    assert load_quantized_model(fresh, loaded) is fresh
+    return types.SimpleNamespace(xb=xb, ref=ref, model=model, out=out, sd=sd, path=path, loaded=loaded, fresh=fresh, res=fresh.load_result)
 
 
 # ------------------------------------------------------------------------------------------------ round trip
@@ -256,6 +256,85 @@ def test_kitchen_embedding_lookup(mixed):
     assert_bits(TensorWiseINT8Layout.dequantize_embedding(t['weight'], kp, idx), e(idx), 'kitchen dequantize_embedding')
 
 
+# ------------------------------------------------------------------------------------------------ ComfyUI's dequantized paths
+# ComfyUI's formulas, re-implemented from Comfy-Org/ComfyUI comfy/ops.py @ 0271a469 with the same torch ops, operand
+# layouts and casts (so bit-identity does not depend on the machine). cquant's QuantizedTensor.to(dtype), like kitchen's,
+# changes only the dtype the weight decodes to; its dequantize is checked against kitchen's in test_kitchen_dequantizes_the_same.
+def comfy_linear(x, qt, bias):
+    "MixedPrecisionOps.Linear with _full_precision_mm: cast_bias_weight (weight .to(x.dtype) still quantized, bias .to(x.dtype)), weight.dequantize(), F.linear."
+    w = qt.to(x.dtype) if qt.dtype != x.dtype else qt
+    return torch.nn.functional.linear(x, w.dequantize(), None if bias is None else bias.to(x.dtype))
+
+
+def comfy_expert_linear(x, qt, bias):
+    "MoEExperts._expert_linear_impl, dequantized: cast_to_input(qw.dequantize(), x) (decoded in the bank dtype), cast_to_input(bias[i], x), F.linear."
+    return torch.nn.functional.linear(x, qt.dequantize().to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def comfy_embedding(qt, idx, out_dtype=None):
+    "MixedPrecisionOps.Embedding: int8 through kitchen's dequantize_embedding (in the table dtype) then .to(out_dtype); fp8: gather the raw table, .to(target) * scale.to(target)."
+    if qt.format == 'int8_tensorwise':
+        p = qt.params
+        code = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[qt.dtype]
+        pytest.importorskip('comfy_kitchen', reason='comfy-kitchen (the oracle) is not installed')
+        x = torch.ops.comfy_kitchen.dequantize_int8_embedding(qt.qdata, p.scale, idx, p.convrot_groupsize if p.convrot else 0, code).to(qt.dtype)
+        return x if out_dtype is None else x.to(out_dtype)
+    target = out_dtype or qt.dtype
+    return F.embedding(idx, qt.qdata).to(target) * qt.params.scale.to(target)
+
+
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize('fmt', list(SWEEP))
+@pytest.mark.parametrize('wdt,xdt', DTYPES, ids=lambda d: str(d).split('.')[-1])
+def test_dequantized_linear_is_comfyui(fmt, wdt, xdt):
+    "Disabled format, full_precision_mm and the file flag: bit-identical to ComfyUI's formula, 2-D and 3-D inputs, with and without bias."
+    g = torch.Generator().manual_seed(7)
+    for bias in (True, False):
+        lin = nn.Linear(128, 64, bias=bias).to(wdt)
+        q = QuantLinear.from_float(lin, fmt, **SWEEP[fmt])
+        x3 = torch.randn(3, 5, 128, generator=g).to(xdt)
+        for how in ('disabled', 'full_precision_mm', FPMM):
+            q2 = QuantLinear(128, 64, bias=bias, dtype=wdt)
+            sd = q.state_dict()
+            if how == FPMM: sd['comfy_quant'] = cq.encode_json({**q.quant_config, FPMM: True})
+            q2.load_state_dict(sd)
+            if how == 'disabled': q2.disabled_formats = {fmt}
+            if how == 'full_precision_mm': q2.full_precision_mm = True
+            assert q2.runs_full_precision
+            for x in (x3, x3[0]):
+                assert_bits(q2(x), comfy_linear(x, q2.weight, q2.bias), f'{fmt} {how} bias={bias} x{tuple(x.shape)}')
+
+
+BANK_FORMATS = [('float8_e4m3fn', {}), ('float8_e5m2', {}), ('nvfp4', {}), ('mxfp8', {}), ('int8_tensorwise', dict(per_row=True)),
+                ('convrot_w4a4', dict(convrot_groupsize=64)), ('asym_w4a8_int8', dict(group_size=16, convrot_groupsize=64)),
+                ('w6a8_int8', dict(group_size=32, convrot_groupsize=64))]
+
+
+@pytest.mark.parametrize('fmt,opts', BANK_FORMATS, ids=[f for f, _ in BANK_FORMATS])
+@pytest.mark.parametrize('wdt,xdt', DTYPES, ids=lambda d: str(d).split('.')[-1])
+def test_dequantized_expert_linear_is_comfyui(fmt, opts, wdt, xdt):
+    "Expert banks: full precision (2-D and 3-D inputs), and the format path on a 3-D input (ComfyUI's fast path needs 2-D)."
+    E, K, N = 3, 128, 64
+    g = torch.Generator().manual_seed(8)
+    for bias in (True, False):
+        torch.manual_seed(1)
+        bank = QuantMoEExperts(E, K, N, bias=bias, dtype=wdt).quantize_(fmt, **opts)
+        x3 = torch.randn(2, 6, K, generator=g).to(xdt)
+        for e in range(E):
+            b = None if bank.bias is None else bank.bias[e]
+            assert_bits(bank.expert_linear(x3, e), comfy_expert_linear(x3, bank.expert_weight(e), b), f'{fmt} expert {e} 3-D input')
+        bank.full_precision_mm = True
+        for e in range(E):
+            b = None if bank.bias is None else bank.bias[e]
+            for x in (x3, x3[0]):
+                assert_bits(bank.expert_linear(x, e), comfy_expert_linear(x, bank.expert_weight(e), b), f'{fmt} expert {e} x{tuple(x.shape)}')
+    if (wdt, xdt) == (torch.bfloat16, torch.float32) and fmt == 'float8_e4m3fn':     # the cast order matters: bf16 decode, then fp32
+        q = bank.expert_weight(0)
+        assert not same_bits(q.dequantize().float(), q.dequantize(torch.float32))
+
+
 # ------------------------------------------------------------------------------------------------ embeddings
 @contextlib.contextmanager
 def rows_decoded(layout):
@@ -289,7 +368,8 @@ def test_embedding_lookup_decodes_only_rows(fmt, opts, dtype):
     assert calls and max(calls) <= idx.numel(), calls                        # never the 20000-row table
     assert out.shape == (3, 7, 64) and out.dtype == dtype
     assert_bits(out, e.weight.dequantize()[idx], 'lookup vs dequantize-then-index')
-    assert_bits(e(idx, out_dtype=torch.float32), e.weight.dequantize(torch.float32)[idx], 'fp32 lookup')
+    for out_dtype in (torch.float32, torch.bfloat16):
+        assert_bits(e(idx, out_dtype=out_dtype), comfy_embedding(e.weight, idx, out_dtype), f'{out_dtype} lookup, as ComfyUI')
     e2 = QuantEmbedding(20000, 64, dtype=dtype)
     assert str(e2.load_state_dict(e.state_dict())) == '<All keys matched successfully>'
     assert_bits(e2(idx), out, 'reloaded')
@@ -486,10 +566,12 @@ def test_missing_and_unexpected_keys(mixed):
     sd['blocks.0.attn.proj.input_scale'] = torch.tensor(1.0)      # integer format: not loaded, unexpected
     sd['final_layer.linear.weight_scale'] = torch.tensor(1.0)     # float module: unexpected
     sd['nowhere.comfy_quant'] = cq.encode_json({'format': 'nvfp4'})
-    res = load_quantized_model(moe_dit_model(0), sd, strict=False)
+    with pytest.warns(LoadKeysWarning) as warned: res = load_quantized_model(moe_dit_model(0), sd, strict=False).load_result
     assert res.missing_keys == ['blocks.0.attn.qkv.bias']
     assert sorted(res.unexpected_keys) == ['blocks.0.attn.proj.input_scale', 'final_layer.linear.weight_scale', 'nowhere.comfy_quant']
-    with pytest.raises(RuntimeError, match='Missing key'): load_quantized_model(moe_dit_model(0), sd)
+    with pytest.raises(LoadKeysError) as err: load_quantized_model(moe_dit_model(0), sd)
+    assert isinstance(err.value, RuntimeError) and err.value.missing_keys == res.missing_keys
+    assert str(err.value).startswith(str(warned[0].message))
     float_sd = moe_dit_model(3).state_dict()
     model = moe_dit_model(0); load_quantized_model(model, mixed.loaded)
     res = model.load_state_dict(float_sd)                          # a float state dict makes the modules float again
@@ -511,7 +593,7 @@ def test_quantize_model_from_policy_plan(tmp_path):
     p = str(tmp_path / 'p.safetensors')
     cq.save_file(model.state_dict(), p)
     fresh = moe_dit_model(2)
-    assert str(load_quantized_model(fresh, cq.load_file(p))) == '<All keys matched successfully>'
+    assert str(load_quantized_model(fresh, cq.load_file(p)).load_result) == '<All keys matched successfully>'
     xb = inputs()
     assert_bits(run(fresh, xb), run(model, xb), 'policy-planned model round trip')
 
