@@ -23,8 +23,10 @@ What it does:
    docs point at the local pages; TeX becomes MathML when `latex2mathml` is installed; execnb's float
    `metadata.execution` (rejected by nbformat) and widget state (needs a CDN) are dropped.
 3. Render with MkDocs + Material + mkdocs-jupyter (config: `mkdocs.yml` at the repo root, inherited by a
-   generated config that adds the pages and the nav, in nbdev's sidebar order), with the `search` and
-   `offline` plugins so that the site works opened from `file://`.
+   generated config that adds the pages and the nav, in nbdev's sidebar order). The site needs no network,
+   opened from `file://` or served (`python -m http.server -d _docs`): search runs on a local index (under
+   file:// its worker runs in an iframe, by a small shim written here), scripts from CDNs never block a
+   page, and 404.html links relative to the site root.
 
 Notebooks are not executed to build the site: pages show the outputs saved in the committed notebooks
 (plots included). The only cells that run are those nbdev's processing runs to render `show_doc` (exported
@@ -309,7 +311,57 @@ def stage(proc: Path, cfg, dest: Path) -> list:
 
 
 # ---------------------------------------------------------------------------------------------------
-# 3. MkDocs
+# 3. MkDocs, and what makes the built site work with no network
+# Browsers refuse `new Worker(file://...)`, so under file:// Material's search worker runs in a hidden
+# iframe of the page instead (what Material's `offline` plugin does with a shim it loads from a CDN).
+_FILE_WORKER = 'assets/javascripts/cq-file-worker.js'
+_FILE_WORKER_JS = r"""// Written by tools/build_docs.py. Under file://, runs a Worker's script in a hidden same-origin iframe.
+if (location.protocol === "file:") window.Worker = class extends EventTarget {
+  constructor(url) {
+    super();
+    const frame = document.createElement("iframe");
+    frame.hidden = true;
+    document.documentElement.appendChild(frame);
+    const w = frame.contentWindow, base = new URL(url, location.href), load = src => new Promise((ok, fail) => {
+      const s = w.document.createElement("script");
+      s.src = new URL(src, base).href; s.onload = ok; s.onerror = () => fail(new Error(`cannot load ${s.src}`));
+      w.document.head.appendChild(s);
+    });
+    w.postMessage = data => setTimeout(() => this.dispatchEvent(new MessageEvent("message", {data})));
+    w.importScripts = (...srcs) => srcs.reduce((p, src) => p.then(() => load(src)), Promise.resolve());
+    this.frame = frame;
+    this.ready = load(base.href);
+  }
+  postMessage(data) {
+    this.ready.then(() => this.frame.contentWindow.dispatchEvent(new MessageEvent("message", {data})));
+  }
+  terminate() { this.frame.remove(); }
+};
+"""
+
+
+def _relative_404(html: str) -> str:
+    "MkDocs writes 404.html with site-absolute links (`/x`): make them relative to the site root, where it lies"
+    html = re.sub(r'((?:href|src)=")/(?!/)', r'\1', html)
+    return html.replace('"base": "/"', '"base": "."').replace('__md_scope=new URL("/"', '__md_scope=new URL("."')
+
+
+def _async_external_scripts(html: str) -> str:
+    "Scripts from the network (MathJax, for TeX latex2mathml left) load async: offline they must not block a page"
+    return re.sub(r'<script (src="https?://[^"]*")>', r'<script async \1>', html)
+
+
+def finish_site(out: Path) -> None:
+    "Post-build fixes: the search index as a script (read under file://), relative 404 links, no blocking CDN"
+    index = out/'search'/'search_index.json'
+    if index.exists():
+        (out/'search'/'search_index.js').write_text('var __index = ' + index.read_text(encoding='utf-8'), encoding='utf-8')
+    for page in out.glob('**/*.html'):
+        html = page.read_text(encoding='utf-8')
+        new = _async_external_scripts(_relative_404(html) if page == out/'404.html' else html)
+        if new != html: page.write_text(new, encoding='utf-8')
+
+
 def build(out: Path, n_workers: int | None = None, quiet: bool = False) -> Path:
     t0 = time.time()
     proc, cfg = nbdev_process(n_workers)
@@ -325,12 +377,16 @@ def build(out: Path, n_workers: int | None = None, quiet: bool = False) -> Path:
             'docs_dir': str(src), 'site_dir': str(out),
             'nav': nav,
         }
+        (src/_FILE_WORKER).parent.mkdir(parents=True, exist_ok=True)
+        (src/_FILE_WORKER).write_text(_FILE_WORKER_JS)
+        site_cfg['extra'] = {'polyfills': [_FILE_WORKER]}  # in <head>, before Material starts its search worker
         if (src/'styles.css').exists(): site_cfg['extra_css'] = ['styles.css']
         if cfg.get('git_url'): site_cfg['repo_url'] = cfg.git_url
         cfg_file = Path(tmp)/'mkdocs.yml'
         cfg_file.write_text(yaml.safe_dump(site_cfg, sort_keys=False))
         cmd = [sys.executable, '-m', 'mkdocs', 'build', '--clean', '-f', str(cfg_file)] + (['-q'] if quiet else [])
         subprocess.run(cmd, check=True, cwd=tmp)
+    finish_site(out)
     _log(f'mkdocs rendered {len(list(out.glob("**/*.html")))} pages into {out} in {time.time()-t1:.1f}s')
     _log(f'open file://{(out/"index.html").resolve()}  (total {time.time()-t0:.1f}s)')
     return out
