@@ -2,10 +2,14 @@
 
 The site is built once per test session into a temporary folder. These tests check that every notebook has
 a page, that pages carry nbdev's API docs (show_doc) and the figures saved in the notebooks, that the
-navigation lists every page in nbdev's order, and that the site works opened from the file system. Where a
-headless Chromium is installed, it loads pages from file:// and the rendered DOM is checked too.
+navigation lists every page in nbdev's order, and that the site works with no network, opened from the file
+system or served by `python -m http.server`. Where a headless Chromium is installed (CI must install it:
+`apt-get install -y chromium`), it loads pages from file:// and from a local http.server (the site under a
+sub-path) with name resolution switched off, and the rendered pages are checked: search finds pages, the
+404 page's links and styles work, signatures fit. Chromium is driven over the DevTools protocol on a pipe,
+with the standard library only.
 """
-import json, re, shutil, subprocess, sys, tempfile
+import base64, functools, http.server, json, os, re, shutil, subprocess, sys, tempfile, threading, time, urllib.request
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -153,28 +157,242 @@ def test_works_from_file_system(site):
             assert (page.parent/unquote(u.path)).exists(), f'{page.name}: {tag} {attr}={ref!r} does not resolve'
 
 
+
+def _show_doc_signatures(html):
+    "{heading id: signature text} of the show_doc blocks of a page (a heading followed by a highlighted block)"
+    from html import unescape
+    return {m.group(1): unescape(re.sub(r'<[^>]+>', '', m.group(2))) for m in re.finditer(
+        r'<h[2-5] id="([^"]+)"[^>]*>.*?</h[2-5]><div class="highlight"><pre><span></span>(.*?)</pre>', html, re.S)}
+
+
+def test_classes_render_as_classes(site):
+    "show_doc shows a class as `class X(Bases):` (with its `__init__`), never as fastcore's `def X(...)`"
+    import importlib, inspect
+    n = 0
+    for nb in [nb for nb in NBS if _default_exp(nb)]:
+        modname = f'{CFG.lib_name}.{_default_exp(nb)}'
+        mod = importlib.import_module(modname)
+        classes = [o for n_ in getattr(mod, '__all__', []) if inspect.isclass(o := getattr(mod, n_, None))
+                   and o.__module__ == modname]
+        sigs = _show_doc_signatures((site/PAGES[nb]).read_text(encoding='utf-8'))
+        for cls in classes:
+            sig = sigs.get(cls.__name__.lower())
+            if sig is None: continue  # not show_doc'ed on its page
+            n += 1
+            assert sig.startswith(f'class {cls.__name__}'), f'{PAGES[nb]}: {cls.__name__} shown as {sig[:60]!r}'
+            assert f'def {cls.__name__}(' not in sig and '->None' not in sig, f'{PAGES[nb]}: {sig!r}'
+            if cls.__bases__ != (object,):
+                assert sig.startswith(f'class {cls.__name__}({cls.__bases__[0].__qualname__}'), sig
+    assert n, 'no class signatures found on any page'
+
+
+def test_signatures_break_between_parameters(site):
+    "show_doc signature lines are at most 80 characters (a line ending in a parameter comment aside)"
+    sys.path.insert(0, str(ROOT/'tools'))
+    from build_docs import _SIG_WIDTH, _split_params
+    assert _split_params("a:int=1, b:dict[str, int]={'x, y': (1, 2)}, c='#', # doc") == \
+        (['a:int=1', "b:dict[str, int]={'x, y': (1, 2)}", "c='#'"], '# doc')
+    long = []
+    for page in PAGES.values():
+        for hid, sig in _show_doc_signatures((site/page).read_text(encoding='utf-8')).items():
+            long += [f'{page}#{hid}: {l!r}' for l in sig.splitlines() if len(l) > _SIG_WIDTH and ' # ' not in l]
+    assert not long, 'signature lines too long:\n' + '\n'.join(long[:10])
+
+
+def test_works_with_no_network(site):
+    "the search index as a script (read under file://), the local worker shim, no CDN script that blocks a page"
+    js = (site/'search'/'search_index.js').read_text(encoding='utf-8')
+    assert js.startswith('var __index = ')
+    assert json.loads(js.removeprefix('var __index = ')) == json.loads((site/'search'/'search_index.json').read_text(encoding='utf-8'))
+    assert (site/'assets'/'javascripts'/'cq-file-worker.js').exists()
+    titles = [d['title'] for d in json.loads(js.removeprefix('var __index = '))['docs']]
+    assert titles and not [t for t in titles if '\u00b6' in t], 'search result titles show the permalink sign'
+    for page in site.glob('**/*.html'):
+        html = page.read_text(encoding='utf-8')
+        assert 'unpkg.com' not in html, f'{page.name} loads a script from unpkg'
+        blocking = [t for t in re.findall(r'<script\b[^>]*\bsrc="https?://[^>]*>', html) if not re.search(r'\b(async|defer)\b', t)]
+        assert not blocking, f'{page.name}: scripts from the network block the page offline: {blocking}'
+
+
+def test_404_links_are_relative(site):
+    "404.html lies at the site root; its links must work from file:// and from a server under a sub-path"
+    for tag, attr, ref in _parse(site/'404.html').refs:
+        u = urlsplit(ref)
+        if u.scheme or ref.startswith('#') or not u.path: continue
+        assert not ref.startswith('/'), f'404.html: absolute link {ref!r}'
+        assert (site/unquote(u.path)).exists(), f'404.html: {tag} {attr}={ref!r} does not resolve'
+    html = (site/'404.html').read_text(encoding='utf-8')
+    assert '"base": "."' in html and re.search(r'"search": "assets/javascripts/workers/search[.\w]*\.js"', html), 'Material config'
+
+
+def test_index_links_every_page(site):
+    "the home page's 'Where to read next' links every page, in the site and (as nbs/x.ipynb) in README.md"
+    html = (site/'index.html').read_text(encoding='utf-8')
+    sec = html[html.index('id="where-to-read-next"'):]
+    sec = sec[:m.start()] if (m := re.search(r'<h2 ', sec[10:])) else sec
+    hrefs = set(re.findall(r'<a href="([^"#]+\.html)"', sec))
+    assert all((site/h).exists() for h in hrefs), hrefs
+    missing = [p for p in PAGES.values() if p != 'index.html' and p not in hrefs]
+    assert not missing, f"'Where to read next' does not link {missing}"
+    readme = (ROOT/'README.md').read_text(encoding='utf-8')
+    links = [l for l in re.findall(r'\]\(([^)\s]+)\)', readme) if not urlsplit(l).scheme]
+    assert links and all((ROOT/unquote(urlsplit(l).path)).exists() for l in links), \
+        f'README.md links that do not resolve: {[l for l in links if not (ROOT/urlsplit(l).path).exists()]}'
+
+
+# --- in a real browser ---------------------------------------------------------------------------------
 CHROMIUM = shutil.which('chromium') or shutil.which('chromium-browser') or shutil.which('google-chrome')
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason='headless Chromium not installed (apt-get install -y chromium)')
 
 
-def _dump_dom(url):
-    with tempfile.TemporaryDirectory() as prof:
-        r = subprocess.run([CHROMIUM, '--headless', '--no-sandbox', '--disable-gpu', '--disable-background-networking',
-                            '--disable-component-update', '--disable-sync', '--no-first-run', f'--user-data-dir={prof}',
-                            '--virtual-time-budget=3000', '--dump-dom', url], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return r.stdout
+class _Chromium:
+    "Headless Chromium driven over the DevTools protocol on a pipe (its fds 3 and 4), NUL-separated JSON"
+    def __init__(self):
+        self.prof = tempfile.TemporaryDirectory()
+        to_r, to_w = os.pipe(); from_r, from_w = os.pipe()
+        def fds():  # dup first: dup2 of an fd onto itself would keep close-on-exec
+            a, b = os.dup(to_r), os.dup(from_w); os.dup2(a, 3); os.dup2(b, 4)
+        self.proc = subprocess.Popen([CHROMIUM, '--headless', '--no-sandbox', '--disable-gpu', '--remote-debugging-pipe',
+            '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync',
+            '--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1',  # no network: only the local server
+            f'--user-data-dir={self.prof.name}', 'about:blank'],
+            preexec_fn=fds, close_fds=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(to_r); os.close(from_w)
+        self.w, self.r, self.n, self.buf = to_w, from_r, 0, b''
+    def send(self, method, session=None, **params):
+        self.n += 1
+        msg = {'id': self.n, 'method': method, 'params': params} | ({'sessionId': session} if session else {})
+        os.write(self.w, json.dumps(msg).encode() + b'\0')
+        while True:
+            while b'\0' not in self.buf:
+                chunk = os.read(self.r, 1 << 20)
+                if not chunk: raise RuntimeError('Chromium closed the DevTools pipe')
+                self.buf += chunk
+            raw, self.buf = self.buf.split(b'\0', 1)
+            m = json.loads(raw)
+            if m.get('id') == self.n:
+                if 'error' in m: raise RuntimeError(f'{method}: {m["error"]}')
+                return m['result']
+    def page(self, url, width=1280, height=900): return _Page(self, url, width, height)
+    def close(self):
+        try: self.send('Browser.close')
+        except (RuntimeError, OSError): pass
+        try: self.proc.wait(10)
+        except subprocess.TimeoutExpired: self.proc.kill()
+        os.close(self.w); os.close(self.r); self.prof.cleanup()
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason='headless Chromium not installed (apt-get install -y chromium)')
-def test_chromium_renders_pages(site):
+class _Page:
+    def __init__(self, b, url, width, height):
+        self.b = b
+        self.target = b.send('Target.createTarget', url='about:blank')['targetId']
+        self.s = b.send('Target.attachToTarget', targetId=self.target, flatten=True)['sessionId']
+        b.send('Emulation.setDeviceMetricsOverride', self.s, width=width, height=height, deviceScaleFactor=1, mobile=False)
+        b.send('Page.navigate', self.s, url=url)
+        assert self.wait("document.readyState === 'complete'"), f'{url} did not load'
+    def js(self, expr):
+        r = self.b.send('Runtime.evaluate', self.s, expression=expr, awaitPromise=True, returnByValue=True)
+        if 'exceptionDetails' in r: raise RuntimeError(f'{expr[:80]}: {r["exceptionDetails"]}')
+        return r['result'].get('value')
+    def wait(self, expr, timeout=20):
+        t = time.time()
+        while time.time() - t < timeout:
+            if v := self.js(expr): return v
+            time.sleep(0.1)
+    def search(self, query):
+        "Type `query` into Material's search box; the result links (or [] when none came)"
+        assert self.js("!!document.querySelector('.md-search__input')"), 'no search box'
+        self.js("document.querySelector('.md-search__input').focus()")
+        self.b.send('Input.insertText', self.s, text=query)
+        return self.wait("[...document.querySelectorAll('.md-search-result__item a')].map(a => a.href)") or []
+    def screenshot(self, path):
+        Path(path).write_bytes(base64.b64decode(self.b.send('Page.captureScreenshot', self.s, format='png')['data']))
+    def close(self): self.b.send('Target.closeTarget', targetId=self.target)
+
+
+@pytest.fixture(scope='module')
+def browser():
+    if CHROMIUM is None: pytest.skip('headless Chromium not installed (apt-get install -y chromium)')
+    b = _Chromium()
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope='module')
+def served(site):
+    "The site's parent folder served on 127.0.0.1 (a free port): the site is under the sub-path /site/"
+    handler = functools.partial(type('Quiet', (http.server.SimpleHTTPRequestHandler,), {'log_message': lambda *a: None}),
+                                directory=str(site.parent))
+    srv = http.server.ThreadingHTTPServer(('127.0.0.1', 0), handler)
+    th = threading.Thread(target=srv.serve_forever, daemon=True); th.start()
+    yield f'http://127.0.0.1:{srv.server_address[1]}/{site.name}/'
+    srv.shutdown(); srv.server_close(); th.join(10)
+
+
+def _nb_page(suffix):
+    return next((PAGES[nb] for nb in NBS if nb.stem.endswith(suffix)), None)
+
+
+@needs_chromium
+def test_chromium_renders_pages(site, browser):
     from fastcore.nbio import nb_frontmatter
     others = [nb for nb in NBS if PAGES[nb] != 'index.html']
     for nb in [n for n in NBS if PAGES[n] == 'index.html'] + others[:1]:
-        page = site/PAGES[nb]
-        dom = _dump_dom(page.as_uri())
+        p = browser.page((site/PAGES[nb]).as_uri())
         title = str(nb_frontmatter(read_nb(nb)).get('title') or CFG.title)
-        assert re.search(r'<h1[^>]*>\s*' + re.escape(title), dom), f'{page.name}: rendered DOM lacks the title {title!r}'
-        assert 'md-nav--primary' in dom, f'{page.name}: rendered DOM lacks the navigation'
-        for p in PAGES.values():
-            if p != PAGES[nb]: assert f'href="{p}"' in dom, f'{page.name}: rendered nav lacks {p}'
-        assert 'md-search__input' in dom, f'{page.name}: no search box'
+        assert p.js("document.querySelector('h1').textContent").strip().startswith(title), f'{PAGES[nb]}: no title {title!r}'
+        nav = p.js("[...document.querySelectorAll('nav.md-nav--primary a.md-nav__link')].map(a => a.getAttribute('href'))")
+        missing = [q for q in PAGES.values() if q != PAGES[nb] and q not in nav]
+        assert not missing, f'{PAGES[nb]}: rendered nav lacks {missing}'
+        p.close()
+
+
+@needs_chromium
+@pytest.mark.parametrize('mode', ['file', 'http'])
+@pytest.mark.parametrize('query, suffix', [('nvfp4', '_nvfp4'), ('hadamard', '_numerics')])
+def test_search_offline(site, served, browser, mode, query, suffix):
+    "Material's search, with no network: from file:// (worker in an iframe) and over http (a real worker)"
+    want = _nb_page(suffix)
+    if want is None: pytest.skip(f'no notebook *{suffix}')
+    base = site.as_uri() + '/' if mode == 'file' else served
+    p = browser.page(base + 'index.html')
+    hrefs = p.search(query)
+    meta = p.js("document.querySelector('.md-search-result__meta').textContent.trim()")
+    assert hrefs, f'{mode}: no search results for {query!r} ({meta!r})'
+    assert urlsplit(hrefs[0]).path == urlsplit(base + want).path, f'{mode}: {query!r} found first {hrefs[0]}, not {want}'
+    p.close()
+
+
+@needs_chromium
+@pytest.mark.parametrize('mode', ['file', 'http'])
+def test_404_page_in_browser(site, served, browser, mode):
+    "404.html (the site under a sub-path over http): its stylesheet applies, its links resolve, search works"
+    base = site.as_uri() + '/' if mode == 'file' else served
+    p = browser.page(base + '404.html')
+    assert p.js("getComputedStyle(document.querySelector('.md-header')).backgroundColor") == 'rgb(39, 128, 227)', \
+        f'{mode}: 404.html without its styles'
+    hrefs = p.js("[...document.querySelectorAll('a[href]')].map(a => a.href).filter(h => h.startsWith(location.origin === 'null' ? 'file:' : location.origin))")
+    assert len(hrefs) >= len(PAGES), hrefs
+    for h in {urlsplit(h)._replace(fragment='', query='').geturl() for h in hrefs}:
+        if mode == 'file': assert Path(unquote(urlsplit(h).path)).exists(), f'404.html links {h}'
+        else: assert urllib.request.urlopen(h, timeout=10).status == 200, f'404.html links {h}'
+    want = _nb_page('_nvfp4')
+    if want: assert urlsplit(p.search('nvfp4')[0]).path == urlsplit(base + want).path
+    p.close()
+
+
+@needs_chromium
+def test_signatures_fit_the_page(site, browser):
+    "at 1280px no show_doc signature runs off the page (lines break between parameters, or wrap)"
+    for page in [_nb_page('_checkpoint'), _nb_page('_policy'), _nb_page('_calibrate')]:
+        if page is None: continue
+        p = browser.page((site/page).as_uri())
+        sel = json.dumps('.jp-RenderedMarkdown :is(h2,h3,h4,h5) + .highlight pre')
+        assert p.js(f"[...document.querySelectorAll({sel})].every(e => getComputedStyle(e).whiteSpace === 'pre-wrap')")
+        # unwrapped, the signatures without parameter comments fit: they were broken between parameters
+        over = p.js(f"""[...document.querySelectorAll({sel})].filter(e => !e.textContent.includes('#')).filter(e => {{
+            e.style.whiteSpace = 'pre'; const w = e.scrollWidth > e.clientWidth; e.style.whiteSpace = ''; return w; }})
+            .map(e => e.textContent.slice(0, 60))""")
+        n = p.js(f"document.querySelectorAll({sel}).length")
+        assert n and not over, f'{page}: of {n} signatures these are wider than the page: {over}'
+        p.close()

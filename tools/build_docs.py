@@ -19,12 +19,16 @@ What it does:
    the shown code; `echo: false` hides a cell's source, `output: false` its outputs, `include: false` the
    whole cell; `output: asis` outputs (show_doc's API docs) become page markdown, so they get anchors and
    join the table of contents; Pandoc link attributes (`[source](url){target="_blank"}`) become HTML;
-   headings get the ids nbdev's doc links and MkDocs' TOC expect; links to notebooks and to the hosted
-   docs point at the local pages; TeX becomes MathML when `latex2mathml` is installed; execnb's float
+   show_doc signatures show classes as `class X(Bases):` with their `__init__` (fastcore writes `def X(...)`)
+   and break long lines between parameters; headings get the ids nbdev's doc links and MkDocs' TOC expect;
+   links to notebooks (also as `nbs/x.ipynb`, as README.md has them) and to the hosted docs point at the
+   local pages; TeX becomes MathML when `latex2mathml` is installed; execnb's float
    `metadata.execution` (rejected by nbformat) and widget state (needs a CDN) are dropped.
 3. Render with MkDocs + Material + mkdocs-jupyter (config: `mkdocs.yml` at the repo root, inherited by a
-   generated config that adds the pages and the nav, in nbdev's sidebar order), with the `search` and
-   `offline` plugins so that the site works opened from `file://`.
+   generated config that adds the pages and the nav, in nbdev's sidebar order). The site needs no network,
+   opened from `file://` or served (`python -m http.server -d _docs`): search runs on a local index (under
+   file:// its worker runs in an iframe, by a small shim written here), scripts from CDNs never block a
+   page, and 404.html links relative to the site root.
 
 Notebooks are not executed to build the site: pages show the outputs saved in the committed notebooks
 (plots included). The only cells that run are those nbdev's processing runs to render `show_doc` (exported
@@ -209,6 +213,86 @@ def _asis_markdown(cell) -> list[str]:
     return [t for t in res if t.strip()]
 
 
+# show_doc signatures: fastcore writes every callable as `def X(...)` (classes too) in lines of up to 110 characters
+_SIG_WIDTH = 80  # the widest signature line, as nbs/styles.css sizes the page's code column
+_SHOW_DOC_RE = re.compile(
+    r'(?:\[source\]\([^)\s]*?/blob/[^/)]+/(?P<path>[^)#\s]+)\.py#L\d+\)[^\n]*\n\n)?'  # show_doc's source link
+    r'(?P<head>#{1,6} (?P<name>[\w.]+)\n\n```python\n)(?P<sig>(?:async )?def [^\n]*(?:\n(?!```)[^\n]*)*)\n```')
+
+
+def _split_params(line: str) -> tuple[list[str], str]:
+    "The top-level comma-separated items of a signature line, and its trailing `# comment` (or '')"
+    items, cur, depth, quote, i = [], '', 0, None, 0
+    while i < len(line):
+        ch = line[i]
+        if quote:
+            if ch == '\\': cur, i = cur + line[i:i+2], i + 2; continue
+            if ch == quote: quote = None
+        elif ch in '\'"': quote = ch
+        elif ch in '([{': depth += 1
+        elif ch in ')]}': depth -= 1
+        elif depth == 0 and ch == '#': return [t for t in items + [cur.strip()] if t], line[i:]
+        elif depth == 0 and ch == ',': items.append(cur.strip()); cur, i = '', i + 1; continue
+        cur, i = cur + ch, i + 1
+    return [t for t in items + [cur.strip()] if t], ''
+
+
+def _wrap_params(lines: list[str], indent: str, width: int = _SIG_WIDTH) -> list[str]:
+    "fastcore's parameter lines re-broken between parameters so that (comments aside) none exceeds `width`"
+    params = []  # [item, comment lines]
+    for line in lines:
+        s = line.strip()
+        if s.startswith('#') and params: params[-1][1].append(s); continue
+        items, comment = _split_params(s)
+        params += [[it, []] for it in items]
+        if comment and params: params[-1][1].append(comment)
+    out, cur = [], []
+    for k, (item, comments) in enumerate(params):
+        if cur and len(indent + ', '.join(cur + [item]) + ',') > width: out.append(indent + ', '.join(cur) + ','); cur = []
+        cur.append(item)
+        if comments or k == len(params) - 1:
+            out.append(indent + ', '.join(cur) + (',' if comments else '') + ''.join(' ' + c for c in comments[:1]))
+            out += [indent + c for c in comments[1:]]
+            cur = []
+    return out
+
+
+def _resolve(path: str | None, name: str):
+    "The object show_doc documented: `name` in the module of source file `path` (None if it cannot be imported)"
+    if not path: return None
+    import importlib
+    try: obj = importlib.import_module(path.removesuffix('/__init__').replace('/', '.'))
+    except Exception: return None
+    for part in name.split('.'): obj = getattr(obj, part, None)
+    return obj
+
+
+def _signature(sig: str, obj) -> str:
+    "A show_doc signature with long lines broken between parameters; a class as `class X(Bases):` + `__init__`"
+    import inspect
+    lines = sig.split('\n')
+    first, body, last = (lines[0], lines[1:-1], lines[-1]) if len(lines) > 2 else (lines[0], [], '')
+    if not inspect.isclass(obj):
+        if all(len(l) <= _SIG_WIDTH for l in lines): return sig
+        return '\n'.join([first] + _wrap_params(body, '    ') + [last])
+    bases = ', '.join(b.__qualname__ for b in obj.__bases__ if b is not object)
+    head = f'class {obj.__name__}' + (f'({bases})' if bases else '') + ':'
+    if not body or [p for l in body for p in _split_params(l)[0]] in (['*args', '**kwargs'], ['*args:Any', '**kwargs:Any']):
+        return head
+    params = _wrap_params(['self, ' + body[0].strip()] + body[1:], ' ' * 8)
+    if len(params) == 1 and '#' not in params[0] and len(one := f'    def __init__({params[0].strip()}):') <= _SIG_WIDTH:
+        return f'{head}\n{one}'
+    return '\n'.join([head, '    def __init__('] + params + ['    ):'])
+
+
+def _show_doc_classes_and_wrap(md: str) -> str:
+    "Signatures in show_doc markdown: classes as classes, long lines broken between parameters"
+    def sub(m):
+        sig = _signature(m.group('sig'), _resolve(m.group('path'), m.group('name')))
+        return m.group(0)[:m.start('sig') - m.start(0)] + sig + '\n```'
+    return _SHOW_DOC_RE.sub(sub, md)
+
+
 def _stage_notebook(src: Path, dst: Path, links: dict[str, str], site_url: str) -> dict:
     "Write the nbdev-processed notebook `src` to `dst` with nbdev conventions applied; return its frontmatter"
     from fastcore.nbio import read_nb, write_nb, nb_frontmatter, mk_cell
@@ -226,8 +310,8 @@ def _stage_notebook(src: Path, dst: Path, links: dict[str, str], site_url: str) 
             if d.get('output') == 'asis' and d.get('echo') == 'false':
                 # Quarto inlines such outputs (show_doc's API docs) as page markdown: do the same, so their
                 # headings get anchors (nbdev's doc links point at them) and join the table of contents
-                new = [mk_cell(_code_headings(_tex_to_mathml(_pandoc_link_attrs(_fix_links(md, links, site_url)))), 'markdown')
-                       for md in _asis_markdown(c)]
+                new = [mk_cell(_code_headings(_tex_to_mathml(_pandoc_link_attrs(_fix_links(
+                    _show_doc_classes_and_wrap(md), links, site_url)))), 'markdown') for md in _asis_markdown(c)]
                 asis_ids.update(id(n) for n in new)
                 cells += new
                 continue
@@ -284,10 +368,10 @@ def stage(proc: Path, cfg, dest: Path) -> list:
     from fastcore.nbio import read_nb, nb_frontmatter
     for p in nbs: fms[p] = nb_frontmatter(read_nb(p))
     names = {p: _page_name(p.relative_to(proc), fms[p]) for p in nbs}
-    links = {}
+    links, nbs_dir = {}, Path(cfg.nbs_path).resolve().relative_to(ROOT).as_posix()
     for p, n in names.items():
-        rel = p.relative_to(proc)
-        for key in {rel.as_posix(), rel.name}: links[key] = n.with_suffix('.html').as_posix()
+        rel = p.relative_to(proc)  # also as linked from the repo root (README.md): nbs/x.ipynb
+        for key in {rel.as_posix(), rel.name, f'{nbs_dir}/{rel.as_posix()}'}: links[key] = n.with_suffix('.html').as_posix()
     site_url = f"{cfg.get('doc_host', '')}{cfg.get('doc_baseurl', '')}" if cfg.get('doc_host') else ''
     pages = {}
     for p in nbs:
@@ -309,7 +393,60 @@ def stage(proc: Path, cfg, dest: Path) -> list:
 
 
 # ---------------------------------------------------------------------------------------------------
-# 3. MkDocs
+# 3. MkDocs, and what makes the built site work with no network
+# Browsers refuse `new Worker(file://...)`, so under file:// Material's search worker runs in a hidden
+# iframe of the page instead (what Material's `offline` plugin does with a shim it loads from a CDN).
+_FILE_WORKER = 'assets/javascripts/cq-file-worker.js'
+_FILE_WORKER_JS = r"""// Written by tools/build_docs.py. Under file://, runs a Worker's script in a hidden same-origin iframe.
+if (location.protocol === "file:") window.Worker = class extends EventTarget {
+  constructor(url) {
+    super();
+    const frame = document.createElement("iframe");
+    frame.hidden = true;
+    document.documentElement.appendChild(frame);
+    const w = frame.contentWindow, base = new URL(url, location.href), load = src => new Promise((ok, fail) => {
+      const s = w.document.createElement("script");
+      s.src = new URL(src, base).href; s.onload = ok; s.onerror = () => fail(new Error(`cannot load ${s.src}`));
+      w.document.head.appendChild(s);
+    });
+    w.postMessage = data => setTimeout(() => this.dispatchEvent(new MessageEvent("message", {data})));
+    w.importScripts = (...srcs) => srcs.reduce((p, src) => p.then(() => load(src)), Promise.resolve());
+    this.frame = frame;
+    this.ready = load(base.href);
+  }
+  postMessage(data) {
+    this.ready.then(() => this.frame.contentWindow.dispatchEvent(new MessageEvent("message", {data})));
+  }
+  terminate() { this.frame.remove(); }
+};
+"""
+
+
+def _relative_404(html: str) -> str:
+    "MkDocs writes 404.html with site-absolute links (`/x`): make them relative to the site root, where it lies"
+    html = re.sub(r'((?:href|src)="|"search": ")/(?!/)', r'\1', html)  # "search": Material's search worker
+    return html.replace('"base": "/"', '"base": "."').replace('__md_scope=new URL("/"', '__md_scope=new URL("."')
+
+
+def _async_external_scripts(html: str) -> str:
+    "Scripts from the network (MathJax, for TeX latex2mathml left) load async: offline they must not block a page"
+    return re.sub(r'<script (src="https?://[^"]*")>', r'<script async \1>', html)
+
+
+def finish_site(out: Path) -> None:
+    "Post-build fixes: the search index as a script (read under file://), relative 404 links, no blocking CDN"
+    index = out/'search'/'search_index.json'
+    if index.exists():
+        data = json.loads(index.read_text(encoding='utf-8'))
+        for d in data['docs']: d['title'] = d['title'].replace('\u00b6', '').strip()  # mkdocs-jupyter's permalink sign
+        index.write_text(text := json.dumps(data, ensure_ascii=False), encoding='utf-8')
+        (out/'search'/'search_index.js').write_text('var __index = ' + text, encoding='utf-8')
+    for page in out.glob('**/*.html'):
+        html = page.read_text(encoding='utf-8')
+        new = _async_external_scripts(_relative_404(html) if page == out/'404.html' else html)
+        if new != html: page.write_text(new, encoding='utf-8')
+
+
 def build(out: Path, n_workers: int | None = None, quiet: bool = False) -> Path:
     t0 = time.time()
     proc, cfg = nbdev_process(n_workers)
@@ -325,12 +462,16 @@ def build(out: Path, n_workers: int | None = None, quiet: bool = False) -> Path:
             'docs_dir': str(src), 'site_dir': str(out),
             'nav': nav,
         }
+        (src/_FILE_WORKER).parent.mkdir(parents=True, exist_ok=True)
+        (src/_FILE_WORKER).write_text(_FILE_WORKER_JS)
+        site_cfg['extra'] = {'polyfills': [_FILE_WORKER]}  # in <head>, before Material starts its search worker
         if (src/'styles.css').exists(): site_cfg['extra_css'] = ['styles.css']
         if cfg.get('git_url'): site_cfg['repo_url'] = cfg.git_url
         cfg_file = Path(tmp)/'mkdocs.yml'
         cfg_file.write_text(yaml.safe_dump(site_cfg, sort_keys=False))
         cmd = [sys.executable, '-m', 'mkdocs', 'build', '--clean', '-f', str(cfg_file)] + (['-q'] if quiet else [])
         subprocess.run(cmd, check=True, cwd=tmp)
+    finish_site(out)
     _log(f'mkdocs rendered {len(list(out.glob("**/*.html")))} pages into {out} in {time.time()-t1:.1f}s')
     _log(f'open file://{(out/"index.html").resolve()}  (total {time.time()-t0:.1f}s)')
     return out
