@@ -476,6 +476,7 @@ def plot_error_map(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
         plt.close(fig)
     ax, ax2, cax = (*axes, None) if len(axes) == 2 else axes
     fig = ax.figure
+    _sampled_note(fig, a, new)          # before the colour bar: a new figure's layout must know it
     what = 'RMS error' if metric == 'rms' else 'SQNR (dB)'
     img = torch.where(torch.isfinite(m), m, math.nan).numpy()
     im = ax.imshow(img, aspect='auto', interpolation='nearest', cmap='magma' if metric == 'rms' else 'viridis')
@@ -492,7 +493,6 @@ def plot_error_map(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
     ax2.xaxis.set_major_locator(MaxNLocator(nbins=3))         # a narrow panel: a few ticks, small labels
     ax2.tick_params(axis='x', labelsize=7)
     ax2.grid(alpha=0.3)
-    _sampled_note(fig, a, new)
     return fig
 
 # %% ../nbs/14_explore.ipynb #78dff371
@@ -869,7 +869,7 @@ class Explorer:
         c['block'] = W.IntSlider(description='block', min=0, max=0, continuous_update=False, style=style, layout=self._col())
         self.row_text = W.BoundedIntText(min=0, max=0, tooltip='an exact row (the nearest analysed row is shown)',
                                          layout=W.Layout(width='96px'))
-        W.link((self.row_text, 'value'), (c['row'], 'value'))
+        self.row_text.observe(self._typed_row, names='value')
         self.image = W.Image(format='png', layout=W.Layout(width=f'{width}px'))
         self._option_box = W.HBox(layout=W.Layout(flex_flow='row wrap', width=f'{width}px'))
         self._note, self._html = W.HTML(), W.HTML()
@@ -963,13 +963,17 @@ class Explorer:
         nb = -(-self.shape[1] // (a.block or self.shape[1]))
         r, b = typical_block(a)
         for w in (c['row'], self.row_text): w.max = self.shape[0] - 1
-        c['row'].value = a.row_index(a.position(c['row'].value) if keep_row else r)
+        c['row'].value = self.row_text.value = a.row_index(a.position(c['row'].value) if keep_row else r)
         c['block'].max = nb - 1
         c['block'].value = b if not keep_row else min(c['block'].value, nb - 1)
         c['block'].disabled = nb == 1
         c['row'].description = 'row (sampled)' if a.sampled else 'row'
 
-    # -- the callback
+    # -- the callbacks
+    def _typed_row(self, change):
+        "The exact row box drives the row control (whose callback moves both to the nearest analysed row)."
+        if not self._hold: self.controls['row'].value = change.new
+
     def _changed(self, name, change):
         if self._hold: return
         self.calls[name] = self.calls.get(name, 0) + 1
@@ -982,9 +986,9 @@ class Explorer:
                 elif name == 'format':
                     self._build_options()
                     self._reset_view()
-                elif name == 'row':      # a sampled layer: move to the nearest analysed row
+                elif name == 'row':      # a sampled layer: move to the nearest analysed row; the box follows
                     a = self._analyze()
-                    self.controls['row'].value = a.row_index(a.position(self.controls['row'].value))
+                    self.controls['row'].value = self.row_text.value = a.row_index(a.position(self.controls['row'].value))
                 elif name != 'block':
                     self._refresh_options()
                     self._reset_view(keep_row=True)
@@ -1051,12 +1055,14 @@ class Explorer:
         fig, ax = self._fig, self._ax
         v = ax['values']
         plot_values(a, grid=self.grid, ax=v, label=a.format)      # updated in place; options are in the suptitle
+        v.title.set_fontsize(9)
         if a is not self._drawn:
             for k in ('map', 'cbar', 'rows'): ax[k].cla()
             plot_errors(a, ax=ax['errors'], label=a.format)       # updated in place
             plot_error_map(a, axes=(ax['map'], ax['rows'], ax['cbar']), label=a.format)
             ax['rows'].tick_params(labelleft=False)
             for k in ('map', 'cbar'): ax[k].tick_params(labelsize=8)
+            for k in ('errors', 'map', 'rows'): ax[k].title.set_fontsize(9)
             n = a.numbers
             fig.suptitle(f"{a.name} {'x'.join(map(str, a.shape))} → {a.label}: SQNR {n['sqnr_db']:.2f} dB, "
                          f"{n['bits_per_weight']:.3f} bits/weight" + (f"  ({a.note})" if a.sampled else ''), fontsize=10)
