@@ -815,7 +815,7 @@ def _tensor_layers(source) -> dict:
 def default_layer(layers:dict, # {layer: LayerRef}, as `weight_layers` gives
                  ) -> str: # a layer name
     "The first layer a conservative policy would quantize (embeddings, norms and heads stay float: `cquant.policy`), else the first."
-    from .policy import Policy
+    from cquant.policy import Policy
     plan = Policy(mode='int8', preset='auto-conservative').plan({n: r.shape for n, r in layers.items()})
     return next((n for n in layers if plan[n].format is not None), next(iter(layers)))
 
