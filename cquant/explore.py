@@ -6,21 +6,22 @@ Docs: https://cquant-dev.github.io/cquant/explore.html.md"""
 
 # %% ../nbs/14_explore.ipynb #9fbca93a
 from __future__ import annotations
-import itertools, math, os, time
+import io, itertools, math, os, time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 import cquant   # registers the formats
 from .tensor import FORMATS, FormatSpec, QuantizedTensor, get_format, quantize, same_bits
-from .numerics import rotate, plot_error_hist
+from .numerics import rotate
 
 # %% auto #0
 __all__ = ['KITCHEN_LAYOUTS', 'fit_options', 'accepts', 'option_domain', 'normalize_options', 'error_numbers', 'sample_rows',
            'storage_bytes', 'variant_label', 'Analysis', 'analyze', 'BlockGrid', 'typical_block', 'block_grid',
            'format_color', 'plot_values', 'plot_errors', 'block_error', 'plot_error_map', 'kitchen_numbers',
            'format_variants', 'Comparison', 'compare_formats', 'plot_sqnr_bars', 'plot_convrot', 'LayerRef',
-           'weight_layers', 'layer_sqnr', 'plot_layer_sqnr', 'Explorer', 'explore']
+           'weight_layers', 'layer_sqnr', 'plot_layer_sqnr', 'default_layer', 'fewest_bits_format', 'Explorer',
+           'explore']
 
 # %% ../nbs/14_explore.ipynb #f5e3c071
 def _kind(o) -> str|None:
@@ -221,6 +222,11 @@ class Analysis:
     def row_index(self, i:int) -> int:
         "The row of the full weight that analysed row `i` is."
         return int(self.rows[i]) if self.sampled else int(i)
+    def position(self, row:int) -> int:
+        "The analysed row nearest to row `row` of the full weight (its index into `w`)."
+        if not self.sampled: return min(max(int(row), 0), len(self.w) - 1)
+        i = int(torch.searchsorted(self.rows, int(row)))
+        return min((j for j in (i - 1, i) if 0 <= j < len(self.rows)), key=lambda j: abs(int(self.rows[j]) - int(row)))
     def __repr__(self):
         n = self.numbers
         return (f"Analysis({self.name!r} {self.shape} -> {self.label}: SQNR {n['sqnr_db']:.2f} dB, "
@@ -331,10 +337,13 @@ def _new_fig(figsize, ax=None):
     plt.close(fig)
     return fig, ax
 
-def _sampled_note(fig, a:Analysis):
-    if a.sampled and not getattr(fig, '_cq_noted', False):
-        fig.text(0.995, 0.005, f"analysed: {a.note}", ha='right', va='bottom', fontsize=8, color='C3')
-        fig._cq_noted = True
+def _sampled_note(fig, a:Analysis, own:bool):
+    "Say in `fig`'s suptitle that only some rows were analysed; a plot's own figure gets a layout that keeps that line clear."
+    if not a.sampled or getattr(fig, '_cq_noted', False): return
+    if own: fig.set_layout_engine('constrained')
+    old = fig.get_suptitle()
+    fig.suptitle((old + '  ' if old else '') + f"analysed: {a.note}", x=0.99, ha='right', fontsize=8, color='C3')
+    fig._cq_noted = True
 
 def format_color(fmt:str|None) -> str:
     "A fixed matplotlib colour per registered format (grey for float / None)."
@@ -346,7 +355,7 @@ def plot_values(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
                 row:int|None=None, # analysed row of the block whose grid is drawn (default: a typical block)
                 block:int|None=None, # block index along K
                 bins:int=161, # histogram bins
-                ax=None, # draw into this Axes
+                ax=None, # draw into this Axes (one `plot_values` drew into before is updated in place)
                 figsize:tuple=(8, 3.6), # size of a new figure
                 max_elems:int|None=2**20, # sampling threshold (with a tensor)
                 grid:BlockGrid|None=None, # a `block_grid` already computed for this analysis (then row/block are ignored)
@@ -354,45 +363,72 @@ def plot_values(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
                 **opts, # format options (with a tensor)
                ): # matplotlib Figure
     "Histogram of the weights with the format's representable grid at one block's scale, and that block's values."
+    import numpy as np
     a = _analysis(w, fmt, opts, max_elems)
     g = grid if grid is not None else block_grid(a, row, block)
+    own = ax is None
     fig, ax = _new_fig(figsize, ax)
     vals = a.w.float() if a.rotation is None else rotate(a.w.float(), a.rotation)
     A = float(g.values.abs().max()) if g.values is not None and g.values.numel() else float(g.x.abs().max())
-    A = A or 1.0
-    v = vals.flatten(); v = v[v.abs() <= 1.15 * A]
-    ax.hist(v.numpy(), bins=bins, range=(-1.15 * A, 1.15 * A), color='0.75', label=f'analysed weights within ±{1.15 * A:.3g}')
-    ax.set_yscale('log')
-    if g.values is not None:
-        dense = len(g.values) > 64
-        ax.vlines(g.values.numpy(), 0, 1, transform=ax.get_xaxis_transform(), colors='C1', lw=0.3 if dense else 0.7,
-                  alpha=0.45 if dense else 0.8, label=f'{len(g.values)} representable values')
-    ax.plot(g.x.numpy(), [0.06] * len(g.x), '|', color='C3', ms=14, mew=1.5, transform=ax.get_xaxis_transform(), label='block values')
-    ax.plot(g.xq.numpy(), [0.16] * len(g.xq), 'x', color='C0', ms=6, transform=ax.get_xaxis_transform(), label='their reconstruction')
-    ax.set_xlim(-1.15 * A, 1.15 * A)
+    A = 1.15 * (A or 1.0)
+    counts, edges = np.histogram(vals.flatten().numpy(), bins=bins, range=(-A, A))
+    gv = g.values.numpy() if g.values is not None else np.zeros(0)
+    labels = [f'analysed weights within ±{A:.3g}', f'{len(gv)} representable values' if g.values is not None else 'grid: not decodable',
+              'block values', 'their reconstruction']
+    art, tr = getattr(ax, '_cq_values', None), ax.get_xaxis_transform()
+    if art is None:         # first draw: make the artists (later calls with this Axes only update them)
+        ax.set_yscale('log', nonpositive='clip'); ax.set_ylabel('count')
+        art = ax._cq_values = dict(hist=ax.stairs(counts, edges, fill=True, color='0.75'),
+                                   grid=ax.vlines(gv, 0, 1, transform=tr, colors='C1'),
+                                   x=ax.plot(g.x.numpy(), np.full(len(g.x), 0.06), '|', color='C3', ms=14, mew=1.5, transform=tr)[0],
+                                   xq=ax.plot(g.xq.numpy(), np.full(len(g.xq), 0.16), 'x', color='C0', ms=6, transform=tr)[0])
+        art['legend'] = ax.legend([art[k] for k in ('hist', 'grid', 'x', 'xq')], labels, fontsize=7, loc='upper center', ncol=2,
+                                  framealpha=0.9, borderaxespad=0.3)
+    else:
+        art['hist'].set_data(counts, edges)
+        art['grid'].set_segments([[(x, 0), (x, 1)] for x in gv])
+        art['x'].set_data(g.x.numpy(), np.full(len(g.x), 0.06)); art['xq'].set_data(g.xq.numpy(), np.full(len(g.xq), 0.16))
+        for t, s in zip(art['legend'].get_texts(), labels): t.set_text(s)
+    dense = len(gv) > 64
+    art['grid'].set_linewidth(0.3 if dense else 0.7); art['grid'].set_alpha(0.45 if dense else 0.8)
+    ax.set_xlim(-A, A)
+    ax.set_ylim(0.5, 0.5 * (max(float(counts.max()), 1.0) / 0.5) ** (1 / 0.68))   # bars in the lower 68%: the legend above
     r = a.row_index(g.row)
     where = f"row {r}" + (f", cols {g.cols[0]}–{g.cols[1] - 1}" if a.block else ' (one scale per row or tensor)')
     warn = '' if g.exact in (True, None) else ' (approximate: the probe did not reproduce the real scales)'
     ax.set_title(f"{label or a.label} grid at {where}{warn}", fontsize=10)
     ax.set_xlabel('value' if a.rotation is None else f'value in the rotated basis (ConvRot {a.rotation})')
-    ax.set_ylabel('count'); ax.legend(fontsize=7, loc='upper right')
-    _sampled_note(fig, a)
+    _sampled_note(fig, a, own)
     fig._cq_grid = g
     return fig
 
 def plot_errors(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
                 fmt=None, # format name (with a tensor)
                 bins:int=101, # histogram bins
-                ax=None, # draw into this Axes
+                ax=None, # draw into this Axes (one `plot_errors` drew into before is updated in place)
                 figsize:tuple=(6, 3.6), # size of a new figure
                 max_elems:int|None=2**20, # sampling threshold (with a tensor)
                 label:str|None=None, # name of the variant in the title (default: format and non-default options)
                 **opts, # format options (with a tensor)
                ): # matplotlib Figure
-    "Histogram of the reconstruction error `dq - w` of the analysed rows, titled with SQNR (`cquant.numerics.plot_error_hist`)."
+    "Histogram (log counts) of the reconstruction error `dq - w` of the analysed rows, titled with SQNR and relative error."
+    import numpy as np
+    from matplotlib.ticker import MaxNLocator
     a = _analysis(w, fmt, opts, max_elems)
-    fig = plot_error_hist(a.w, a.dq, bins=bins, label=label or a.label, ax=ax, figsize=figsize)
-    _sampled_note(fig, a)
+    own = ax is None
+    fig, ax = _new_fig(figsize, ax)
+    e = (a.dq.double() - a.w.double()).flatten().numpy()
+    counts, edges = np.histogram(e[np.isfinite(e)], bins=bins)
+    art = getattr(ax, '_cq_errors', None)
+    if art is None:
+        ax.set_yscale('log', nonpositive='clip'); ax.set_xlabel('error  approx − ref'); ax.set_ylabel('count')
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
+        art = ax._cq_errors = ax.stairs(counts, edges, fill=True, color='C0', alpha=0.85)
+    else: art.set_data(counts, edges)
+    ax.set_xlim(edges[0], edges[-1]); ax.set_ylim(0.5, 2 * max(float(counts.max()), 1.0))
+    n = a.numbers
+    ax.set_title(f"{label or a.label}: SQNR {n['sqnr_db']:.2f} dB, rel. error {n['rel_error']:.4f}", fontsize=10)
+    _sampled_note(fig, a, own)
     return fig
 
 # %% ../nbs/14_explore.ipynb #563e950d
@@ -419,7 +455,7 @@ def plot_error_map(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
                    fmt=None, # format name (with a tensor)
                    block:int|None=None, # block width (default: the format's block, else the ConvRot group or 64)
                    metric:str='rms', # 'rms' (RMS error) or 'sqnr' (dB)
-                   axes=None, # (heatmap Axes, per-row Axes) to draw into
+                   axes=None, # (heatmap Axes, per-row Axes[, colour bar Axes]) to draw into
                    figsize:tuple=(9, 4.2), # size of a new figure
                    max_elems:int|None=2**20, # sampling threshold (with a tensor)
                    label:str|None=None, # name of the variant in the title (default: format and non-default options)
@@ -427,21 +463,24 @@ def plot_error_map(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
                   ): # matplotlib Figure
     "Heatmap of the per-block error (rows x blocks) beside the per-row profile of the same metric."
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
     a = _analysis(w, fmt, opts, max_elems)
     K = a.shape[1]
     own = a.block
     B = min(K, block or own or a.rotation or 64)
     m = block_error(a.w, a.dq, B, metric)
     per_row = block_error(a.w, a.dq, K, metric)[:, 0]
-    if axes is None:
+    new = axes is None
+    if new:
         fig, axes = plt.subplots(1, 2, figsize=figsize, sharey=True, gridspec_kw={'width_ratios': [4, 1]})
         plt.close(fig)
-    ax, ax2 = axes
+    ax, ax2, cax = (*axes, None) if len(axes) == 2 else axes
     fig = ax.figure
+    _sampled_note(fig, a, new)          # before the colour bar: a new figure's layout must know it
     what = 'RMS error' if metric == 'rms' else 'SQNR (dB)'
     img = torch.where(torch.isfinite(m), m, math.nan).numpy()
     im = ax.imshow(img, aspect='auto', interpolation='nearest', cmap='magma' if metric == 'rms' else 'viridis')
-    fig.colorbar(im, ax=ax, label=what, pad=0.01)
+    fig.colorbar(im, cax=cax, label=what) if cax is not None else fig.colorbar(im, ax=ax, label=what, pad=0.01)
     kind = "the format's blocks" if own and B == own else 'display blocks'
     ax.set_title(f"{label or a.label}: {what} per block of {B} ({kind})", fontsize=10)
     ax.set_xlabel(f'block (of {B} columns)'); ax.set_ylabel('row' + (' (sampled)' if a.sampled else ''))
@@ -451,8 +490,9 @@ def plot_error_map(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
     pr = torch.where(torch.isfinite(per_row), per_row, math.nan).numpy()
     ax2.plot(pr, range(len(pr)), color='C0', lw=0.8)
     ax2.set_title('per row', fontsize=10); ax2.set_xlabel(what)
+    ax2.xaxis.set_major_locator(MaxNLocator(nbins=3))         # a narrow panel: a few ticks, small labels
+    ax2.tick_params(axis='x', labelsize=7)
     ax2.grid(alpha=0.3)
-    _sampled_note(fig, a)
     return fig
 
 # %% ../nbs/14_explore.ipynb #78dff371
@@ -772,40 +812,70 @@ def _tensor_layers(source) -> dict:
                                    w.numel() * w.element_size(), lambda: w)}
     return weight_layers(source)
 
-def _in_ipython() -> bool:
-    try:
-        from IPython import get_ipython
-        return get_ipython() is not None
-    except ImportError: return False
+def default_layer(layers:dict, # {layer: LayerRef}, as `weight_layers` gives
+                 ) -> str: # a layer name
+    "The first layer a conservative policy would quantize (embeddings, norms and heads stay float: `cquant.policy`), else the first."
+    from cquant.policy import Policy
+    plan = Policy(mode='int8', preset='auto-conservative').plan({n: r.shape for n, r in layers.items()})
+    return next((n for n in layers if plan[n].format is not None), next(iter(layers)))
 
+_BITS: dict = {}
+
+def fewest_bits_format(shape:tuple, # logical weight shape (N, K)
+                       names=None, # candidate format names (default: every registered format)
+                      ) -> str|None: # the format name; None if none fits
+    "Of the formats that fit `shape`, the one storing the fewest bits per weight (on 128 random rows as wide; ties: registry order)."
+    best = None
+    for name in FORMATS if names is None else names:
+        o = normalize_options(name, shape)
+        if o is None: continue
+        key = (name, shape[-1], tuple(sorted((k, repr(v)) for k, v in o.items())))
+        if key not in _BITS:
+            probe = torch.randn(128, shape[-1], generator=torch.Generator().manual_seed(0))
+            try: _BITS[key] = storage_bytes(probe, name, **o) / probe.numel()
+            except ValueError: _BITS[key] = math.inf
+        if best is None or _BITS[key] < best[0]: best = (_BITS[key], name)
+    return None if best is None else best[1]
+
+# %% ../nbs/14_explore.ipynb #c0ffee14
 class Explorer:
-    "An ipywidgets explorer of one layer through one format; `numbers` is what it shows, `set` drives a control."
+    "An ipywidgets explorer of one layer through one format: display `widget` (or the explorer); `set` drives a control."
     def __init__(self, source, # tensor, state dict, checkpoint path or `Checkpoint`
-                 layer:str|None=None, # initial layer (default: the first)
-                 format:str|None=None, # initial format (default: the first that fits)
+                 layer:str|None=None, # initial layer (default: `default_layer`)
+                 format:str|None=None, # initial format (default: `fewest_bits_format`)
                  max_elems:int|None=2**20, # analyse sampled rows above this many values
-                 figsize:tuple=(12, 7.5), # figure size
+                 width:int=940, # pixels: the figure is drawn at the size it is shown (a JupyterLab output is ~950 wide)
+                 height:int=600, # pixels
                  **options, # initial format options
                 ):
         import ipywidgets as W
         self.layers = _tensor_layers(source)
         if not self.layers: raise ValueError("no 2-D floating-point weights to explore")
-        self.max_elems, self.figsize = max_elems, figsize
+        self.max_elems, self.size = max_elems, (int(width), int(height))
         self.updates, self.calls, self.error = 0, {}, None
-        self.numbers, self.analysis, self.grid, self._figure, self._stale, self._shown = {}, None, None, None, False, False
+        self.numbers, self.analysis, self.grid, self._drawn = {}, None, None, None
         self._hold, self._cache, self._weights, self._bytes = 0, {}, {}, {}
-        layer = layer or next(iter(self.layers))
+        layer = layer or default_layer(self.layers)
         if layer not in self.layers: raise KeyError(f"no layer {layer!r}; layers: {list(self.layers)[:10]}...")
-        self.controls = {}
-        c = self.controls
+        u, style = (width - 20) // 3, {'description_width': '130px'}     # one column of controls; one label width for all
+        self._col = lambda n=1, less=0: W.Layout(width=f'{n * u - less}px')
+        self._style = style
+        c = self.controls = {}
         c['layer'] = W.Dropdown(options=[(f"{n}  {'x'.join(map(str, r.shape))}" + (f"  [{r.format}]" if r.format else ''), n) for n, r in self.layers.items()],
-                                value=layer, description='layer', layout=W.Layout(width='480px'))
-        c['format'] = W.Dropdown(description='format')
-        c['row'] = W.IntSlider(description='row', min=0, max=0, continuous_update=False)
-        c['block'] = W.IntSlider(description='block', min=0, max=0, continuous_update=False)
-        self._option_box, self._note, self._html, self._out = W.HBox(), W.HTML(), W.HTML(), W.Output()
-        self.widget = W.VBox([W.HBox([c['layer'], c['format']]), self._option_box, W.HBox([c['row'], c['block']]),
-                              self._note, self._html, self._out])
+                                value=layer, description='layer', style=style, layout=self._col(2))
+        c['format'] = W.Dropdown(description='format', style=style, layout=self._col())
+        c['row'] = W.IntSlider(description='row', min=0, max=0, step=1, readout=False, continuous_update=False, style=style,
+                               layout=self._col(2, 100))
+        c['block'] = W.IntSlider(description='block', min=0, max=0, continuous_update=False, style=style, layout=self._col())
+        self.row_text = W.BoundedIntText(min=0, max=0, tooltip='an exact row (the nearest analysed row is shown)',
+                                         layout=W.Layout(width='96px'))
+        self.row_text.observe(self._typed_row, names='value')
+        self.image = W.Image(format='png', layout=W.Layout(width=f'{width}px'))
+        self._option_box = W.HBox(layout=W.Layout(flex_flow='row wrap', width=f'{width}px'))
+        self._note, self._html = W.HTML(), W.HTML()
+        self.widget = W.VBox([W.HBox([c['layer'], c['format']]), self._option_box, W.HBox([c['row'], self.row_text, c['block']]),
+                              self._note, self._html, self.image])
+        self._fig, self._ax = self._new_figure()
         for n in ('layer', 'format', 'row', 'block'): self._watch(n, c[n])
         with self._held():
             self._set_formats(format)
@@ -853,7 +923,7 @@ class Explorer:
         if not fits: raise ValueError(f"no registered format fits shape {self.shape}")
         cur = prefer or self.controls['format'].value
         self.controls['format'].options = fits
-        self.controls['format'].value = cur if cur in fits else fits[0]
+        self.controls['format'].value = cur if cur in fits else fewest_bits_format(self.shape, fits)
         self._why = why
 
     def _build_options(self, given:dict|None=None):
@@ -868,7 +938,7 @@ class Explorer:
             if not dom: continue
             val = opts[o.name] if opts[o.name] in dom else dom[0]
             wdg = W.Dropdown(options=[(str(v), v) for v in dom], value=val, description=o.name, disabled=len(dom) == 1,
-                             tooltip=o.doc, style={'description_width': 'initial'}, layout=W.Layout(width='auto'))
+                             tooltip=o.doc, style=self._style, layout=self._col())
             self.controls[o.name] = wdg
             self._watch(o.name, wdg)
             boxes.append(wdg)
@@ -887,18 +957,23 @@ class Explorer:
             wdg.disabled = len(dom) == 1
 
     def _reset_view(self, keep_row:bool=False):
+        "Row and block controls for the current analysis; the row control counts rows of the full weight."
         a = self._analyze()
         c = self.controls
         nb = -(-self.shape[1] // (a.block or self.shape[1]))
         r, b = typical_block(a)
-        c['row'].max = len(a.w) - 1
-        if not keep_row or c['row'].value > c['row'].max: c['row'].value = r
+        for w in (c['row'], self.row_text): w.max = self.shape[0] - 1
+        c['row'].value = self.row_text.value = a.row_index(a.position(c['row'].value) if keep_row else r)
         c['block'].max = nb - 1
         c['block'].value = b if not keep_row else min(c['block'].value, nb - 1)
         c['block'].disabled = nb == 1
         c['row'].description = 'row (sampled)' if a.sampled else 'row'
 
-    # -- the callback
+    # -- the callbacks
+    def _typed_row(self, change):
+        "The exact row box drives the row control (whose callback moves both to the nearest analysed row)."
+        if not self._hold: self.controls['row'].value = change.new
+
     def _changed(self, name, change):
         if self._hold: return
         self.calls[name] = self.calls.get(name, 0) + 1
@@ -911,7 +986,10 @@ class Explorer:
                 elif name == 'format':
                     self._build_options()
                     self._reset_view()
-                elif name not in ('row', 'block'):
+                elif name == 'row':      # a sampled layer: move to the nearest analysed row; the box follows
+                    a = self._analyze()
+                    self.controls['row'].value = self.row_text.value = a.row_index(a.position(self.controls['row'].value))
+                elif name != 'block':
                     self._refresh_options()
                     self._reset_view(keep_row=True)
         except Exception as e:   # a control change must never break the widget: show the problem
@@ -931,52 +1009,85 @@ class Explorer:
         return self._cache[key]
 
     def _update(self):
-        "The callback's work: analysis (cached), the block's grid and the numbers; the figure is redrawn when it is shown."
+        "The callback's work: analysis (cached), the block's grid, the numbers, and the figure redrawn into `image`."
         t0 = time.perf_counter()
         try:
             a = self.analysis = self._analyze()
-            self.grid = block_grid(a, self.controls['row'].value, self.controls['block'].value)
+            self.grid = block_grid(a, a.position(self.controls['row'].value), self.controls['block'].value)
             self.numbers = dict(a.numbers, row=a.row_index(self.grid.row), block=self.grid.block,
                                 grid_values=None if self.grid.values is None else len(self.grid.values), error=self.error)
+            t1 = time.perf_counter()
+            self._render(a)
+            self.numbers['draw_s'] = time.perf_counter() - t1
         except Exception as e:
             self.error = f"{type(e).__name__}: {e}"
             self.numbers = dict(layer=self.layer, format=self.format, error=self.error)
-            self.analysis = self.grid = None
-        self._stale = True
+            self.analysis = self.grid = self._drawn = None
+        self.image.layout.display = 'none' if self.analysis is None else None
         self.updates += 1
         self._show()
         self.numbers['update_s'] = time.perf_counter() - t0
         self.error = None
 
+    # -- the figure: made once, redrawn in place
+    def _new_figure(self):
+        "The figure and its five axes (values, errors, error map, per row, colour bar of both), at the widget's pixel size."
+        from matplotlib.figure import Figure
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        w, h = self.size
+        fig = Figure(figsize=(w / 100, h / 100), dpi=100)
+        FigureCanvasAgg(fig)
+        outer = fig.add_gridspec(2, 1, height_ratios=[1, 1.1], left=0.07, right=0.93, bottom=0.08, top=0.88, hspace=0.42)
+        top = outer[0].subgridspec(1, 2, width_ratios=[1.3, 1], wspace=0.2)
+        bottom = outer[1].subgridspec(1, 3, width_ratios=[2.3, 0.6, 0.05], wspace=0.06)
+        ax = dict(values=fig.add_subplot(top[0]), errors=fig.add_subplot(top[1]), map=fig.add_subplot(bottom[0]))
+        ax['rows'] = fig.add_subplot(bottom[1], sharey=ax['map'])
+        ax['cbar'] = fig.add_subplot(bottom[2])
+        for k in ('values', 'errors'): ax[k].tick_params(labelsize=8)
+        fig._cq_noted = True          # the suptitle says when rows are sampled
+        return fig, ax
+
+    def _render(self, a:Analysis):
+        """Redraw the values panel; the other panels only for a new analysis (then the rest is drawn once and kept as a
+        background the values panel is drawn over). The PNG goes to `image`."""
+        import numpy as np
+        from PIL import Image
+        fig, ax = self._fig, self._ax
+        v = ax['values']
+        plot_values(a, grid=self.grid, ax=v, label=a.format)      # updated in place; options are in the suptitle
+        v.title.set_fontsize(9)
+        if a is not self._drawn:
+            for k in ('map', 'cbar', 'rows'): ax[k].cla()
+            plot_errors(a, ax=ax['errors'], label=a.format)       # updated in place
+            plot_error_map(a, axes=(ax['map'], ax['rows'], ax['cbar']), label=a.format)
+            ax['rows'].tick_params(labelleft=False)
+            for k in ('map', 'cbar'): ax[k].tick_params(labelsize=8)
+            for k in ('errors', 'map', 'rows'): ax[k].title.set_fontsize(9)
+            n = a.numbers
+            fig.suptitle(f"{a.name} {'x'.join(map(str, a.shape))} → {a.label}: SQNR {n['sqnr_db']:.2f} dB, "
+                         f"{n['bits_per_weight']:.3f} bits/weight" + (f"  ({a.note})" if a.sampled else ''), fontsize=10)
+            v.set_visible(False)
+            fig.canvas.draw()
+            self._background = fig.canvas.copy_from_bbox(fig.bbox)
+            v.set_visible(True)
+            self._drawn = a
+        else: fig.canvas.restore_region(self._background)
+        fig.draw_artist(v)
+        buf = io.BytesIO()
+        Image.fromarray(np.asarray(fig.canvas.buffer_rgba())[..., :3]).save(buf, format='png', compress_level=1)
+        self.image.value = buf.getvalue()
+
     @property
     def figure(self):
-        "The explorer's figure for the current selection (drawn on demand: a headless explorer never pays for drawing)."
-        if self._stale:
-            self._figure = None if self.analysis is None else self._draw(self.analysis)
-            self._stale = False
-        return self._figure
-
-    def _draw(self, a:Analysis):
-        import matplotlib.pyplot as plt
-        fig = plt.figure(figsize=self.figsize)
-        plt.close(fig)
-        gs = fig.add_gridspec(2, 3, height_ratios=[1, 1.15], width_ratios=[1.25, 1, 0.3], left=0.07, right=0.99,
-                              bottom=0.07, top=0.9, wspace=0.28, hspace=0.42)   # fixed: tight_layout costs more than the quantization
-        plot_values(a, grid=self.grid, ax=fig.add_subplot(gs[0, 0]), label=a.format)     # options are in the suptitle
-        plot_errors(a, ax=fig.add_subplot(gs[0, 1:]), label=a.format)
-        ax_m = fig.add_subplot(gs[1, :2])
-        plot_error_map(a, axes=(ax_m, fig.add_subplot(gs[1, 2], sharey=ax_m)), label=a.format)
-        n = a.numbers
-        fig.suptitle(f"{a.name} {'x'.join(map(str, a.shape))} → {a.label}: SQNR {n['sqnr_db']:.2f} dB, "
-                     f"{n['bits_per_weight']:.3f} bits/weight" + (f"  ({a.note})" if a.sampled else ''), fontsize=11)
-        return fig
+        "The figure `image` shows (the current selection; redrawn in place on every change)."
+        return self._fig
 
     def _show(self):
         n = self.numbers
         why = '; '.join(f"<b>{k}</b>: {v}" for k, v in getattr(self, '_why', {}).items())
         note = []
         if n.get('error'): note.append(f"<span style='color:#c00'>{n['error']}</span>")
-        if n.get('sampled'): note.append(f"large layer: analysed on {n['rows_analysed']} of {n['rows_total']} rows (evenly spaced, plus the row with the largest value)")
+        if n.get('sampled'): note.append(f"large layer: analysed on {n['rows_analysed']} of {n['rows_total']} rows (evenly spaced, plus the row with the largest value); the row control moves to the nearest analysed row")
         if why: note.append(f"not offered for this shape: {why}")
         self._note.value = '<br>'.join(note)
         if 'sqnr_db' in n:
@@ -986,25 +1097,18 @@ class Explorer:
             self._html.value = ('<table style="font-family:monospace"><tr>' + ''.join(f'<th style="padding:0 10px">{k}</th>' for k, _ in cells)
                                 + '</tr><tr>' + ''.join(f'<td style="padding:0 10px">{v}</td>' for _, v in cells) + '</tr></table>')
         else: self._html.value = ''
-        if self._shown and _in_ipython():
-            from IPython.display import display
-            self._out.clear_output(wait=True)
-            if self.figure is not None:
-                with self._out: display(self.figure)
 
     # -- public driving
     def set(self, name:str, # 'layer', 'format', 'row', 'block' or an option name
             value, # the new value (must be one the control offers)
            ) -> dict: # the updated `numbers`
-        "Change a control as a user would; its callback recomputes `numbers` (and the figure)."
+        "Change a control as a user would; its callback recomputes `numbers` and redraws the image."
         if name not in self.controls: raise KeyError(f"no control {name!r}; controls: {list(self.controls)}")
         self.controls[name].value = value
         return self.numbers
 
     def _ipython_display_(self):
         from IPython.display import display
-        self._shown = True
-        self._show()
         display(self.widget)
 
     def __repr__(self):
@@ -1012,10 +1116,12 @@ class Explorer:
         return f"Explorer({self.layer!r} -> {n.get('label', self.format)}: SQNR {n.get('sqnr_db', math.nan):.2f} dB, {len(self.layers)} layers)"
 
 def explore(source, # a tensor, a state dict, a checkpoint path or a `Checkpoint`
-            layer:str|None=None, # initial layer
-            format:str|None=None, # initial format
+            layer:str|None=None, # initial layer (default: `default_layer`)
+            format:str|None=None, # initial format (default: `fewest_bits_format`)
             max_elems:int|None=2**20, # analyse sampled rows of larger layers
+            width:int=940, # pixels of the figure and the widget
+            height:int=600, # pixels of the figure
             **options, # initial format options
            ) -> Explorer:
     "An interactive explorer (ipywidgets) of quantization error: layer, format and option controls, plots and numbers."
-    return Explorer(source, layer=layer, format=format, max_elems=max_elems, **options)
+    return Explorer(source, layer=layer, format=format, max_elems=max_elems, width=width, height=height, **options)

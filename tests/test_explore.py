@@ -17,7 +17,7 @@ import cquant as cq
 from cquant.tensor import FORMATS, FormatSpec, Layout, Option, Params, format_error, register_format, quantize
 from cquant.numerics import error_report, from_blocked, representable_values, rotate
 from cquant.explore import (Analysis, Comparison, Explorer, analyze, block_error, block_grid, compare_formats, explore,
-                            fit_options, format_color, format_variants, layer_sqnr, normalize_options, option_domain,
+                            fewest_bits_format, default_layer, fit_options, format_color, format_variants, layer_sqnr, normalize_options, option_domain,
                             plot_convrot, plot_error_map, plot_errors, plot_layer_sqnr, plot_sqnr_bars, plot_values,
                             sample_rows, storage_bytes, weight_layers)
 
@@ -171,7 +171,7 @@ def test_plot_values_plots_the_grid_and_the_block():
     assert list(ax.lines[1].get_xdata()) == a.dq[4, 64:96].tolist()
     assert ax.get_title() == 'mxfp8 grid at row 4, cols 64–95' and ax.get_yscale() == 'log'
     A = float(g.values.abs().max())
-    assert sum(p.get_height() for p in ax.patches) == int((w.abs() <= 1.15 * A).sum())
+    assert ax.patches[0].get_data().values.sum() == int((w.abs() <= 1.15 * A).sum())
     fig = plot_values(w, 'float8_e4m3fn')                                     # a tensor plus a format works too
     assert len(fig.axes[0].collections[0].get_segments()) == 253
     assert 'one scale per row or tensor' in fig.axes[0].get_title()
@@ -183,7 +183,7 @@ def test_plot_errors_and_error_map(toy):
     a = analyze(w, 'nvfp4')
     fig = plot_errors(a)
     ax = fig.axes[0]
-    assert sum(p.get_height() for p in ax.patches) == w.numel()
+    assert ax.patches[0].get_data().values.sum() == w.numel()
     assert ax.get_title() == f"nvfp4: SQNR {a.numbers['sqnr_db']:.2f} dB, rel. error {a.numbers['rel_error']:.4f}"
     for fmt, opts, B in [('nvfp4', {}, 16), ('mxfp8', {}, 32), (toy, {'group_size': 64}, 64), ('int8_tensorwise', {}, 64)]:
         a = analyze(w, fmt, **opts)
@@ -354,7 +354,7 @@ def test_explorer_callbacks_update_numbers(toy):
 def test_explorer_sources(tmp_path):
     w = _w(64, 256)
     ex = explore(w)
-    assert list(ex.layers) == ['weight'] and ex.numbers['format'] == next(iter(FORMATS))
+    assert list(ex.layers) == ['weight'] and ex.numbers['format'] == fewest_bits_format((64, 256))
     path = tmp_path / 'm.safetensors'
     cq.save_file({'x.weight': w, 'y.weight': cq.quantize(w, 'nvfp4')}, path)
     ex = explore(str(path), layer='y')
@@ -373,3 +373,137 @@ def test_explorer_is_responsive_on_4096():
     assert ex.numbers['bytes'] == 4096 * 4096 + 4096 * 128                  # the whole layer's bytes, not the sample's
     assert dt < 30, dt
     assert any('of 4096 rows sampled' in t.get_text() for t in ex.figure.texts)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The explorer in a real JupyterLab: the widget alone shows the figure, laid out at its displayed size
+# --------------------------------------------------------------------------------------------------------------
+def _png(data: bytes):
+    import io
+    import numpy as np
+    from PIL import Image
+    return np.asarray(Image.open(io.BytesIO(data)).convert('RGB'))
+
+
+def _full_render(fig):
+    "The figure drawn from scratch, as the image should show it."
+    import io
+    buf = io.BytesIO()
+    fig.savefig(buf, format='png', dpi=fig.dpi)
+    return _png(buf.getvalue())
+
+
+def _tree(w):
+    yield w
+    for c in getattr(w, 'children', ()): yield from _tree(c)
+
+
+def _overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def _tick_boxes(ax, fig):
+    r = fig.canvas.get_renderer()
+    lo, hi = sorted(ax.get_xlim())
+    return [t.get_window_extent(r) for t, v in zip(ax.get_xticklabels(), ax.get_xticks()) if lo <= v <= hi and t.get_text()]
+
+
+def test_the_widget_alone_shows_the_figure_and_updates_it():
+    sd = {'a.weight': _w(64, 256, 1), 'b.weight': _w(32, 96, 2, outlier=False)}
+    ex = explore(sd, format='nvfp4', width=800, height=520)
+    tree = list(_tree(ex.widget))
+    assert ex.image in tree and ex.row_text in tree and ex.controls['row'] in tree
+    assert ex.image.layout.width == '800px'
+    first = _png(ex.image.value)
+    assert first.shape == (520, 800, 3)                                        # drawn on creation, at the displayed size
+    assert (first == _full_render(ex.figure)).all()
+    children = [list(getattr(w, 'children', ())) for w in tree]
+    for name, value in [('row', 9), ('block', 3), ('format', 'int8_tensorwise'), ('per_row', True), ('row', 40), ('layer', 'b')]:
+        before = ex.image.value
+        ex.set(name, value)
+        assert ex.image.value != before, name                                 # every change redraws the image ...
+        assert (_png(ex.image.value) == _full_render(ex.figure)).all(), name  # ... exactly as a full redraw would
+        assert ex.figure.axes[0].get_title().startswith(f"{ex.format} grid at row {ex.numbers['row']}"), name
+        r = ex.figure.canvas.get_renderer()
+        assert not _overlap(*(ax.title.get_window_extent(r) for ax in ex.figure.axes[:2])), name   # titles side by side
+    assert [list(getattr(w, 'children', ())) for w in tree[:3]] == children[:3]   # the tree is not rebuilt
+    assert ex.widget.children[-1] is ex.image and len(ex.figure.axes) == 5
+
+
+def test_controls_line_up():
+    ex = explore({'a.weight': _w(64, 256, 1)}, format='int8_tensorwise')
+    widths = {n: c.style.description_width for n, c in ex.controls.items()}
+    assert len(set(widths.values())) == 1 and len(widths) == 7, widths        # options and the others alike
+    col = ex.controls['format'].layout.width
+    assert all(ex.controls[n].layout.width == col for n in ('per_row', 'convrot', 'convrot_groupsize', 'block'))
+
+
+def test_row_control_counts_rows_of_the_full_weight():
+    big = _w(4096, 64, 7, outlier=False)
+    ex = explore(big, format='nvfp4', max_elems=64 * 64)
+    rows = ex.analysis.rows.tolist()
+    assert ex.analysis.sampled and ex.controls['row'].max == ex.row_text.max == 4095
+    for target in (1000, 2999, 4095, 1):
+        n = ex.calls.get('row', 0)
+        ex.row_text.value = target                                             # an exact row typed in the box
+        want = min(rows, key=lambda r: (abs(r - target), r))
+        assert ex.calls['row'] == n + 1                                        # one callback, not one per linked widget
+        assert ex.controls['row'].value == ex.row_text.value == ex.numbers['row'] == want
+        assert ex.figure.axes[0].get_title().startswith(f'nvfp4 grid at row {want}, ')
+        assert torch.equal(ex.grid.x, big[want, ex.grid.cols[0]:ex.grid.cols[1]])
+    small = explore(_w(300, 64), format='nvfp4')
+    small.row_text.value = 217
+    assert small.controls['row'].value == small.numbers['row'] == 217 and small.grid.row == 217
+
+
+def test_layout_nothing_overlaps():
+    import numpy as np
+    big = _w(4096, 256, 8)
+    ex = explore(big, format='nvfp4', max_elems=64 * 256)
+    fig = ex.figure
+    r = fig.canvas.get_renderer()
+    values, errors, emap, rows, cbar = fig.axes
+    for ax in (rows, errors):                                                  # tick labels that do not run together
+        boxes = _tick_boxes(ax, fig)
+        assert len(boxes) >= 2 and not any(_overlap(a, b) for a, b in zip(boxes, boxes[1:])), ax.get_title()
+    note = fig._suptitle
+    assert 'of 4096 rows sampled' in note.get_text()
+    assert not any(_overlap(note.get_window_extent(r), ax.get_tightbbox(r)) for ax in fig.axes)   # its own line
+    leg = values.get_legend().get_window_extent(r)                              # the legend above the bars
+    counts, edges, _ = values.patches[0].get_data()
+    x = (edges[:-1] + edges[1:]) / 2
+    top = values.transData.transform(np.c_[x, np.maximum(counts, 0.5)])
+    under = (top[:, 0] > leg.x0) & (top[:, 0] < leg.x1)
+    assert under.any() and (top[under, 1] < leg.y0).all()
+    m = plot_error_map(analyze(big, 'nvfp4', max_elems=64 * 256))             # a plot's own figure: the note clear too
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg(m).draw()
+    r = m.canvas.get_renderer()
+    assert not any(_overlap(m._suptitle.get_window_extent(r), ax.get_tightbbox(r)) for ax in m.axes)
+    boxes = _tick_boxes(m.axes[1], m)
+    assert not any(_overlap(a, b) for a, b in zip(boxes, boxes[1:]))
+
+
+def test_defaults_pick_an_interesting_layer_and_a_lossy_format():
+    g = torch.Generator().manual_seed(9)
+    sd = {'embed_tokens.weight': torch.randn(1000, 128, generator=g), 'pos_embed.weight': torch.randn(64, 128, generator=g),
+          'blocks.0.attn.qkv.weight': torch.randn(384, 128, generator=g) * 0.02, 'blocks.0.mlp.fc1.weight': torch.randn(512, 128, generator=g),
+          'final_layer.linear.weight': torch.randn(16, 128, generator=g)}
+    assert default_layer(weight_layers(sd)) == 'blocks.0.attn.qkv'
+    assert default_layer(weight_layers({'pos_embed.weight': sd['pos_embed.weight']})) == 'pos_embed'   # nothing else: the first
+    probe = torch.randn(128, 384, generator=g)
+    bits = {n: analyze(probe, n).numbers['bits_per_weight'] for n in FORMATS if normalize_options(n, (128, 384)) is not None}
+    assert fewest_bits_format((4096, 384)) == min(bits, key=bits.get)
+    assert fewest_bits_format((8, 384), names=['mxfp8', 'int8_tensorwise']) == min(['mxfp8', 'int8_tensorwise'], key=bits.get)
+    assert fewest_bits_format((8, 96), names=['convrot_w4a4']) is None                 # K % 64 != 0
+    ex = explore(sd)
+    assert ex.layer == 'blocks.0.attn.qkv' and ex.format == min(bits, key=bits.get) and ex.numbers['bits_per_weight'] < 5
+
+
+def test_minilm_opens_on_a_linear_layer():
+    from cquant.convert import minilm_path
+    try: path = minilm_path()
+    except Exception as e: pytest.skip(f'MiniLM weights not installed: {e}')
+    ex = explore(str(path))
+    assert ex.layer.startswith('encoder.layer.0.') and 'embeddings' not in ex.layer
+    assert ex.numbers['bits_per_weight'] < 5 and ex.numbers['sqnr_db'] < 25
