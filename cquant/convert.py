@@ -315,15 +315,15 @@ def _same_file(a:str, b:str) -> bool:
 
 def check_writable(path, # an output file
                    what:str='destination', # its name in the message
-                   job:str='quantize_checkpoint', # the caller, in the message
+                   job:str='quantize_checkpoint', # the caller, in the message ('' for none)
                   ) -> str:
     "Refuse an output `path` that is a directory, lies in a missing folder, or in one that cannot be written."
-    path = os.fspath(path)
-    if os.path.isdir(path): raise ValueError(f"{job}: the {what} {path!r} is a directory; expected a file path in it, e.g. {os.path.join(path, 'out.safetensors')!r}")
+    path, job = os.fspath(path), f"{job}: " if job else ''
+    if os.path.isdir(path): raise ValueError(f"{job}the {what} {path!r} is a directory; expected a file path in it, e.g. {os.path.join(path, 'out.safetensors')!r}")
     d = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(d): raise ValueError(f"{job}: the {what} {path!r} is in a folder that does not exist ({d!r}); create it first")
+    if not os.path.isdir(d): raise ValueError(f"{job}the {what} {path!r} is in a folder that does not exist ({d!r}); create it first")
     try: fd, probe = tempfile.mkstemp(prefix='.cquant-probe-', dir=d)
-    except OSError as e: raise ValueError(f"{job}: the {what} {path!r} cannot be written: its folder {d!r} is not writable ({e.strerror})") from None
+    except OSError as e: raise ValueError(f"{job}the {what} {path!r} cannot be written: its folder {d!r} is not writable ({e.strerror})") from None
     os.close(fd); os.unlink(probe)
     return path
 
@@ -339,7 +339,7 @@ def check_outputs(job:str, # the caller, in messages
         for other, q in seen.items():
             if _same_file(path, q):
                 why = 'the inputs are never overwritten' if other in inputs else 'each output needs its own file'
-                raise ValueError(f"{job}: the {name} {path!r} is the {other} file; choose another path ({why})")
+                raise ValueError(f"{job + ': ' if job else ''}the {name} {path!r} is the {other} file; choose another path ({why})")
         check_writable(path, name, job)
         seen[name] = path
 

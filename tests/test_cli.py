@@ -108,7 +108,7 @@ def test_destination_checked_before_any_work(dit, tmp_path):
         cases.append((ro / 'x.safetensors', f"the DST '{ro / 'x.safetensors'}' cannot be written: its folder '{ro}' is not writable"))
     for dst, msg in cases:
         rc, out, err = cquant('quantize', missing, dst, '--quiet')
-        assert rc == 1 and msg in err and 'missing.safetensors' not in err and '.spool' not in err, err
+        assert rc == 1 and err.startswith(f'cquant quantize: error: {msg}') and 'missing.safetensors' not in err and '.spool' not in err, err
     assert os.listdir(tmp_path / 'out') == [] and [f for f in os.listdir(tmp_path) if f.startswith('.')] == []
 
 
