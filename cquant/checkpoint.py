@@ -647,8 +647,9 @@ def save_file(sd, path, metadata:dict|None=None, *, validate:bool=True):
 def _umask() -> int:
     "The process umask (read without changing it where /proc allows)."
     try:
-        for line in open('/proc/self/status'):
-            if line.startswith('Umask:'): return int(line.split()[1], 8)
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith('Umask:'): return int(line.split()[1], 8)
     except OSError: pass
     m = os.umask(0o22); os.umask(m); return m
 

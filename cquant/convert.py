@@ -267,12 +267,18 @@ def _style(fmt:str, label:str) -> tuple:
     i = variants.index(label) if label in variants else len(variants)
     return format_color(fmt), _HATCHES[i % len(_HATCHES)]
 
+def _cut(name:str, keep:int) -> str:
+    "`name` in at most `keep` characters: leading dotted parts dropped (the end names the layer), marked with '…'."
+    parts = name.split('.')
+    while len(parts) > 1 and len('.'.join(parts)) > keep: parts.pop(0)
+    s = '.'.join(parts)
+    return name if s == name else '…' + s[-(keep - 1):] if len(s) >= keep else '…' + s
+
 def _short_names(names:list, keep:int=32) -> tuple:
-    "(common dotted prefix, names without it, cut in the middle to `keep` characters)."
+    "(common dotted prefix, names without it, each cut to `keep` characters by `_cut`)."
     pre = os.path.commonprefix(names) if len(names) > 1 else ''
     pre = pre[:pre.rfind('.') + 1]
-    cut = lambda n: n if len(n) <= keep else n[:keep // 2 - 1] + '…' + n[-(keep - keep // 2):]
-    return pre, [cut(n[len(pre):]) for n in names]
+    return pre, [_cut(n[len(pre):], keep) for n in names]
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #fc4019fa
 def plot_report(report:Report, # from `quantize_checkpoint` or `report_error`

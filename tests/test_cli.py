@@ -224,6 +224,16 @@ def test_weight_correction_warned_and_flagged(tmp_path):
     assert json.loads(out)['comfy_unread'] == {'blk.a': ['weight_correction']}
     rc, out, err = cquant('convert', p, tmp_path / 'c.safetensors')
     assert rc == 0 and err.startswith('warning: ') and 'weight_correction' in err and len(err.splitlines()) == 1, err
+    src = tmp_path / 'w.safetensors'
+    cq.save_file({'blk.a.weight': torch.randn(64, 256, generator=g).to(torch.bfloat16),
+                  'blk.b.weight': torch.randn(64, 256, generator=g).to(torch.bfloat16)}, src)
+    pol = Policy('w4a8', 'none', overrides=(('blk.a', 'asym_w4a8_int8', {'symmetric': False}),))
+    with pytest.warns(CheckpointWarning, match=r'\(blk\.a\)'):
+        quantize_checkpoint(src, tmp_path / 'q.safetensors', pol, progress=False)
+    (tmp_path / 'pol.json').write_text(pol.to_json())
+    rc, out, err = cquant('quantize', src, tmp_path / 'q2.safetensors', '--policy', tmp_path / 'pol.json', '--quiet', '--json')
+    assert rc == 0 and json.loads(out)['kind'] == 'quantize'
+    assert err.startswith('warning: ') and "(blk.a); for ComfyUI quantize asym_w4a8_int8 with symmetric=True" in err and len(err.splitlines()) == 1
 
 
 def _legend(fig) -> dict:
