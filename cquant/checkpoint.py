@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/checkpoint.html.md"""
 
 # %% ../nbs/10_checkpoint.ipynb #4006f88f
 from __future__ import annotations
-import argparse, json, math, os, struct, tempfile, warnings
+import argparse, json, math, os, struct, tempfile, textwrap, warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -16,11 +16,12 @@ from .tensor import (FORMATS, FormatSpec, QuantFormatError, QuantizedTensor, dec
 
 # %% auto #0
 __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'LEGACY_QMETA', 'LEGACY_MARKER', 'ATTENTION_KEY',
-           'ATTENTION_METHODS', 'CheckpointError', 'CheckpointWarning', 'TensorInfo', 'read_header', 'convert_legacy',
-           'Checkpoint', 'open_checkpoint', 'AttentionChoice', 'attention_entries', 'encode_attention',
-           'decode_attention', 'select_attention', 'attention_available', 'sol_applicable', 'split_key',
-           'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'save_file', 'load_file', 'inspect_checkpoint',
-           'format_inspect', 'cmd_inspect', 'add_inspect_parser']
+           'ATTENTION_METHODS', 'COMFY_UNREAD', 'CheckpointError', 'CheckpointWarning', 'TensorInfo', 'read_header',
+           'convert_legacy', 'Checkpoint', 'open_checkpoint', 'AttentionChoice', 'attention_entries',
+           'encode_attention', 'decode_attention', 'select_attention', 'attention_available', 'sol_applicable',
+           'split_key', 'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'save_file', 'comfy_unread',
+           'load_file', 'inspect_checkpoint', 'size_ratio', 'text_table', 'format_inspect', 'cmd_inspect',
+           'add_inspect_parser']
 
 # %% ../nbs/10_checkpoint.ipynb #750ad511
 class CheckpointError(QuantFormatError):
@@ -624,7 +625,7 @@ def save_file(sd, path, metadata:dict|None=None, *, validate:bool=True):
         meta = ck.metadata
     for k, v in meta.items():
         if not isinstance(k, str) or not isinstance(v, str): raise CheckpointError(path, f"metadata {k!r}: expected a string, found {type(v).__name__}")
-    if validate: ck.modules()
+    if validate: _warn_comfy_unread(path, ck.modules())
     hb, order = _header_bytes(ck, meta)
     d = os.path.dirname(os.path.abspath(path))
     mode = os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o666 & ~_umask()
@@ -646,10 +647,28 @@ def save_file(sd, path, metadata:dict|None=None, *, validate:bool=True):
 def _umask() -> int:
     "The process umask (read without changing it where /proc allows)."
     try:
-        for line in open('/proc/self/status'):
-            if line.startswith('Umask:'): return int(line.split()[1], 8)
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith('Umask:'): return int(line.split()[1], 8)
     except OSError: pass
     m = os.umask(0o22); os.umask(m); return m
+
+# %% ../nbs/10_checkpoint.ipynb #e9509aff
+COMFY_UNREAD = {'asym_w4a8_int8': ('weight_correction',)}   # format -> stored keys ComfyUI's loader never reads
+
+def comfy_unread(mods:Mapping) -> dict:
+    "`{module: [keys]}` of the modules (`Checkpoint.modules()`) storing tensors ComfyUI's loader never reads."
+    out = {m: [k for k in COMFY_UNREAD.get(e.format, ()) if k in e.keys] for m, e in mods.items()}
+    return {m: ks for m, ks in out.items() if ks}
+
+def _warn_comfy_unread(path, mods:Mapping):
+    bad = comfy_unread(mods)
+    if not bad: return
+    keys = sorted({k for ks in bad.values() for k in ks})
+    names = ', '.join(list(bad)[:4]) + (', ...' if len(bad) > 4 else '')
+    warnings.warn(f"{path}: {len(bad)} module(s) store {', '.join(keys)}, which ComfyUI's loader never reads, so they "
+                  f"decode wrongly there ({names}); for ComfyUI quantize asym_w4a8_int8 with symmetric=True",
+                  CheckpointWarning, stacklevel=3)
 
 # %% ../nbs/10_checkpoint.ipynb #95c7a03e
 def load_file(path, device='cpu', *, with_metadata:bool=False, convert:bool=True, validate:bool=True):
@@ -688,35 +707,59 @@ def inspect_checkpoint(src, shapes:Mapping|None=None) -> dict:
         for t in (*totals.values(), total): t['compression'] = round(t['bf16_bytes'] / t['bytes'], 3) if t['bytes'] else None
         all_bytes = sum(ck.info(k).nbytes for k in ck)
         return dict(file=ck.path, legacy=ck.legacy, tensors=len(ck), tensor_bytes=all_bytes, modules=rows, totals=totals, total=total,
+                    comfy_unread=comfy_unread(mods),
                     attention={e.name: e.attention for e in mods.values() if e.attention is not None},
                     metadata={k: (v if len(v) <= 200 else v[:200] + '...') for k, v in ck.metadata.items()})
     finally:
         if own: ck.close()
 
+
+# %% ../nbs/10_checkpoint.ipynb #820b8e62
 def _fmt_bytes(n:int) -> str:
     for u in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
         if n < 1024 or u == 'TiB': return f"{n:.0f} {u}" if u == 'B' else f"{n:.2f} {u}"
         n /= 1024
 
+def size_ratio(before:int, after:int, what:str='the source') -> str:
+    "A size change in words: '3.56x smaller than {what}', '1.27x larger than {what}'."
+    if not before or not after: return '-'
+    if before == after: return f"the same size as {what}"
+    return f"{before / after:.2f}x smaller than {what}" if after < before else f"{after / before:.2f}x larger than {what}"
+
+def text_table(head:list, # column titles
+               rows:list, # one list of values per row
+               align:str='', # '<' or '>' per column (default all '<')
+               wrap:int|None=None, # wrap the last column at words to this width (None: never)
+              ) -> list: # the lines: head, a rule, the rows
+    "A plain-text table whose column widths come from the data; the last column is free text."
+    cells = [[str(x) for x in r] for r in [head, *rows]]
+    align = align or '<' * len(head)
+    w = [max(len(r[i]) for r in cells) for i in range(len(head) - 1)]
+    pad = sum(w) + 2 * len(w)
+    def fmt(r):
+        first = '  '.join(f"{x:{a}{n}}" for x, a, n in zip(r, align, w))
+        last = (textwrap.wrap(r[-1], wrap, break_long_words=False, break_on_hyphens=False) if wrap else None) or [r[-1]]
+        return [(first + '  ' + last[0]).rstrip()] + [' ' * pad + l for l in last[1:]]
+    body = [l for r in cells[1:] for l in fmt(r)]
+    head_line = fmt(cells[0])[0]
+    return [head_line, '-' * max([len(head_line)] + [len(l) for l in body])] + body
+
+# %% ../nbs/10_checkpoint.ipynb #6bdb40dc
 def format_inspect(r:dict) -> str:
     "The text report of `cquant inspect`."
     leg = f"  (legacy {r['legacy']} converted on load)" if r['legacy'] else ''
     out = [f"{r['file']}: {r['tensors']} tensors, {_fmt_bytes(r['tensor_bytes'])}{leg}", '']
-    hdr = f"{'module':<40} {'format':<16} {'storage':<24} {'logical':<16} {'bytes':>11}  options"
-    out += [hdr, '-' * len(hdr)]
-    for m in r['modules']:
-        st = f"{m['storage_dtype']}{m['storage_shape']}"
-        lg = f"{tuple(m['logical_shape'])}{'*' if m['shape_inferred'] else ''}"
-        opts = ', '.join(f"{k}={v}" for k, v in m['options'].items())
-        out.append(f"{m['module']:<40} {m['format'] or '-':<16} {st:<24} {lg:<16} {_fmt_bytes(m['bytes']):>11}  {opts}")
-    out += ['', f"{'format':<16} {'modules':>7} {'bytes':>12} {'as bf16':>12} {'compression':>11}"]
-    for f, t in sorted(r['totals'].items()):
-        c = f"{t['compression']:.2f}x" if t['compression'] else '-'
-        out.append(f"{f:<16} {t['modules']:>7} {_fmt_bytes(t['bytes']):>12} {_fmt_bytes(t['bf16_bytes']):>12} {c:>11}")
-    t = r['total']; c = f"{t['compression']:.2f}x" if t['compression'] else '-'
-    out.append(f"{'all':<16} {t['modules']:>7} {_fmt_bytes(t['bytes']):>12} {_fmt_bytes(t['bf16_bytes']):>12} {c:>11}")
+    rows = [[m['module'], m['format'] or '-', f"{m['storage_dtype']}{m['storage_shape']}",
+             f"{tuple(m['logical_shape'])}{'*' if m['shape_inferred'] else ''}", _fmt_bytes(m['bytes']),
+             ', '.join(f"{k}={v}" for k, v in m['options'].items())] for m in r['modules']]
+    out += text_table(['module', 'format', 'storage', 'logical', 'bytes', 'options'], rows, '<<<<><') + ['']
+    tot = [[f, t['modules'], _fmt_bytes(t['bytes']), _fmt_bytes(t['bf16_bytes']), size_ratio(t['bf16_bytes'], t['bytes'], 'bf16')]
+           for f, t in [*sorted(r['totals'].items()), ('all', r['total'])]]
+    out += text_table(['format', 'modules', 'bytes', 'as bf16', 'size against the same weights in bf16'], tot, '<>>><')
     if any(m['shape_inferred'] for m in r['modules']): out += ['', '* logical shape inferred from storage (padded formats may be larger than the real layer)']
     for m, cfg in r['attention'].items(): out.append(f"attention {m}: {json.dumps(cfg)}")
+    for m, ks in r.get('comfy_unread', {}).items():
+        out.append(f"warning: {m} stores {', '.join(ks)}, which ComfyUI's loader never reads: it decodes wrongly in ComfyUI")
     return '\n'.join(out)
 
 # %% ../nbs/10_checkpoint.ipynb #c4b5755a

