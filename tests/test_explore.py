@@ -501,7 +501,7 @@ def test_defaults_pick_an_interesting_layer_and_a_lossy_format():
 
 
 def test_minilm_opens_on_a_linear_layer():
-    from cquant.convert import minilm_path
+    from cquant.minilm import minilm_path
     try: path = minilm_path()
     except Exception as e: pytest.skip(f'MiniLM weights not installed: {e}')
     ex = explore(str(path))
