@@ -20,10 +20,10 @@ from .minilm import minilm_path, fetch_minilm
 
 # %% auto #0
 __all__ = ['ROW_INDEPENDENT', 'BLOCK_MIN', 'BLOCK_MAX', 'StreamingWriter', 'block_elems', 'row_blocks', 'quantize_rows', 'Report',
-           'plot_report', 'check_writable', 'check_outputs', 'trim_heap', 'quantize_checkpoint', 'stored_quantized',
-           'report_error', 'convert_checkpoint', 'cmd_convert', 'add_convert_parser', 'preset_name', 'policy_from_args',
-           'cmd_quantize', 'add_quantize_parser', 'plan_table', 'cmd_plan', 'add_plan_parser', 'cmd_report',
-           'add_report_parser', 'demo', 'cmd_demo', 'add_demo_parser']
+           'layer_ticks', 'plot_report', 'check_writable', 'check_outputs', 'trim_heap', 'quantize_checkpoint',
+           'stored_quantized', 'report_error', 'convert_checkpoint', 'cmd_convert', 'add_convert_parser', 'preset_name',
+           'policy_from_args', 'cmd_quantize', 'add_quantize_parser', 'plan_table', 'cmd_plan', 'add_plan_parser',
+           'cmd_report', 'add_report_parser', 'demo', 'cmd_demo', 'add_demo_parser']
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #483822d9
 class _RowStream:
@@ -281,6 +281,19 @@ def _short_names(names:list, keep:int=32) -> tuple:
     pre = pre[:pre.rfind('.') + 1]
     return pre, [_cut(n[len(pre):], keep) for n in names]
 
+def layer_ticks(ax, # the Axes of one bar per layer, in order
+                names:list, # layer (or weight) names, one per bar
+                what:str='layers', # what the x label counts
+               ):
+    "Readable layer names under per-layer bars: common prefix dropped (named in the x label), long names cut, every k-th where they would overlap."
+    names = [n[:-len('.weight')] if n.endswith('.weight') else n for n in names]
+    pre, short = _short_names(names)
+    step = max(1, math.ceil(len(names) * 0.14 / max(ax.figure.get_figwidth() - 1.5, 1)))    # ~10 pt per label
+    ax.set_xticks(range(0, len(names), step), short[::step], rotation=90, fontsize=7)
+    ax.set_xlim(-0.6, len(names) - 0.4)
+    ax.set_xlabel(f"{len(names)} {what} in file order" + (f", one name in {step} shown" if step > 1 else '')
+                  + (f" (names without the prefix {pre!r})" if pre else ''), fontsize=8)
+
 # %% ../nbs/13_quantize_checkpoint.ipynb #fc4019fa
 def plot_report(report:Report, # from `quantize_checkpoint` or `report_error`
                 figsize=None, # default: width grows with the number of layers
@@ -299,12 +312,7 @@ def plot_report(report:Report, # from `quantize_checkpoint` or `report_error`
     handles = [Patch(facecolor=_style(f, l)[0], hatch=_style(f, l)[1], edgecolor='white', linewidth=0,
                      label=f"{l} ({sum(r['label'] == l and r['format'] == f for r in rows)})") for f, l in kinds]
     if handles: ax.legend(handles=handles, fontsize=8, loc='lower right')
-    pre, names = _short_names([r['name'] for r in rows])
-    step = max(1, math.ceil(len(rows) * 0.14 / max(fig.get_figwidth() - 1.5, 1)))    # ~10 pt per label
-    ax.set_xticks(range(0, len(rows), step), names[::step], rotation=90, fontsize=7)
-    ax.set_xlim(-0.6, len(rows) - 0.4)
-    ax.set_xlabel(f"{len(rows)} quantized layers in file order" + (f", every {step}th named" if step > 1 else '')
-                  + (f" (names without the prefix {pre!r})" if pre else ''), fontsize=8)
+    layer_ticks(ax, [r['name'] for r in rows], 'quantized layers')
     ax.set_ylabel('weight SQNR (dB)')
     t = report.totals
     sq = t.get('sqnr_db')

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import cquant   # registers the formats
 from .tensor import FORMATS, FormatSpec, QuantizedTensor, get_format, quantize, same_bits
 from .numerics import rotate
+from .convert import layer_ticks
 
 # %% auto #0
 __all__ = ['KITCHEN_LAYOUTS', 'fit_options', 'accepts', 'option_domain', 'normalize_options', 'error_numbers', 'sample_rows',
@@ -760,14 +761,6 @@ def layer_sqnr(source, # a path, state dict or `Checkpoint` (float weights with 
         rows.append(_layer_row(name, ref, fmt, label, a.options, a.numbers))
     return rows
 
-def _short_names(names:list) -> list:
-    "Layer names without their common prefix and a trailing '.weight'."
-    names = [n[:-7] if n.endswith('.weight') else n for n in names]
-    if len(names) < 2: return names
-    pre = os.path.commonprefix(names)
-    pre = pre[:pre.rfind('.') + 1]
-    return [n[len(pre):] or n for n in names]
-
 def plot_layer_sqnr(rows:list, # rows of `layer_sqnr`
                     title:str='SQNR per layer', # figure title
                     by:str='format', # colour by 'format', or by 'label' (a policy's labels: INT8, INT8 ConvRot, W4A4, ...)
@@ -788,7 +781,7 @@ def plot_layer_sqnr(rows:list, # rows of `layer_sqnr`
     ax.bar(range(len(rows)), vals, color=[color[key(r)] for r in rows], width=0.8)
     fl = [i for i, r in enumerate(rows) if r['format'] is None]
     if fl: ax.scatter(fl, [top] * len(fl), marker='v', color='0.5', s=18, zorder=3)
-    ax.set_xticks(range(len(rows)), _short_names([r['layer'] for r in rows]), rotation=90, fontsize=6)
+    layer_ticks(ax, [r['layer'] for r in rows])
     ax.set_ylim(0, top * 1.04); ax.set_ylabel('SQNR (dB)'); ax.grid(axis='y', alpha=0.3)
     def bits(k):
         b = [(r['bits_per_weight'], r['numel']) for r in rows if key(r) == k and r['format'] is not None and math.isfinite(r['bits_per_weight'])]
