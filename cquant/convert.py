@@ -311,14 +311,15 @@ def plot_report(report:Report, # from `quantize_checkpoint` or `report_error`
                    key=lambda k: (order.index(k[0]) if k[0] in order else len(order), _style(*k)[1], k[1]))
     handles = [Patch(facecolor=_style(f, l)[0], hatch=_style(f, l)[1], edgecolor='white', linewidth=0,
                      label=f"{l} ({sum(r['label'] == l and r['format'] == f for r in rows)})") for f, l in kinds]
-    if handles: ax.legend(handles=handles, fontsize=8, loc='lower right')
+    if handles: ax.legend(handles=handles, fontsize=8, ncol=min(4, len(handles)), loc='lower left',
+                          bbox_to_anchor=(0, 1.0), frameon=False)   # above the bars, never on them
     layer_ticks(ax, [r['name'] for r in rows], 'quantized layers')
     ax.set_ylabel('weight SQNR (dB)')
     t = report.totals
     sq = t.get('sqnr_db')
     ax.set_title(f"{os.path.basename(report.dst)}: {t.get('quantized', len(rows))} layers quantized, "
                  f"{_fmt_bytes(t.get('bytes_before', 0))} -> {_fmt_bytes(t.get('bytes_after', 0))}, "
-                 + (f"aggregate SQNR {sq:.1f} dB" if sq is not None else 'SQNR not measured'), fontsize=9)
+                 + (f"aggregate SQNR {sq:.1f} dB" if sq is not None else 'SQNR not measured'), fontsize=9, pad=20)
     fig.tight_layout()
     return fig
 
