@@ -11,17 +11,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 import torch
-from .tensor import (FORMATS, FormatSpec, QuantFormatError, QuantizedTensor, decode_json, encode_json,
+from .tensor import (FORMATS, FormatSpec, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
                            get_format, load_quantized)
 
 # %% auto #0
 __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'LEGACY_QMETA', 'LEGACY_MARKER', 'ATTENTION_KEY',
-           'ATTENTION_METHODS', 'COMFY_UNREAD', 'CheckpointError', 'CheckpointWarning', 'TensorInfo', 'read_header',
-           'convert_legacy', 'Checkpoint', 'open_checkpoint', 'AttentionChoice', 'attention_entries',
-           'encode_attention', 'decode_attention', 'select_attention', 'attention_available', 'sol_applicable',
-           'split_key', 'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'save_file', 'comfy_unread',
-           'load_file', 'inspect_checkpoint', 'size_ratio', 'text_table', 'format_inspect', 'cmd_inspect',
-           'add_inspect_parser']
+           'ATTENTION_METHODS', 'CheckpointError', 'CheckpointWarning', 'TensorInfo', 'read_header', 'convert_legacy',
+           'Checkpoint', 'open_checkpoint', 'AttentionChoice', 'attention_entries', 'encode_attention',
+           'decode_attention', 'select_attention', 'attention_available', 'sol_applicable', 'split_key',
+           'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'save_file', 'comfy_unread', 'load_file',
+           'inspect_checkpoint', 'size_ratio', 'text_table', 'format_inspect', 'cmd_inspect', 'add_inspect_parser']
 
 # %% ../nbs/10_checkpoint.ipynb #750ad511
 class CheckpointError(QuantFormatError):
@@ -46,10 +45,10 @@ MAX_JSON_BYTES = 1 << 20         # largest comfy_quant / comfy_attention.config 
 ST_DTYPES = {'BOOL': ('bool', 8), 'U8': ('uint8', 8), 'I8': ('int8', 8), 'I16': ('int16', 16), 'U16': ('uint16', 16),
              'F16': ('float16', 16), 'BF16': ('bfloat16', 16), 'I32': ('int32', 32), 'U32': ('uint32', 32),
              'F32': ('float32', 32), 'F64': ('float64', 64), 'I64': ('int64', 64), 'U64': ('uint64', 64),
-             'C64': ('complex64', 64), 'F8_E4M3': ('float8_e4m3fn', 8), 'F8_E5M2': ('float8_e5m2', 8),
+             'C64': ('complex64', 64), 'F8_E4M3': (torch.float8_e4m3fn, 8), 'F8_E5M2': (torch.float8_e5m2, 8),
              'F8_E4M3FNUZ': ('float8_e4m3fnuz', 8), 'F8_E5M2FNUZ': ('float8_e5m2fnuz', 8),
              'F8_E8M0': ('float8_e8m0fnu', 8), 'F4': ('float4_e2m1fn_x2', 4)}
-ST_DTYPES = {k: (getattr(torch, d, None), b) for k, (d, b) in ST_DTYPES.items()}
+ST_DTYPES = {k: (getattr(torch, d, None) if isinstance(d, str) else d, b) for k, (d, b) in ST_DTYPES.items()}   # names: absent in older torch
 _TORCH_TO_ST = {d: k for k, (d, b) in ST_DTYPES.items() if d is not None}
 
 @dataclass(frozen=True)
@@ -466,8 +465,7 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
         return e
     e.config = cfg = _read_json(ck, keys['comfy_quant'])
     try:
-        if not isinstance(cfg, dict): raise QuantFormatError(f"'{p}comfy_quant': expected a JSON object, found {type(cfg).__name__} {str(cfg)[:60]}")
-        if 'format' not in cfg: raise QuantFormatError(f"'{p}comfy_quant': expected a \"format\" field, found keys {sorted(cfg)}")
+        check_comfy_quant(cfg, p)
         if not isinstance(cfg['format'], str): raise QuantFormatError(f"'{p}comfy_quant[\"format\"]': expected one of {sorted(FORMATS)}, found {type(cfg['format']).__name__} {str(cfg['format'])[:40]}")
         e.spec = spec = get_format(cfg['format'], p)
         e.options = spec.resolve(cfg, p)
@@ -654,11 +652,9 @@ def _umask() -> int:
     m = os.umask(0o22); os.umask(m); return m
 
 # %% ../nbs/10_checkpoint.ipynb #e9509aff
-COMFY_UNREAD = {'asym_w4a8_int8': ('weight_correction',)}   # format -> stored keys ComfyUI's loader never reads
-
 def comfy_unread(mods:Mapping) -> dict:
     "`{module: [keys]}` of the modules (`Checkpoint.modules()`) storing tensors ComfyUI's loader never reads."
-    out = {m: [k for k in COMFY_UNREAD.get(e.format, ()) if k in e.keys] for m, e in mods.items()}
+    out = {m: [k for k in getattr(FORMATS.get(e.format), 'comfy_unread', ()) if k in e.keys] for m, e in mods.items()}
     return {m: ks for m, ks in out.items() if ks}
 
 def _warn_comfy_unread(path, mods:Mapping):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse, ctypes, io, json, math, os, sys, tempfile, time, warnings
 from dataclasses import dataclass, field
 import torch
-from .tensor import FORMATS, QuantizedTensor, check_finite, encode_json, format_color, quantize, same_bits
+from .tensor import FORMATS, QuantizedTensor, check_finite, encode_json, format_color, get_format, quantize, same_bits
 from .checkpoint import (Checkpoint, CheckpointError, TensorInfo, open_checkpoint, save_file, split_key, scale_keys,
                                size_ratio, text_table, _fmt_bytes)
 from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, Plan, MODES, SELECTIONS, layer_source, dit_state_dict
@@ -19,11 +19,11 @@ from .calibrate import Calibration
 from .minilm import minilm_path, fetch_minilm
 
 # %% auto #0
-__all__ = ['ROW_INDEPENDENT', 'BLOCK_MIN', 'BLOCK_MAX', 'StreamingWriter', 'block_elems', 'row_blocks', 'quantize_rows', 'Report',
-           'layer_ticks', 'plot_report', 'check_writable', 'check_outputs', 'trim_heap', 'quantize_checkpoint',
-           'stored_quantized', 'report_error', 'convert_checkpoint', 'cmd_convert', 'add_convert_parser', 'preset_name',
-           'policy_from_args', 'cmd_quantize', 'add_quantize_parser', 'plan_table', 'cmd_plan', 'add_plan_parser',
-           'cmd_report', 'add_report_parser', 'demo', 'cmd_demo', 'add_demo_parser']
+__all__ = ['BLOCK_MIN', 'BLOCK_MAX', 'StreamingWriter', 'block_elems', 'row_blocks', 'quantize_rows', 'Report', 'layer_ticks',
+           'plot_report', 'check_writable', 'check_outputs', 'trim_heap', 'quantize_checkpoint', 'stored_quantized',
+           'report_error', 'convert_checkpoint', 'cmd_convert', 'add_convert_parser', 'preset_name', 'policy_from_args',
+           'cmd_quantize', 'add_quantize_parser', 'plan_table', 'cmd_plan', 'add_plan_parser', 'cmd_report',
+           'add_report_parser', 'demo', 'cmd_demo', 'add_demo_parser']
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #483822d9
 class _RowStream:
@@ -103,20 +103,10 @@ class StreamingWriter:
         if getattr(self, '_f', None) is not None: self.abort()
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #7afae215
-# formats whose stored tensors are all per output row, given the options: row blocks quantize bit-exactly.
-# format -> (applies(options), {key: how blocks assemble}): default concatenate along dim 0;
-# 'shared': the same tensor in every block (a fixed table); an int: concatenate along that dim.
-ROW_INDEPENDENT = {
-    'int8_tensorwise': (lambda o: bool(o.get('per_row') or o.get('convrot')), {}),
-    'convrot_w4a4': (lambda o: True, {}),
-    'asym_w4a8_int8': (lambda o: True, {'weight_codebook': 'shared', 'weight_correction': 1}),
-    'w6a8_int8': (lambda o: True, {}),
-}
-
-def _rowwise(fmt:str, options:dict) -> dict|None:
-    "The assembly rules if `fmt` with `options` quantizes row block by row block, else None."
-    applies, how = ROW_INDEPENDENT.get(fmt, (lambda o: False, {}))
-    return how if applies(options) else None
+def _rowwise(fmt, options:dict) -> dict|None:
+    "The format's row-block assembly rules (`FormatSpec.row_assembly`) if `fmt` with `options` quantizes row block by row block, else None."
+    spec = get_format(fmt)
+    return dict(spec.row_assembly) if spec.rows_independent(options) else None
 BLOCK_MIN, BLOCK_MAX = 1 << 20, 1 << 24     # elements per row block: 1/16 of the weight, within these bounds
 
 def block_elems(numel:int) -> int:

@@ -15,12 +15,13 @@ import cquant   # registers the formats
 from .tensor import FORMATS, FormatSpec, QuantizedTensor, get_format, quantize, same_bits
 from .numerics import rotate
 from .convert import layer_ticks
+from .modules import plan_entry
 
 # %% auto #0
-__all__ = ['KITCHEN_LAYOUTS', 'fit_options', 'accepts', 'option_domain', 'normalize_options', 'error_numbers', 'sample_rows',
-           'storage_bytes', 'variant_label', 'Analysis', 'analyze', 'BlockGrid', 'typical_block', 'block_grid',
-           'plot_values', 'plot_errors', 'block_error', 'plot_error_map', 'kitchen_numbers', 'format_variants',
-           'Comparison', 'compare_formats', 'plot_sqnr_bars', 'plot_convrot', 'LayerRef', 'weight_layers', 'layer_sqnr',
+__all__ = ['fit_options', 'accepts', 'option_domain', 'normalize_options', 'error_numbers', 'sample_rows', 'storage_bytes',
+           'variant_label', 'Analysis', 'analyze', 'BlockGrid', 'typical_block', 'block_grid', 'plot_values',
+           'plot_errors', 'block_error', 'plot_error_map', 'kitchen_numbers', 'format_variants', 'Comparison',
+           'compare_formats', 'plot_sqnr_bars', 'plot_convrot', 'LayerRef', 'weight_layers', 'layer_sqnr',
            'plot_layer_sqnr', 'default_layer', 'fewest_bits_format', 'Explorer', 'explore']
 
 # %% ../nbs/14_explore.ipynb #f5e3c071
@@ -329,7 +330,7 @@ def _analysis(x, fmt, opts:dict, max_elems) -> Analysis:
     if isinstance(x, Analysis):
         if fmt is not None or opts: raise ValueError("give either an Analysis or a tensor with fmt and options, not both")
         return x
-    if fmt is None: raise ValueError("a tensor needs a format: plot_...(w, 'nvfp4', ...)")
+    if fmt is None: raise ValueError("a tensor needs a format: plot_...(w, fmt, ...) with a registered format name")
     return analyze(x, fmt, max_elems=max_elems, **opts)
 
 def _new_fig(figsize, ax=None):
@@ -493,25 +494,6 @@ def plot_error_map(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
     return fig
 
 # %% ../nbs/14_explore.ipynb #78dff371
-def _codebook_kw(o:dict) -> dict:
-    cb = o.get('codebook', True)
-    return dict(codebook=True, codebook_tensor=cb) if isinstance(cb, torch.Tensor) else dict(codebook=bool(cb))
-
-KITCHEN_LAYOUTS = {   # Comfy format name -> (kitchen layout registry name, fn(resolved options) -> kitchen quantize kwargs)
-    'float8_e4m3fn': ('TensorCoreFP8Layout', lambda o: dict(dtype=torch.float8_e4m3fn)),
-    'float8_e5m2': ('TensorCoreFP8Layout', lambda o: dict(dtype=torch.float8_e5m2)),
-    'nvfp4': ('TensorCoreNVFP4Layout', lambda o: {}),
-    'mxfp8': ('TensorCoreMXFP8Layout', lambda o: {}),
-    'int8_tensorwise': ('TensorWiseINT8Layout', lambda o: dict(per_channel=bool(o.get('per_row') or o.get('convrot')),
-                        convrot=bool(o.get('convrot')), convrot_groupsize=o.get('convrot_groupsize', 256))),
-    'convrot_w4a4': ('TensorCoreConvRotW4A4Layout', lambda o: dict(convrot_groupsize=o.get('convrot_groupsize', 256),
-                     linear_dtype=o.get('linear_dtype', 'int4'))),
-    'asym_w4a8_int8': ('AsymW4A8Int8Layout', lambda o: dict(group_size=o.get('group_size', 16), convrot_groupsize=o.get('convrot_groupsize', 256),
-                       symmetric=o.get('symmetric', True), scale_search=o.get('scale_search', True), bits=4, **_codebook_kw(o))),
-    'w6a8_int8': ('AsymW4A8Int8Layout', lambda o: dict(group_size=o.get('group_size', 16), convrot_groupsize=o.get('convrot_groupsize', 256),
-                  scale_search=o.get('scale_search', True), codebook=False, bits=6)),
-}
-
 def _kitchen():
     try:
         import comfy_kitchen as ck
@@ -524,9 +506,9 @@ def kitchen_numbers(a:Analysis, # an analysis (kitchen quantizes the same rows)
                    ) -> dict: # kitchen_bytes, kitchen_same, kitchen_sqnr_db, kitchen_s (empty if no kitchen or no mapping)
     "Quantize `a`'s rows with comfy-kitchen's layout for the same format: its bytes, SQNR, time, and bit-identity with cquant."
     ck, KQT = _kitchen()
-    if ck is None or a.format not in KITCHEN_LAYOUTS: return {}
-    layout, kw = KITCHEN_LAYOUTS[a.format]
-    kw = kw(a.options)
+    k = get_format(a.format).kitchen(a.options)
+    if ck is None or k is None: return {}
+    layout, kw = k
     def q(x):
         with ck.use_backend('eager'): return KQT.from_float(x, layout, **kw)
     try:
@@ -717,14 +699,6 @@ def weight_layers(source, # a path, state dict or `Checkpoint`
             out[label] = LayerRef(tuple(i.shape), None, i.dtype, i.nbytes, lambda k=key: ck[k].float())
     return out
 
-def _decision(d) -> tuple:
-    "(format, options, label) of a plan entry: a format name, (format, options), None, or an object with .format/.options."
-    if d is None: return None, {}, 'float'
-    if isinstance(d, str): return d, {}, d
-    if isinstance(d, tuple): return d[0], dict(d[1]) if len(d) > 1 else {}, d[0]
-    fmt = getattr(d, 'format', None)
-    return fmt, dict(getattr(d, 'options', {}) or {}), getattr(d, 'label', None) or fmt or 'float'
-
 def _layer_row(name, ref:LayerRef, fmt, label, opts, n:dict) -> dict:
     spec = get_format(fmt) if fmt else None
     return dict(layer=name, shape=ref.shape, format=fmt, label=label, options=_short_opts(spec, spec.resolve(None, **opts)) if spec else {},
@@ -753,7 +727,7 @@ def layer_sqnr(source, # a path, state dict or `Checkpoint` (float weights with 
             rows.append(_layer_row(name, ref, ref.format, ref.format, {}, n)); continue
         if ref.format is not None: continue
         if isinstance(plan, str): fmt, opts, label = plan, {}, plan
-        elif name in plan or name + '.weight' in plan: fmt, opts, label = _decision(plan[name] if name in plan else plan[name + '.weight'])
+        elif name in plan or name + '.weight' in plan: fmt, opts, _, label = plan_entry(plan[name] if name in plan else plan[name + '.weight'], 'layer_sqnr')
         else: continue
         if fmt is not None and fit_options(fmt, ref.shape, **opts) is None: fmt, label = None, 'float (does not fit)'
         if fmt is None: rows.append(_layer_row(name, ref, None, label, {}, exact)); continue

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .numerics import FP8_DTYPES, FP16_MIN_NORMAL, fp8_max, absmax
+from .tensor import ScaleRule, nvidia_compute
 from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, round_stochastic
 
 # %% auto #0
@@ -103,6 +104,7 @@ def fp8_linear_fp32(xq:torch.Tensor, # activation: FP8 [M, K] (or any float [M, 
 class FP8Layout(Layout):
     "Per-tensor scaled FP8 (`float8_e4m3fn` / `float8_e5m2`); the FP8 dtype is the layout argument `fp8_dtype`."
     Params = FP8Params
+    MIN_SM_VERSION = (8, 9)     # comfy-kitchen's TensorCoreFP8Layout
 
     @classmethod
     def quantize(cls, w, stochastic_rounding=0, fp8_dtype=torch.float8_e4m3fn, scale=None):
@@ -143,12 +145,20 @@ class FP8Layout(Layout):
 _SCALE_OPTION = Option('scale', None, (float, int, torch.Tensor, type(None)),
                        doc='per-tensor scale; None = max|w| / fp8 max (kitchen\'s absmax)', stored=False)
 
+# rows decode from their own storage and the one scale (embeddings); ComfyUI: NVIDIA Ada+ with torch >= 2.3
+_FP8_FACTS = dict(row_gather=True, embedding=True, kitchen_layout='TensorCoreFP8Layout',
+                  native_compute=nvidia_compute(FP8Layout.MIN_SM_VERSION, (2, 3)))
+
 FP8_E4M3 = register_format(FormatSpec(
     'float8_e4m3fn', FP8Layout, torch.float8_e4m3fn, keys=('weight_scale',), extra_keys=('input_scale',),
     options=(_SCALE_OPTION,), quantize_input=True, layout_kwargs={'fp8_dtype': torch.float8_e4m3fn},
-    doc='FP8 E4M3 elements with one fp32 scale per tensor.', aliases=('fp8', 'e4m3', 'fp8_e4m3fn')))
+    doc='FP8 E4M3 elements with one fp32 scale per tensor.', aliases=('fp8', 'e4m3', 'fp8_e4m3fn'),
+    input_scale_rule=ScaleRule('amax / 448 (finfo(e4m3).max)', fp8_max(torch.float8_e4m3fn), torch.float8_e4m3fn),
+    kitchen_kwargs=lambda o: dict(dtype=torch.float8_e4m3fn), **_FP8_FACTS))
 
 FP8_E5M2 = register_format(FormatSpec(
     'float8_e5m2', FP8Layout, torch.float8_e5m2, keys=('weight_scale',), extra_keys=('input_scale',),
     options=(_SCALE_OPTION,), quantize_input=True, layout_kwargs={'fp8_dtype': torch.float8_e5m2},
-    doc='FP8 E5M2 elements with one fp32 scale per tensor.', aliases=('e5m2', 'fp8_e5m2')))
+    doc='FP8 E5M2 elements with one fp32 scale per tensor.', aliases=('e5m2', 'fp8_e5m2'),
+    input_scale_rule=ScaleRule('amax / 57344 (finfo(e5m2).max)', fp8_max(torch.float8_e5m2), torch.float8_e5m2),
+    kitchen_kwargs=lambda o: dict(dtype=torch.float8_e5m2), **_FP8_FACTS))

@@ -10,13 +10,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 import torch
+from .tensor import int8_compute
 from .tensor import (Params, Layout, Option, FormatSpec, register_format, format_error, check_2d,
                            round_stochastic)
 from .numerics import absmax, rotate, FP16_MIN_NORMAL, SCALE_DTYPES, is_power_of_4
 
 # %% auto #0
 __all__ = ['INT8_TENSORWISE', 'quantize_int8', 'quantize_rows_int8', 'dequantize_int8', 'quantize_int8_convrot',
-           'dequantize_int8_convrot', 'int_mm', 'int8_linear', 'Int8Params', 'Int8Layout']
+           'dequantize_int8_convrot', 'int_mm', 'int8_linear', 'Int8Params', 'Int8Layout', 'int8_per_row']
 
 # %% ../nbs/05_int8.ipynb #844500d8
 def _requantize_subnormal_rows(w, q, scale, convrot, group, stochastic_rounding):
@@ -226,6 +227,7 @@ class Int8Params(Params):
 class Int8Layout(Layout):
     "Storage layout of `int8_tensorwise`: int8 [N, K] + fp32 scale, optional ConvRot."
     Params = Int8Params
+    MIN_SM_VERSION = (7, 5)     # comfy-kitchen's TensorWiseINT8Layout
 
     @classmethod
     def check_shape(cls, shape, opts, prefix=''):
@@ -282,10 +284,25 @@ class Int8Layout(Layout):
         if params.convrot: x = rotate(x.reshape(-1, x.shape[-1]), params.convrot_groupsize, torch.float32, as_weight=True).reshape(x.shape)
         return x if dtype == torch.float32 else x.to(dtype)
 
+def int8_per_row(opts:dict) -> bool:
+    "The per-row rule: one scale per output row with `per_row` or `convrot` (ConvRot implies per-row)."
+    return bool(opts.get('per_row') or opts.get('convrot'))
+
+def _int8_flat_banks(opts:dict, tensors:dict|None=None) -> bool:
+    "ComfyUI keeps per-row INT8 banks as rows: per the options when quantizing, a 3-D [E, N, 1] scale when loading."
+    if tensors is None: return int8_per_row(opts)
+    return tensors.get('weight_scale') is not None and tensors['weight_scale'].dim() == 3
+
 INT8_TENSORWISE = register_format(FormatSpec(
     'int8_tensorwise', Int8Layout, torch.int8, keys=('weight_scale',),
     options=(Option('per_row', False, bool, 'one scale per output row ([N, 1]) instead of one per tensor', stored=False),
              Option('convrot', False, bool, 'ConvRot: Hadamard-rotate groups of input features first (implies per_row)', write='non_default'),
              Option('convrot_groupsize', 256, int, 'ConvRot group: a power of 4 dividing K', write=lambda o: bool(o['convrot']))),
     quantize_input=False, extra_keys=(), aliases=('int8', 'int8_convrot', 'w8a8'),
-    doc='Symmetric absmax INT8, tensor-wise or per-row scale, optional ConvRot; per-token INT8 activations in the linear.'))
+    doc='Symmetric absmax INT8, tensor-wise or per-row scale, optional ConvRot; per-token INT8 activations in the linear.',
+    row_gather=True, embedding=True, row_independent=int8_per_row, flat_banks=_int8_flat_banks,
+    kitchen_layout='TensorWiseINT8Layout', native_compute=int8_compute,
+    kitchen_kwargs=lambda o: dict(per_channel=int8_per_row(o), convrot=bool(o.get('convrot')),
+                                  convrot_groupsize=o.get('convrot_groupsize', 256)),
+    study_variants=(('int8_per_row', {'per_row': True}),
+                    *((f'int8_convrot{g}', {'convrot': True, 'convrot_groupsize': g}) for g in (16, 64, 256)))))

@@ -10,16 +10,15 @@ import math, warnings, zlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .tensor import (QuantFormatError, QuantizedTensor, decode_json, encode_json, format_error, get_format,
-                           load_quantized, module_prefix, quantize)
+from .tensor import (FORMATS, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
+                           format_error, get_format, load_quantized, module_prefix, quantize)
 
 # %% auto #0
-__all__ = ['FPMM', 'INT8_FAMILY', 'ROW_FORMATS', 'EMBEDDING_FORMATS', 'FLAT_FORMATS', 'MOE_DIT', 'read_comfy_quant',
-           'comfy_config', 'comfy_disabled_formats', 'select_rows', 'dequantize_rows', 'QuantModule', 'QuantLinear',
-           'QuantEmbedding', 'split_bank', 'expert_tensors', 'QuantMoEExperts', 'quantized_names', 'quant_module',
-           'set_quant_compute', 'LoadKeysError', 'LoadKeysWarning', 'key_report', 'load_quantized_model',
-           'quantize_model', 'uniform_plan', 'string_to_seed', 'requantize_options', 'lora_delta', 'apply_lora',
-           'unpatch', 'bank_from_linears', 'BankMoE', 'moe_dit_model']
+__all__ = ['FPMM', 'MOE_DIT', 'read_comfy_quant', 'comfy_config', 'comfy_disabled_formats', 'select_rows', 'dequantize_rows',
+           'QuantModule', 'QuantLinear', 'QuantEmbedding', 'split_bank', 'expert_tensors', 'QuantMoEExperts',
+           'quantized_names', 'quant_module', 'set_quant_compute', 'LoadKeysError', 'LoadKeysWarning', 'key_report',
+           'load_quantized_model', 'plan_entry', 'quantize_model', 'uniform_plan', 'string_to_seed',
+           'requantize_options', 'lora_delta', 'apply_lora', 'unpatch', 'bank_from_linears', 'BankMoE', 'moe_dit_model']
 
 # %% ../nbs/11_modules.ipynb #fcf8f0f6
 FPMM = 'full_precision_matrix_mult'
@@ -30,10 +29,7 @@ def read_comfy_quant(sd:dict, # a state dict (or any mapping of tensors)
     "The decoded `<prefix>comfy_quant` of `sd`: a JSON object with a `format` (errors name the key)."
     prefix = module_prefix(prefix)
     key = prefix + 'comfy_quant'
-    cfg = decode_json(sd[key], key)
-    if not isinstance(cfg, dict): raise format_error(prefix, 'comfy_quant', 'a JSON object', f'{type(cfg).__name__} {str(cfg)[:60]}')
-    if 'format' not in cfg: raise format_error(prefix, 'comfy_quant', 'a "format" field', f'keys {sorted(cfg)}')
-    return cfg
+    return check_comfy_quant(decode_json(sd[key], key), prefix)
 
 def _nested(cfg:dict) -> dict: return cfg['params'] if isinstance(cfg.get('params'), dict) else {}
 
@@ -56,31 +52,13 @@ def comfy_config(qt:QuantizedTensor, # the quantized weight
     return cfg
 
 # %% ../nbs/11_modules.ipynb #b2dfec52
-INT8_FAMILY = ('int8_tensorwise', 'convrot_w4a4', 'asym_w4a8_int8', 'w6a8_int8')
-
-def _torch_version() -> tuple:
-    return tuple(int(''.join(c for c in p if c.isdigit()) or 0) for p in torch.__version__.split('+')[0].split('.')[:2])
-
 def comfy_disabled_formats(device=None, # a torch device (default: CPU)
                           ) -> frozenset: # format names computed dequantized on that device
-    "The formats ComfyUI computes dequantized on `device` because it has no native kernel there."
+    "The formats ComfyUI computes dequantized on `device` because it has no native kernel there (each format's `native_compute`)."
     dev = torch.device(device) if device is not None else torch.device('cpu')
-    fp8 = nv = mx = False
-    int8 = True
-    if dev.type == 'cuda' and torch.cuda.is_available() and torch.version.cuda is not None:   # NVIDIA
-        cc = torch.cuda.get_device_capability(dev)
-        fp8, nv = cc >= (8, 9) and _torch_version() >= (2, 3), cc[0] >= 10
-        mx = nv and _torch_version() >= (2, 10)
-    elif dev.type in ('xpu', 'privateuseone') or (dev.type == 'mps' and _torch_version() < (2, 15)): int8 = False
-    off = set()
-    if not nv: off.add('nvfp4')
-    if not mx: off.add('mxfp8')
-    if not fp8: off.update(('float8_e4m3fn', 'float8_e5m2'))
-    if not int8: off.update(INT8_FAMILY)
-    return frozenset(off)
+    return frozenset(n for n, s in FORMATS.items() if not s.native_on(dev))
 
 # %% ../nbs/11_modules.ipynb #6078f674
-ROW_FORMATS = ('float8_e4m3fn', 'float8_e5m2', 'int8_tensorwise')   # rows decode from their own storage and scales
 _SHARED_KEYS = ('weight_codebook',)                                   # never per row, whatever their length
 _ROW_DIM = {'weight_correction': 1}                                   # stored transposed: [K/G, N]
 
@@ -90,6 +68,10 @@ def _is_per_row(k:str, t:torch.Tensor, n:int) -> bool:
     "Whether file tensor `k` has one entry per storage row (of `n`)."
     d = _row_dim(k)
     return k == 'weight' or (k not in _SHARED_KEYS and t.dim() > d and t.shape[d] == n)
+
+def _flagged(fact:str) -> list:
+    "The registered formats whose `FormatSpec` sets `fact` (for messages)."
+    return [n for n, s in FORMATS.items() if getattr(s, fact)]
 
 def select_rows(tensors:dict, # file tensors of one module: {'weight': ..., 'weight_scale': ...}
                 rows, # an index tensor or a slice over storage rows
@@ -107,8 +89,8 @@ def dequantize_rows(qt:QuantizedTensor, # a 2-D [V, D] table in a row-separable 
     "Dequantize only the rows `idx` of `qt`, each distinct row once."
     dtype = dtype or qt.dtype
     if hasattr(qt.layout, 'dequantize_rows'): return qt.layout.dequantize_rows(qt.qdata, qt.params, idx, dtype)
-    if qt.format not in ROW_FORMATS or qt.dim() != 2 or qt._transposed:
-        raise format_error('', 'weight', f'a 2-D weight in a row-separable format {list(ROW_FORMATS)}', f'{qt.format} of shape {tuple(qt.shape)}')
+    if not qt._spec.row_gather or qt.dim() != 2 or qt._transposed:
+        raise format_error('', 'weight', f'a 2-D weight in a row-separable format {_flagged("row_gather")}', f'{qt.format} of shape {tuple(qt.shape)}')
     if idx.is_floating_point() or idx.is_complex(): raise TypeError(f"dequantize_rows: indices must be integers, got {idx.dtype}")
     V, D = qt.shape
     flat = idx.reshape(-1).to(device=qt.qdata.device, dtype=torch.long)
@@ -125,9 +107,14 @@ def _qparam(qt:QuantizedTensor) -> nn.Parameter: return nn.Parameter(qt, require
 class QuantModule(nn.Module):
     "Base of the quantized modules: loading/saving Comfy state dicts, compute flags, device moves."
     _extra_keys: tuple = ()            # activation tensors the module loads (Linear: input_scale, pre_quant_scale)
-    _formats: tuple|None = None        # formats it accepts (None: every registered one)
+    _fact: str|None = None             # the FormatSpec flag a format needs here (None: every registered format)
     _top_level_only: bool = False      # options only from the top level of comfy_quant (embeddings)
     _default_scale: bool = False       # a missing scale tensor defaults to a scalar 1.0 (embeddings)
+
+    def _check_format(self, spec, prefix:str, key:str):
+        "Raise unless this module accepts format `spec` (its `_fact` flag)."
+        if self._fact is None or getattr(spec, self._fact): return
+        raise format_error(prefix, key, f'one of {_flagged(self._fact)} for {type(self).__name__}', repr(spec.name))
 
     def _init_quant(self):
         self.full_precision_mm = False          # user switch: always dequantize and compute in float
@@ -209,8 +196,7 @@ class QuantModule(nn.Module):
             return load(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         cfg = read_comfy_quant(state_dict, prefix)
         spec = get_format(cfg['format'], prefix)
-        if self._formats is not None and spec.name not in self._formats:
-            raise format_error(prefix, 'comfy_quant["format"]', f'one of {list(self._formats)} for {type(self).__name__}', repr(spec.name))
+        self._check_format(spec, prefix, 'comfy_quant["format"]')
         consumed = {ckey} | {prefix + k for k in spec.weight_keys if prefix + k in state_dict}
         loaded = wkey in state_dict
         if loaded:
@@ -249,8 +235,7 @@ class QuantModule(nn.Module):
         w = self._parameters.get('weight')
         if isinstance(w, QuantizedTensor): raise ValueError(f"{self.key or type(self).__name__}: the weight is already quantized ({w.format})")
         spec = get_format(fmt, caller=f'{type(self).__name__}.quantize_')
-        if self._formats is not None and spec.name not in self._formats:
-            raise format_error('', f'{self.key or "weight"} format', f'one of {list(self._formats)} for {type(self).__name__}', repr(spec.name))
+        self._check_format(spec, '', f'{self.key or "weight"} format')
         self.weight = _qparam(quantize(w.detach(), spec, stochastic_rounding=stochastic_rounding, name=self.key or 'weight', **options))
         self._fpmm_config, self._explicit = bool(full_precision_matrix_mult), ()
         return self
@@ -291,11 +276,9 @@ class QuantLinear(QuantModule):
         return f'in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, format={self.format}'
 
 # %% ../nbs/11_modules.ipynb #6dd18e13
-EMBEDDING_FORMATS = ROW_FORMATS
-
 class QuantEmbedding(QuantModule):
     "An Embedding whose table may be quantized (fp8 or int8, per-row scales, rotation); a lookup decodes only its rows."
-    _formats, _top_level_only, _default_scale = EMBEDDING_FORMATS, True, True
+    _fact, _top_level_only, _default_scale = 'embedding', True, True
 
     def __init__(self, num_embeddings:int, embedding_dim:int, padding_idx:int|None=None, max_norm=None, norm_type:float=2.0,
                  scale_grad_by_freq:bool=False, sparse:bool=False, device=None, dtype=None):
@@ -336,14 +319,11 @@ class QuantEmbedding(QuantModule):
         return f'{self.num_embeddings}, {self.embedding_dim}{pad}, format={self.format}'
 
 # %% ../nbs/11_modules.ipynb #bc4cdadc
-FLAT_FORMATS = ('asym_w4a8_int8', 'w6a8_int8')       # grouped formats: banks stored as [E*N, ...] rows
 _FLATTEN_KEYS = ('weight', 'weight_scale', 'weight_s_rel', 'weight_s_channel')
 
-def _is_flat(spec, tensors:dict) -> bool:
-    "ComfyUI's rule: grouped formats and per-row INT8 (a 3-D scale) keep the bank as rows; a 2-D weight already is."
-    if tensors['weight'].dim() == 2: return True
-    s = tensors.get('weight_scale')
-    return spec.name in FLAT_FORMATS or (spec.name == 'int8_tensorwise' and s is not None and s.dim() == 3)
+def _is_flat(spec, config:dict, tensors:dict) -> bool:
+    "ComfyUI's rule (the format's `flat_banks`): grouped formats and per-row INT8 keep the bank as rows; a 2-D weight already is."
+    return tensors['weight'].dim() == 2 or spec.bank_is_flat(config, tensors)
 
 def split_bank(tensors:dict, # the bank's file tensors, keys relative to the module ('weight', 'weight_scale', ...)
                config:dict, # its comfy_quant
@@ -368,7 +348,7 @@ def expert_tensors(tensors:dict, # the bank's file tensors, keys relative to the
     "How a bank splits into experts: checks E against the leading dim (or the E*rows of a flat bank); `take(i)` gives expert i's tensors."
     spec, E = get_format(config['format'], prefix), num_experts
     w = tensors['weight']
-    flat = _is_flat(spec, tensors)
+    flat = _is_flat(spec, config, tensors)
     if flat:
         if w.dim() == 3:
             if w.shape[0] != E: raise format_error(prefix, 'weight', f'a bank of {E} experts, [{E}, ...] or [{E}*rows, ...]', f'shape {tuple(w.shape)}')
@@ -491,9 +471,9 @@ class QuantMoEExperts(QuantModule):
         if self.experts is not None: raise ValueError(f"{self.key or 'QuantMoEExperts'}: the bank is already quantized ({self.format})")
         spec, W, name = get_format(fmt, caller='QuantMoEExperts.quantize_'), self.weight.detach(), self.key or 'weight'
         E, N, K = W.shape
-        flat = spec.name in FLAT_FORMATS or (spec.name == 'int8_tensorwise' and bool(options.get('per_row') or options.get('convrot')))
-        if shared_scale and (spec.name not in ROW_FORMATS or flat):
-            raise format_error('', f'{name} option shared_scale', f'a tensor-wise format of {list(ROW_FORMATS)}', f'{spec.name} {options}')
+        flat = spec.bank_is_flat(options)
+        if shared_scale and (not spec.row_gather or flat):
+            raise format_error('', f'{name} option shared_scale', f'a tensor-wise format of {_flagged("row_gather")}', f'{spec.name} {options}')
         if flat or shared_scale:     # rows quantize independently: the bank as one [E*N, K] tensor (one codebook, one shared scale)
             qt = quantize(W.reshape(E * N, K), spec, stochastic_rounding=stochastic_rounding, name=name, **options)
             experts, _, shared = split_bank(qt.state_dict(''), qt.config, E, (N, K), W.dtype)
@@ -598,17 +578,20 @@ def load_quantized_model(model:nn.Module, # a model; its Linear/Embedding module
     if msg: warnings.warn(msg, LoadKeysWarning, stacklevel=2)
     return model
 
-def _decision(d) -> tuple:
-    "(format or None, options, full precision) of a plan entry."
-    if d is None or isinstance(d, str): return d, {}, False
-    if isinstance(d, tuple) and len(d) == 2: fmt, opts, cfg = d[0], dict(d[1] or {}), {}
+def plan_entry(d, # a format name, (format, options), a comfy_quant dict, a Decision (.format/.options/.config/.label) or None
+               caller:str='quantize_model', # named in errors
+              ) -> tuple: # (format name or None, options, full precision, label)
+    "The one normaliser of a plan entry, for every consumer of plans (quantize_model, calibrate, the explorer)."
+    label = getattr(d, 'label', None) if not isinstance(d, (str, tuple, dict, type(None))) else None
+    if d is None or isinstance(d, str): fmt, opts, cfg = d, {}, {}
+    elif isinstance(d, tuple) and len(d) in (1, 2): fmt, opts, cfg = d[0], dict((d[1] if len(d) == 2 else None) or {}), {}
     elif isinstance(d, dict): fmt, opts, cfg = d.get('format'), {}, d
     elif hasattr(d, 'format'): fmt, opts, cfg = d.format, dict(getattr(d, 'options', None) or {}), dict(getattr(d, 'config', None) or {})
-    else: raise TypeError(f"plan entry: expected a format name, (format, options), a comfy_quant dict or a Decision, got {d!r}")
-    if fmt is None: return None, {}, False
-    spec = get_format(fmt, caller='quantize_model: plan entry')
+    else: raise TypeError(f"{caller}: plan entry: expected a format name, (format, options), a comfy_quant dict or a Decision, got {d!r}")
+    if fmt is None: return None, {}, False, label or 'float'
+    spec = get_format(fmt, caller=f'{caller}: plan entry')
     if not opts and cfg: opts = {k: v for k, v in {**_nested(cfg), **cfg}.items() if k in spec.option_names}
-    return spec.name, opts, bool(opts.pop(FPMM, False) or _file_value(cfg, FPMM))
+    return spec.name, opts, bool(opts.pop(FPMM, False) or _file_value(cfg, FPMM)), label or spec.name
 
 def quantize_model(model:nn.Module, # a float model, quantized in place
                    plan, # {module name: format | (format, options) | comfy_quant dict | Decision | None}
@@ -616,7 +599,7 @@ def quantize_model(model:nn.Module, # a float model, quantized in place
                    calibration=None, # a `cquant.calibrate.Calibration`, batches for `model`, or {layer: inputs}
                   ) -> nn.Module:
     "Quantize the modules `plan` names (nn.Linear, nn.Embedding, QuantMoEExperts), swapping in quantized versions."
-    plan = {(k[:-len('.weight')] if k.endswith('.weight') else k): _decision(d) for k, d in dict(plan).items()}
+    plan = {(k[:-len('.weight')] if k.endswith('.weight') else k): plan_entry(d)[:3] for k, d in dict(plan).items()}
     if calibration is not None:
         from cquant.calibrate import Calibration
         calibration = Calibration.of(calibration).prepare(model, {k: d[0] for k, d in plan.items() if d[0] is not None})
@@ -647,7 +630,7 @@ def uniform_plan(model:nn.Module, # a float model
     plan = {}
     for name, m in model.named_modules():
         if not name or any(s in name for s in skip) or not isinstance(m, (nn.Linear, nn.Embedding, QuantModule)): continue
-        if isinstance(m, (nn.Embedding, QuantEmbedding)) and spec.name not in EMBEDDING_FORMATS: continue
+        if isinstance(m, (nn.Embedding, QuantEmbedding)) and not spec.embedding: continue
         w = m.weight if getattr(m, 'weight', None) is not None else m.expert_weight(0)
         try: spec.layout.check_shape(tuple(w.shape[-2:]), opts, name + '.')
         except QuantFormatError: continue

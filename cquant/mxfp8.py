@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .numerics import absmax, e8m0_encode, e8m0_decode, to_blocked, from_blocked, pad_to_multiple, round_up
+from .tensor import nvidia_compute
 from .tensor import Params, Layout, FormatSpec, register_format, format_error, check_2d
 from .fp8 import round_to_fp8, fp8_linear_fp32
 
@@ -104,6 +105,7 @@ def mxfp8_linear(x:torch.Tensor, # activation [..., K] (fp32, bf16 or fp16)
 class MXFP8Layout(Layout):
     "MXFP8: e4m3 elements padded to 32x32, one swizzled E8M0 exponent per 32 elements along K."
     Params = MXFP8Params
+    MIN_SM_VERSION = (10, 0)     # comfy-kitchen's TensorCoreMXFP8Layout
 
     @classmethod
     def quantize(cls, w, stochastic_rounding=0):
@@ -145,7 +147,9 @@ class MXFP8Layout(Layout):
 MXFP8 = register_format(FormatSpec(
     'mxfp8', MXFP8Layout, torch.float8_e4m3fn, keys=('weight_scale',), extra_keys=('input_scale',),
     group_size=MXFP8_BLOCK, quantize_input=True,
-    doc='e4m3 elements with one E8M0 (power-of-two) scale per 32 elements along K; padded to 32x32.'))
+    doc='e4m3 elements with one E8M0 (power-of-two) scale per 32 elements along K; padded to 32x32.',
+    dynamic_reason='mxfp8 quantizes activations dynamically (its linear ignores input_scale)',
+    kitchen_layout='TensorCoreMXFP8Layout', native_compute=nvidia_compute(MXFP8Layout.MIN_SM_VERSION, (2, 10))))
 
 # %% ../nbs/04_mxfp8.ipynb #827066e1
 def plot_block_exponents(qt, # an mxfp8 QuantizedTensor

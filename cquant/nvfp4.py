@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .numerics import (E2M1_VALUES, FP16_MIN_NORMAL, round_up, absmax, cast_fp8, e2m1_encode, e2m1_decode, pack_nibbles,
                              unpack_nibbles, pad_to_multiple, to_blocked, from_blocked)
+from .tensor import ScaleRule, nvidia_compute
 from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, check_2d, round_stochastic
 
 # %% auto #0
@@ -148,6 +149,7 @@ class NVFP4Params(Params):
 class NVFP4Layout(Layout):
     "E2M1 codes packed hi-first, e4m3 block scales per 16 (swizzled), fp32 global scale; rows/cols padded to 16."
     Params = NVFP4Params
+    MIN_SM_VERSION = (10, 0)     # comfy-kitchen's TensorCoreNVFP4Layout
 
     @classmethod
     def quantize(cls, w, stochastic_rounding=0, scale=None):
@@ -221,4 +223,6 @@ NVFP4 = register_format(FormatSpec(
     options=(Option('scale', None, (float, int, type(None)), stored=False,
                     doc='global scale (weight_scale_2); None = amax(|w|)/(448*6) in the weight dtype'),),
     group_size=_GROUP, quantize_input=True,
-    doc='NVFP4: E2M1 codes in blocks of 16 with e4m3 block scales (swizzled) and an fp32 global scale.'))
+    doc='NVFP4: E2M1 codes in blocks of 16 with e4m3 block scales (swizzled) and an fp32 global scale.',
+    input_scale_rule=ScaleRule('amax / (448 * 6): the global activation scale', 448 * 6), smoothing=True,
+    kitchen_layout='TensorCoreNVFP4Layout', native_compute=nvidia_compute(NVFP4Layout.MIN_SM_VERSION)))

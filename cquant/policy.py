@@ -15,6 +15,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .tensor import FORMATS, FormatSpec, QuantFormatError, QuantizedTensor, get_format, quantize
+from .fp8 import FP8_E4M3
+from .nvfp4 import NVFP4
+from .mxfp8 import MXFP8
+from .int8 import INT8_TENSORWISE
+from .w4a4 import CONVROT_W4A4
+from .w4a8 import ASYM_W4A8_INT8
 from .checkpoint import Checkpoint, open_checkpoint
 
 # %% auto #0
@@ -212,13 +218,14 @@ class Choice:
 
 def _choice(label, fmt, **opts) -> Choice: return Choice(label, fmt, tuple(sorted(opts.items())))
 
-_INT8 = _choice('INT8', 'int8_tensorwise', per_row=True)
-_INT8_CONVROT = _choice('INT8 ConvRot', 'int8_tensorwise', convrot=True, convrot_groupsize=256)
-_W4A4 = _choice('W4A4', 'convrot_w4a4', convrot_groupsize=256)
-_W4A8 = _choice('W4A8', 'asym_w4a8_int8', group_size=16, convrot_groupsize=256)
-_FP8 = _choice('FP8', 'float8_e4m3fn')
-_NVFP4 = _choice('NVFP4', 'nvfp4')
-_MXFP8 = _choice('MXFP8', 'mxfp8')
+# the choices name their formats through the declarations (data, never a name test)
+_INT8 = _choice('INT8', INT8_TENSORWISE.name, per_row=True)
+_INT8_CONVROT = _choice('INT8 ConvRot', INT8_TENSORWISE.name, convrot=True, convrot_groupsize=256)
+_W4A4 = _choice('W4A4', CONVROT_W4A4.name, convrot_groupsize=256)
+_W4A8 = _choice('W4A8', ASYM_W4A8_INT8.name, group_size=16, convrot_groupsize=256)
+_FP8 = _choice('FP8', FP8_E4M3.name)
+_NVFP4 = _choice('NVFP4', NVFP4.name)
+_MXFP8 = _choice('MXFP8', MXFP8.name)
 CHOICES = {c.label: c for c in (_INT8, _INT8_CONVROT, _W4A4, _W4A8, _FP8, _NVFP4, _MXFP8)}   # by label
 
 @dataclass(frozen=True)

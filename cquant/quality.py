@@ -16,14 +16,8 @@ __all__ = ['default_variants', 'format_table', 'rows_markdown', 'plot_format_sqn
 
 # %% ../nbs/09_format_quality.ipynb #6a067286
 def default_variants() -> list: # [(label, format, options)]
-    "One variant per registered format with default options, plus int8 per-row and ConvRot (groups 16, 64, 256)."
-    out = []
-    for name in FORMATS:
-        out.append((name, name, {}))
-        if name == 'int8_tensorwise':
-            out.append(('int8_per_row', name, {'per_row': True}))
-            out += [(f'int8_convrot{g}', name, {'convrot': True, 'convrot_groupsize': g}) for g in (16, 64, 256)]
-    return out
+    "One variant per registered format with default options, plus each format's `study_variants` (int8 per-row and ConvRot 16, 64, 256)."
+    return [v for name, spec in FORMATS.items() for v in [(name, name, {})] + [(l, name, dict(o)) for l, o in spec.study_variants]]
 
 def _variants(formats, options:dict) -> list:
     "Normalise `formats` (None, names or (label, format, options) triples) and spread `options` to the formats that declare them."

@@ -15,8 +15,9 @@ import torch
 __all__ = ['log', 'FAST_PATH_OPS', 'FAST_PATHS', 'FORMATS', 'aten', 'GENERIC_OPS', 'LAYOUT_OPS', 'QuantFormatError',
            'format_error', 'check_2d', 'same_bits', 'test_bits', 'encode_json', 'decode_json', 'Option', 'Params',
            'Layout', 'register_fast_path', 'remove_fast_paths', 'layout_op', 'FormatSpec', 'register_format',
-           'get_format', 'QuantizedTensor', 'implements', 'check_finite', 'round_stochastic', 'quantize',
-           'module_prefix', 'load_quantized', 'format_color']
+           'ScaleRule', 'torch_version', 'nvidia_compute', 'int8_compute', 'get_format', 'QuantizedTensor',
+           'implements', 'check_finite', 'round_stochastic', 'quantize', 'module_prefix', 'check_comfy_quant',
+           'load_quantized', 'format_color']
 
 # %% ../nbs/01_tensor.ipynb #464385b5
 log = logging.getLogger("cquant")
@@ -126,6 +127,7 @@ class Params:
 class Layout:
     "Base of a storage layout: classmethods over `(qdata, params)`; see the table above."
     Params = Params
+    MIN_SM_VERSION: tuple|None = None     # CUDA capability of the native kernel (comfy-kitchen's value for this layout)
 
     @classmethod
     def quantize(cls, w:torch.Tensor, **opts): raise NotImplementedError
@@ -192,6 +194,19 @@ class FormatSpec:
     layout_kwargs: dict = field(default_factory=dict)
     doc: str = ''
     aliases: tuple = ()                 # other names people pass (policy modes, short names): errors suggest this format
+    row_gather: bool = False            # a gather of storage rows and their scales dequantizes those rows exactly
+    embedding: bool = False             # an Embedding table may use it (ComfyUI's quantized embedding)
+    row_independent: Any = False        # bool or hook(options) -> bool: each output row quantizes from itself alone
+    row_assembly: dict = field(default_factory=dict)   # row blocks join per key: 'shared' or the concat dim (default 0)
+    flat_banks: Any = False             # bool or hook(options, tensors|None) -> bool: MoE banks stored as [E*N, ...] rows
+    input_scale_rule: Any = None        # a `ScaleRule`: clip -> calibrated input_scale (None: none)
+    dynamic_reason: str = ''            # why activations stay dynamic although `input_scale` is loaded
+    smoothing: bool = False             # cquant searches a SmoothQuant pre_quant_scale for it
+    kitchen_layout: str|None = None     # comfy-kitchen's layout registry name
+    kitchen_kwargs: Any = None          # hook(options) -> comfy-kitchen quantize kwargs
+    native_compute: Any = None          # hook(device) -> bool: ComfyUI computes it natively there (None: never)
+    study_variants: tuple = ()          # extra ((label, options), ...) the quality studies compare
+    comfy_unread: tuple = ()            # stored keys ComfyUI's loader never reads
 
     @property
     def option_names(self) -> tuple: return tuple(o.name for o in self.options)
@@ -228,6 +243,23 @@ class FormatSpec:
         "The `comfy_quant` dict a writer emits for resolved options `opts` (ComfyUI's spelling)."
         return {'format': self.name, **{o.name: opts[o.name] for o in self.options if o.writes(opts)}}
 
+    def rows_independent(self, opts:dict) -> bool:
+        "Whether, with options `opts`, every output row quantizes from its own values (row blocks are bit-exact)."
+        return bool(self.row_independent(opts) if callable(self.row_independent) else self.row_independent)
+
+    def bank_is_flat(self, opts:dict, tensors:dict|None=None) -> bool:
+        "Whether an MoE bank with options `opts` (and, when loading, file `tensors`) is stored as `[E*N, ...]` rows."
+        return bool(self.flat_banks(opts, tensors) if callable(self.flat_banks) else self.flat_banks)
+
+    def kitchen(self, opts:dict) -> tuple|None:
+        "(comfy-kitchen layout name, its quantize kwargs) for options `opts`, or None without a kitchen layout."
+        if self.kitchen_layout is None: return None
+        return self.kitchen_layout, (self.kitchen_kwargs(opts) if self.kitchen_kwargs else {})
+
+    def native_on(self, device) -> bool:
+        "Whether ComfyUI computes this format natively on `device` (else it dequantizes the weight)."
+        return self.native_compute is not None and bool(self.native_compute(torch.device(device)))
+
 FORMATS: dict[str, FormatSpec] = {}
 
 def register_format(spec:FormatSpec) -> FormatSpec:
@@ -235,6 +267,32 @@ def register_format(spec:FormatSpec) -> FormatSpec:
     FORMATS[spec.name] = spec
     _register_linear(spec.layout)
     return spec
+
+# %% ../nbs/01_tensor.ipynb #123a178f
+@dataclass(frozen=True)
+class ScaleRule:
+    "How a format turns an activation clip value into its `input_scale`: `clip / divisor`."
+    description: str
+    divisor: float
+    grid: torch.dtype|None = None       # the element grid of the per-tensor quantizer (FP8), used by method='mse'
+    def __call__(self, clip): return clip / self.divisor
+
+def torch_version() -> tuple:
+    "(major, minor) of the installed torch."
+    return tuple(int(''.join(c for c in p if c.isdigit()) or 0) for p in torch.__version__.split('+')[0].split('.')[:2])
+
+def nvidia_compute(min_sm:tuple, # the CUDA compute capability of the kernel (the layout's `MIN_SM_VERSION`)
+                   min_torch:tuple=(), # the torch version ComfyUI requires for it
+                  ) -> Callable:
+    "A `native_compute` hook: NVIDIA CUDA devices of capability `min_sm` or more, with torch `min_torch` or newer."
+    def native(dev:torch.device) -> bool:
+        if dev.type != 'cuda' or not torch.cuda.is_available() or torch.version.cuda is None: return False
+        return torch.cuda.get_device_capability(dev) >= tuple(min_sm) and torch_version() >= tuple(min_torch)
+    return native
+
+def int8_compute(dev:torch.device) -> bool:
+    "ComfyUI's integer-matmul predicate: every device but Intel XPU, DirectML and MPS before torch 2.15."
+    return not (dev.type in ('xpu', 'privateuseone') or (dev.type == 'mps' and torch_version() < (2, 15)))
 
 # %% ../nbs/01_tensor.ipynb #67685b12
 def _suggest(name:str) -> tuple:
@@ -470,6 +528,14 @@ def module_prefix(prefix:str) -> str:
     if not isinstance(prefix, str): raise TypeError(f"prefix: expected a module name such as 'x.dense' (str), got {type(prefix).__name__} {prefix!r}")
     return prefix if not prefix or prefix.endswith('.') else prefix + '.'
 
+def check_comfy_quant(config, # a decoded `comfy_quant`
+                      prefix:str='', # its module prefix, for the message
+                     ) -> dict: # `config`
+    "`config` if it is a JSON object with a `format` field, else a `QuantFormatError` naming `<prefix>comfy_quant`."
+    if not isinstance(config, dict): raise format_error(prefix, 'comfy_quant', 'a JSON object', f'{type(config).__name__} {str(config)[:60]}')
+    if 'format' not in config: raise format_error(prefix, 'comfy_quant', 'a "format" field', f'keys {sorted(config)}')
+    return config
+
 def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dtype=torch.bfloat16,
                    config:dict|None=None) -> QuantizedTensor:
     "A `QuantizedTensor` from the file entries `sd[prefix+'weight']`, scales and `comfy_quant` (or `config`); `prefix` with or without its dot."
@@ -477,9 +543,7 @@ def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dt
     if config is None:
         if prefix + 'comfy_quant' not in sd: raise format_error(prefix, 'comfy_quant', 'a comfy_quant entry (or config=...)', 'none')
         config = decode_json(sd[prefix + 'comfy_quant'], prefix + 'comfy_quant')
-    if not isinstance(config, dict): raise format_error(prefix, 'comfy_quant', 'a JSON object', type(config).__name__)
-    if 'format' not in config: raise format_error(prefix, 'comfy_quant', 'a "format" field', f'keys {sorted(config)}')
-    spec = get_format(config['format'], prefix)
+    spec = get_format(check_comfy_quant(config, prefix)['format'], prefix)
     opts = spec.resolve(config, prefix)
     missing = [k for k in ('weight',) + spec.keys if prefix + k not in sd]
     if missing: raise format_error(prefix, missing[0], f'{spec.name} tensors {list(("weight",) + spec.keys)}', f'{prefix + missing[0]} missing')

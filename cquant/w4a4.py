@@ -9,6 +9,7 @@ Docs: https://cquant-dev.github.io/cquant/convrot_w4a4.html.md"""
 from __future__ import annotations
 from dataclasses import dataclass
 import torch
+from .tensor import int8_compute
 from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, check_2d, round_stochastic
 from .numerics import absmax, rotate, pack_int4, unpack_int4, is_power_of_4, SCALE_DTYPES
 from .int8 import int_mm, quantize_rows_int8
@@ -111,6 +112,7 @@ class W4A4Params(Params):
 class W4A4Layout(Layout):
     "Storage layout of `convrot_w4a4`: int8 [N, K/2] packed int4 + fp32 [N] scale, ConvRot always on."
     Params = W4A4Params
+    MIN_SM_VERSION = (7, 5)     # comfy-kitchen's TensorCoreConvRotW4A4Layout
 
     @classmethod
     def check_shape(cls, shape, opts, prefix=''):
@@ -168,4 +170,6 @@ CONVROT_W4A4 = register_format(FormatSpec(
              Option('linear_dtype', 'int4', str, "activations in the linear: 'int4' or 'int8' per token",
                     choices=W4A4_LINEAR_DTYPES, write='non_default')),
     quantize_input=False, extra_keys=(), aliases=('w4a4', 'int4', 'int4_full', 'int4_mixed'),
-    doc='ConvRot-rotated symmetric int4, one scale per output row, packed low nibble first; int4 or int8 activations.'))
+    doc='ConvRot-rotated symmetric int4, one scale per output row, packed low nibble first; int4 or int8 activations.',
+    row_independent=True, kitchen_layout='TensorCoreConvRotW4A4Layout', native_compute=int8_compute,
+    kitchen_kwargs=lambda o: dict(convrot_groupsize=o.get('convrot_groupsize', 256), linear_dtype=o.get('linear_dtype', 'int4'))))

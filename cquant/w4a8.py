@@ -11,6 +11,7 @@ import functools, math, sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 import torch
+from .tensor import int8_compute
 from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, check_2d
 from .numerics import absmax, rotate, pack_uint4, unpack_uint4, pack_6bit, unpack_6bit, is_power_of_4
 from .int8 import int8_linear, _row_blocks
@@ -391,6 +392,7 @@ def _check_finite(t, prefix, key):
 class W4A8Layout(Layout):
     "Storage layout of `asym_w4a8_int8` (and, with `bits = 6`, `w6a8_int8`): packed codes + s_rel + s_channel."
     Params = W4A8Params
+    MIN_SM_VERSION = (8, 0)     # comfy-kitchen's AsymW4A8Int8Layout
     bits = 4
 
     @classmethod
@@ -492,6 +494,14 @@ _W4A8_OPTIONS = (Option('group_size', 16, int, 'G: columns sharing one s_rel'),
                  Option('convrot_groupsize', 256, int, 'ConvRot group: a power of 4 dividing K'))
 _SEARCH_OPTION = Option('scale_search', True, bool, 'search several stored scales per group and row (False: one candidate)', stored=False)
 
+# rows quantize alone and ComfyUI stores MoE banks as [E*N, ...] rows; integer kernels
+_W4A8_FACTS = dict(row_independent=True, flat_banks=True, kitchen_layout='AsymW4A8Int8Layout', native_compute=int8_compute)
+
+def _codebook_kw(o:dict) -> dict:
+    "comfy-kitchen's codebook keywords for the `codebook` option (True, False or a [16] table)."
+    cb = o.get('codebook', True)
+    return dict(codebook=True, codebook_tensor=cb) if isinstance(cb, torch.Tensor) else dict(codebook=bool(cb))
+
 ASYM_W4A8_INT8 = register_format(FormatSpec(
     'asym_w4a8_int8', W4A8Layout, torch.int8, keys=('weight_s_rel', 'weight_s_channel'),
     optional_keys=('weight_codebook', 'weight_correction'),
@@ -499,10 +509,16 @@ ASYM_W4A8_INT8 = register_format(FormatSpec(
                              Option('symmetric', True, bool, 'False: asymmetric (uniform levels + per-group correction)', stored=False),
                              _SEARCH_OPTION),
     group_size=16, quantize_input=False, layout_kwargs={'bits': 4}, aliases=('w4a8', 'w4a8_int8'),
-    doc='ConvRot-rotated 4-bit codes (codebook, uniform or asymmetric) with e4m3 group scales and fp32 row scales; int8 activations.'))
+    doc='ConvRot-rotated 4-bit codes (codebook, uniform or asymmetric) with e4m3 group scales and fp32 row scales; int8 activations.',
+    row_assembly={'weight_codebook': 'shared', 'weight_correction': 1}, comfy_unread=('weight_correction',),
+    kitchen_kwargs=lambda o: dict(group_size=o.get('group_size', 16), convrot_groupsize=o.get('convrot_groupsize', 256),
+                                  symmetric=o.get('symmetric', True), scale_search=o.get('scale_search', True), bits=4,
+                                  **_codebook_kw(o)), **_W4A8_FACTS))
 
 W6A8_INT8 = register_format(FormatSpec(
     'w6a8_int8', W6A8Layout, torch.int8, keys=('weight_s_rel', 'weight_s_channel'), optional_keys=(),
     options=_W4A8_OPTIONS + (_SEARCH_OPTION,),
     group_size=16, quantize_input=False, layout_kwargs={'bits': 6}, aliases=('w6a8',),
-    doc='ConvRot-rotated uniform 6-bit codes (two-plane packing) with e4m3 group scales and fp32 row scales; int8 activations.'))
+    doc='ConvRot-rotated uniform 6-bit codes (two-plane packing) with e4m3 group scales and fp32 row scales; int8 activations.',
+    kitchen_kwargs=lambda o: dict(group_size=o.get('group_size', 16), convrot_groupsize=o.get('convrot_groupsize', 256),
+                                  scale_search=o.get('scale_search', True), codebook=False, bits=6), **_W4A8_FACTS))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import cquant as cq
-from cquant.convert import (ROW_INDEPENDENT, Report, StreamingWriter, add_demo_parser, add_plan_parser, add_quantize_parser,
+from cquant.convert import (Report, StreamingWriter, add_demo_parser, add_plan_parser, add_quantize_parser,
                             add_report_parser, quantize_checkpoint, quantize_rows, report_error)
 from cquant.policy import Policy, PolicyWarning, dit_state_dict
 
@@ -101,13 +101,15 @@ def test_row_blocks_are_bit_exact():
     for fmt, opts in [('int8_tensorwise', {'per_row': True}), ('int8_tensorwise', {'convrot': True}), ('convrot_w4a4', {}),
                       ('asym_w4a8_int8', {'symmetric': False}), ('w6a8_int8', {})]:
         if fmt not in cq.FORMATS: continue
-        applies, how = ROW_INDEPENDENT[fmt]
-        assert applies(opts)
+        spec = cq.get_format(fmt)
+        assert spec.rows_independent(opts)
+        how = spec.row_assembly
         parts = list(quantize_rows(w, fmt, opts, elems=768 * 33))
         assert len(parts) == 3
         for k, t in cq.quantize(w, fmt, **opts).state_dict('').items():
             cq.test_bits(torch.cat([q.state_dict('')[k] for q, _ in parts], how.get(k, 0)), t, k)
-    assert not ROW_INDEPENDENT['int8_tensorwise'][0]({'per_row': False, 'convrot': False}) and 'nvfp4' not in ROW_INDEPENDENT
+    assert not cq.get_format('int8_tensorwise').rows_independent({'per_row': False, 'convrot': False})
+    assert not cq.get_format('nvfp4').rows_independent({})
 
 
 def test_atomic_and_refuses_source(mixed, tmp_path):
