@@ -11,7 +11,7 @@ __all__ = ['KERNEL_MODULES', 'kernel_paths', 'KernelWarning', 'enable', 'disable
 import importlib, importlib.util, warnings
 import torch
 from ..tensor import register_fast_path, remove_fast_paths
-from .int8 import interpreting, triton_available
+from .base import interpreting, triton_available
 
 KERNEL_MODULES = ('int8', 'fp8', 'blockscaled', 'convrot', 'w4a8')
 _registered: list = []           # (layout, op, fn, module) registered by `enable`
