@@ -91,6 +91,7 @@ def _check_2d_float(x, what):
         raise ValueError(f"{what}: expected a non-empty 2-D tensor, got {getattr(x, 'shape', type(x))}")
     return float_kind(x.dtype)
 
+# %% ../../nbs/32_kernels_blockscaled.ipynb #89e7b38e
 def _rows_view(x):
     "x detached, with unit column stride (any row stride): a transposed view is copied, so column offsets stay small."
     x = x.detach()
@@ -153,6 +154,7 @@ def _mxfp8_quantize_kernel(x_ptr, q_ptr, sc_ptr, N, K, sxr, sxc, NP, KP, RS, CB4
     r2, b2 = rows[:, None], blks[None, :]
     tl.store(sc_ptr + _swizzle(r2, b2, CB4), e.to(tl.uint8), mask=(r2 < RS) & (b2 < CB4 * 4))
 
+# %% ../../nbs/32_kernels_blockscaled.ipynb #045c6a07
 def _mxfp8_encode(x, row_pad, block_r=None, block_b=None, cuda_div=None):
     "uint8 e4m3 codes [roundup(N,row_pad), roundup(K,32)] and uint8 swizzled exponents."
     kind = _check_2d_float(x, 'quantize_mxfp8')
@@ -217,6 +219,7 @@ def _launch_dequant(fmt, q, sc, s, dtype, N, K, CB4, block_r, block_c):
                                                                   float_kind(dtype), br, bc)
     return out
 
+# %% ../../nbs/32_kernels_blockscaled.ipynb #d8c664b3
 def _scale_buffer(bs, shape, what):
     if bs.numel() != shape[0] * shape[1]:
         raise ValueError(f"{what}: block scales need {shape[0] * shape[1]} elements {shape}, got shape {tuple(bs.shape)}")
@@ -276,6 +279,7 @@ def _blockscaled_gemm_kernel(x_ptr, xs_ptr, xg_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr
     store_as(o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc, mm[:, None] & nm[None, :], KIND)
 
 _blockscaled_gemm_tuned = autotuned(_blockscaled_gemm_kernel, gemm_configs(), ['M', 'N', 'K'])
+
 _DOT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 def _gemm(fmt, xq, xs, xg, wq, ws, wg, bias, M, N, K, out_dtype, operand_dtype, blocks):
@@ -289,6 +293,7 @@ def _gemm(fmt, xq, xs, xg, wq, ws, wg, bias, M, N, K, out_dtype, operand_dtype, 
                  float_kind(out_dtype), _DOT[operand_dtype], interpreting())
     return out
 
+# %% ../../nbs/32_kernels_blockscaled.ipynb #caa449a6
 def _weight_buffers(fmt, qdata, block_scale, shape):
     "Check the weight storage against the logical shape; (codes, swizzled scale bytes [Rs, Cs])."
     if fmt == 0: want_q, want_s = nvfp4_storage_shape(shape), nvfp4_scale_shape(shape)
@@ -325,6 +330,7 @@ def nvfp4_linear(x:torch.Tensor, # activation [..., K]: fp32, bf16 or fp16
     wg = global_scale.to(device=x.device, dtype=torch.float32).reshape(())
     return _linear(0, x, qdata, block_scale, shape, wg, quantize, bias, operand_dtype, (block_m, block_n, block_k))
 
+# %% ../../nbs/32_kernels_blockscaled.ipynb #4adb8777
 def mxfp8_linear(x:torch.Tensor, # activation [..., K]: fp32, bf16 or fp16
                  qdata:torch.Tensor, # e4m3 weight storage [Np, Kp]
                  block_scale:torch.Tensor, # its swizzled E8M0 scales
@@ -394,6 +400,7 @@ def _fits_linear_nvfp4(x, qdata, params, bias=None, input_scale=None) -> bool:
     if input_scale is None or (isinstance(input_scale, (int, float)) and not isinstance(input_scale, bool)): return True
     return isinstance(input_scale, torch.Tensor) and input_scale.numel() == 1 and input_scale.is_floating_point()
 
+# %% ../../nbs/32_kernels_blockscaled.ipynb #8af508fc
 def _linear_nvfp4(x, qdata, params, bias=None, input_scale=None):
     return nvfp4_linear(x, qdata, params.global_scale, params.block_scale, params.orig_shape, bias, input_scale)
 

@@ -53,6 +53,7 @@ def _src(src_ptr, roff, m, ks, scale, SRC: tl.constexpr, KIND: tl.constexpr):
         v = ((b << (28 - 4 * (ks % 2))) >> 28).to(tl.float32) * scale
     return v
 
+# %% ../../nbs/33_kernels_convrot.ipynb #ade92825
 @jit
 def _rot_tile(src_ptr, scale, rows, rmask, stride, t0, j0, h_ptr, G: tl.constexpr, KC: tl.constexpr, NGT: tl.constexpr,
               BJ: tl.constexpr, BLOCK_M: tl.constexpr, SRC: tl.constexpr, ROT: tl.constexpr, KIND: tl.constexpr,
@@ -164,6 +165,7 @@ def _check_group(K, group, who):
     if not is_power_of_4(group) or K % group:
         raise ValueError(f"{who}: the rotation group must be a power of 4 (4, 16, 64, 256, ...) dividing K={K}, got {group}")
 
+# %% ../../nbs/33_kernels_convrot.ipynb #e01711ed
 def _convrot_quant(x, group, mode, pack=False, fix16=False, rotation=None, activation=False, block_m=None, who='convrot',
                    cuda_div=None):
     "Launch the fused kernel over x [..., K] viewed as rows: (int8 codes [M, K] or packed [M, K/2], fp32 scales [M]); `cuda_div` default: x.is_cuda."
@@ -204,6 +206,7 @@ def quantize_rows_int8_convrot(x:torch.Tensor, # activations [..., K] (fp32, bf1
     q, s = _convrot_quant(x, group, 0, rotation=rotation, activation=True, block_m=block_m, who='quantize_rows_int8_convrot')
     return q.reshape(x.shape), s.reshape(*x.shape[:-1], 1)
 
+# %% ../../nbs/33_kernels_convrot.ipynb #1e424aae
 def quantize_rows_int4_convrot(x:torch.Tensor, # [..., K] float, K even
                                group:int=256, # rotation group
                                pack:bool=True, # pack two codes per byte (low nibble first) instead of one int8 per code
@@ -261,6 +264,7 @@ def _convrot_dequant(q, scale, group, dtype, packed, rotation=None, block_m=None
                                                                      BJ, nsub, bm, 2 if packed else 1, kind, _rot_code(rot))
     return out
 
+# %% ../../nbs/33_kernels_convrot.ipynb #5f0fbccf
 def dequantize_int8_convrot(q:torch.Tensor, # int8 [N, K], rotated
                             scale:torch.Tensor, # fp32 [N, 1] (or one element)
                             group:int=256, # rotation group
@@ -311,6 +315,7 @@ def _w4a4_gemm_kernel(a_ptr, w_ptr, o_ptr, xs_ptr, ws_ptr, b_ptr, M, N, K, A_PAC
 
 _w4a4_gemm_tuned = autotuned(_w4a4_gemm_kernel, gemm_configs(), ['M', 'N', 'K'])
 
+# %% ../../nbs/33_kernels_convrot.ipynb #6103d17c
 def w4a4_mm(a:torch.Tensor, # activations: int8 codes [M, K], or packed int4 [M, K/2] with a_packed
             qweight:torch.Tensor, # packed int4 weight [N, K/2]
             a_packed:bool=False, # a holds packed int4 (low nibble first)
@@ -328,6 +333,7 @@ def w4a4_mm(a:torch.Tensor, # activations: int8 codes [M, K], or packed int4 [M,
                      out, out, out, out, M, N, K, a_packed, 0, False, 0)
     return out
 
+# %% ../../nbs/33_kernels_convrot.ipynb #1bd6e87d
 def w4a4_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp16)
                 qweight:torch.Tensor, # int8 [N, K/2] packed int4 weight (rotated)
                 weight_scale:torch.Tensor, # fp32 [N] per-row scales
@@ -408,6 +414,7 @@ def _w4a4_quantize_fits(w, stochastic_rounding=0, convrot_groupsize=256, linear_
 def _w4a4_dequantize(qdata, params, dtype):
     return dequantize_w4a4_weight(qdata, params.scale, params.convrot_groupsize, dtype)
 
+# %% ../../nbs/33_kernels_convrot.ipynb #579d446c
 def _w4a4_dequantize_fits(qdata, params, dtype):
     return (qdata.dtype == torch.int8 and qdata.dim() == 2 and dtype in FLOAT_DTYPES and params.scale.numel() == qdata.shape[0]
             and _group_fits(2 * qdata.shape[1], params.convrot_groupsize))

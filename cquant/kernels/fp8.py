@@ -61,6 +61,7 @@ def _amax_kernel(x_ptr, amax_ptr, n, KIND: tl.constexpr, BLOCK: tl.constexpr):
     a = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF             # |x| as int32 bits: ordered like the values
     tl.atomic_max(amax_ptr, tl.max(a, axis=0))
 
+# %% ../../nbs/31_kernels_fp8.ipynb #e7fef18a
 @jit
 def _quantize_kernel(x_ptr, q_ptr, amax_ptr, s_ptr, n, SCALE_GIVEN: tl.constexpr, KIND: tl.constexpr,
                      E5M2: tl.constexpr, FMAX: tl.constexpr, RFMAX: tl.constexpr, CUDA_DIV: tl.constexpr,
@@ -174,6 +175,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, o_ptr, sx_ptr, sw_ptr, b_ptr, M, N, K, stride
     store_as(o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], v, mm[:, None] & nm[None, :], KIND)
 
 _fp8_gemm_tuned = autotuned(_fp8_gemm_kernel, gemm_configs(), ['M', 'N', 'K'])
+
 _FUSE_MAX_M = 64
 
 def _fp8_dot_default(device) -> bool:
@@ -181,6 +183,7 @@ def _fp8_dot_default(device) -> bool:
     if interpreting() or device.type != 'cuda': return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
+# %% ../../nbs/31_kernels_fp8.ipynb #ab077ae4
 def fp8_linear(x:torch.Tensor, # activations [..., K]: fp32, bf16 or fp16
                qdata:torch.Tensor, # FP8 weight [N, K] (float8_e4m3fn or float8_e5m2)
                scale:torch.Tensor, # the weight's fp32 one-element scale

@@ -60,6 +60,7 @@ def _operands(qdata, s_rel, bits, codebook, device):
     lv = None if codebook is None else w4a8_levels(bits, codebook).to(device).contiguous()
     return w, (s.view(torch.uint8) if e4 else s), lv, e4
 
+# %% ../../nbs/34_kernels_w4a8.ipynb #6c55ae64
 def w4a8_int8_grid(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
                    s_rel:torch.Tensor, # [N, K/G] e4m3 (or fp32) relative scales
                    bits:int=4, # 4 or 6
@@ -124,6 +125,7 @@ def _rotation_matrix(cg:int, device) -> torch.Tensor:
     cge = max(cg, 16)
     return torch.kron(torch.eye(cge // cg), hadamard(cg).T.contiguous()).to(device)
 
+# %% ../../nbs/34_kernels_w4a8.ipynb #22a08dfc
 _FUSE_MIN_SCALE = 2.0 ** -114   # smallest nonzero |s_channel| for which the fused bf16 rotation is proved exact
 
 def _fusion_exact(sc, dtype, correction, cg) -> bool:
@@ -131,6 +133,7 @@ def _fusion_exact(sc, dtype, correction, cg) -> bool:
     if dtype != torch.bfloat16 or correction is not None or cg > 256: return False
     return bool(((sc.abs() >= _FUSE_MIN_SCALE) | (sc == 0)).all())
 
+# %% ../../nbs/34_kernels_w4a8.ipynb #6b7fd323
 def dequantize_w4a8(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
                     s_rel:torch.Tensor, # [N, K/G] relative group scales (e4m3 or fp32)
                     s_channel:torch.Tensor, # [N] row scales
@@ -208,6 +211,7 @@ def w4a8_mm(a:torch.Tensor, # int8 activations [M, K]
                            False, False, 0)
     return out
 
+# %% ../../nbs/34_kernels_w4a8.ipynb #718c6169
 def w4a8_linear(x:torch.Tensor, # activations [..., K]: fp32, bf16 or fp16
                 qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
                 s_rel:torch.Tensor, # [N, K/G]
