@@ -1,6 +1,6 @@
 """Triton INT8 kernels vs the eager reference (`cquant.int8`), run on CPU through Triton's interpreter.
 
-TRITON_INTERPRET must be set before `@triton.jit` runs, i.e. before `cquant.kernels.int8` is imported,
+TRITON_INTERPRET must be set before `@triton.jit` runs, i.e. before `cquant.kernels.base` is imported,
 so it is set here at the top (only when there is no CUDA GPU). Skipped when triton is not installed.
 """
 import os

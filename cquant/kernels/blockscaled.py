@@ -74,7 +74,8 @@ def _nvfp4_quantize_kernel(x_ptr, q_ptr, sc_ptr, s_ptr, amax_ptr, N, K, sxr, sxc
         tl.store(s_ptr, s, mask=(tl.program_id(0) == 0) & (tl.program_id(1) == 0))
     else:
         s = tl.load(s_ptr)
-    bs = tl.where(amax == 0.0, 0.0, tl.math.div_rn(div_scalar(amax, 6.0, 0.1666666716337204, CUDA_DIV), s))   # fp32(1/6)
+    # fp32(1/6)
+    bs = tl.where(amax == 0.0, 0.0, tl.math.div_rn(div_scalar(amax, 6.0, 0.1666666716337204, CUDA_DIV), s))
     code, bval = e4m3_encode(tl.minimum(tl.maximum(bs, -448.0), 448.0))
     total = s * bval
     zero = (total == 0.0)[:, :, None]
@@ -125,7 +126,8 @@ def nvfp4_quantize(x:torch.Tensor, # 2-D float tensor (fp32, bf16 or fp16)
 # %% ../../nbs/32_kernels_blockscaled.ipynb #eda3e557
 @jit
 def _e8m0_exponent(amax, CUDA_DIV: tl.constexpr):
-    "Eager mxfp8's E8M0 exponent of fp32 block maxima: ceil(fp32 log2(max(amax/448, 2^-127))) + 127 (CPU log2), from the bits."
+    """Eager mxfp8's E8M0 exponent of fp32 block maxima: ceil(fp32 log2(max(amax/448, 2^-127))) + 127 (CPU log2), from
+    the bits."""
     n = div_scalar(amax, 448.0, 0.0022321429569274187, CUDA_DIV)                    # RD = fp32(1/448)
     b = tl.maximum(n.to(tl.int32, bitcast=True), 0x400000)                             # n >= 2^-127 (n >= 0)
     E = b >> 23
@@ -175,7 +177,8 @@ def quantize_mxfp8(x:torch.Tensor, # [N, K] weight (fp32, bf16 or fp16)
                    block_b:int|None=None, # blocks of 32 per program (default up to 4)
                    cuda_div:bool|None=None, # `amax / 448` as torch on CUDA (times fp32(1/448)); default: x.is_cuda
                   ) -> tuple: # (e4m3 [Np, Kp], float8_e8m0fnu swizzled block scales)
-    "Triton mxfp8 quantization, bit-exact with `cquant.mxfp8.quantize_mxfp8` (round to nearest) on CPU (see the CUDA caveat)."
+    """Triton mxfp8 quantization, bit-exact with `cquant.mxfp8.quantize_mxfp8` (round to nearest) on CPU (see the CUDA
+    caveat)."""
     q, sc = _mxfp8_encode(x, 32, block_r, block_b, cuda_div)
     return q.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu)
 
@@ -302,7 +305,8 @@ def _weight_buffers(fmt, qdata, block_scale, shape):
     return qdata.contiguous().view(torch.uint8), _scale_buffer(block_scale, want_s, 'linear').view(want_s)
 
 def _linear(fmt, x, qdata, block_scale, shape, wg, quantize, bias, operand_dtype, blocks):
-    "Both linears: check x and the weight storage against `shape`, `quantize(x2) -> (codes, scale bytes, global scale or None)`, `_gemm`."
+    """Both linears: check x and the weight storage against `shape`, `quantize(x2) -> (codes, scale bytes, global scale
+    or None)`, `_gemm`."""
     N, K = shape
     if x.shape[-1] != K: raise ValueError(f"{('nvfp4', 'mxfp8')[fmt]} linear: input has {x.shape[-1]} features, the weight expects {K}")
     wq, ws = _weight_buffers(fmt, qdata, block_scale, shape)
@@ -323,7 +327,8 @@ def nvfp4_linear(x:torch.Tensor, # activation [..., K]: fp32, bf16 or fp16
                  block_m:int|None=None, block_n:int|None=None, block_k:int|None=None, # GEMM tiles (default: autotuned)
                  cuda_div:bool|None=None, # the activation's `/ 2688`, `/ 6` as torch on CUDA; default: x.is_cuda
                 ) -> torch.Tensor: # [..., N] in x's dtype
-    "Triton nvfp4 linear: x quantized as `cquant.nvfp4.nvfp4_linear` does, then a dequant-fused GEMM (see the tolerance)."
+    """Triton nvfp4 linear: x quantized as `cquant.nvfp4.nvfp4_linear` does, then a dequant-fused GEMM (see the
+    tolerance)."""
     def quantize(x2):
         xq, xg, xs = nvfp4_quantize(x2, input_scale, cuda_div=cuda_div)
         return xq, xs.view(torch.uint8), xg

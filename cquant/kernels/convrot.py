@@ -26,7 +26,8 @@ def rotate_ordered(x:torch.Tensor, # [..., K] float, K a multiple of `group`
                    group:int, # the rotation group G (a power of 4)
                    dtype:torch.dtype|None=None, # compute/result dtype (default x.dtype), like `numerics.rotate`
                   ) -> torch.Tensor: # x rotated group-wise, in `dtype`
-    "`numerics.rotate` with the kernels' fixed fp32 summation order: chunks of 128 k, sequential inside, added left to right."
+    """`numerics.rotate` with the kernels' fixed fp32 summation order: chunks of 128 k, sequential inside, added left
+    to right."""
     dt = x.dtype if dtype is None else dtype
     K = x.shape[-1]
     if not is_power_of_4(group) or K % group:
@@ -36,14 +37,16 @@ def rotate_ordered(x:torch.Tensor, # [..., K] float, K a multiple of `group`
     acc = None
     for c0 in range(0, group, ROT_CHUNK):
         part = torch.zeros_like(xg)
-        for k in range(c0, min(group, c0 + ROT_CHUNK)): part = part + xg[:, k:k + 1] * H[k]   # exact product, one rounding
+        # exact product, one rounding
+        for k in range(c0, min(group, c0 + ROT_CHUNK)): part = part + xg[:, k:k + 1] * H[k]
         acc = part if acc is None else acc + part
     return acc.reshape(x.shape).to(dt)
 
 # %% ../../nbs/33_kernels_convrot.ipynb #b2628e53
 @jit
 def _src(src_ptr, roff, m, ks, scale, SRC: tl.constexpr, KIND: tl.constexpr):
-    "Source values at row offsets `roff` and columns `ks` (broadcast), fp32: float of dtype KIND (SRC 0), int8 * scale (1), packed int4 * scale (2)."
+    """Source values at row offsets `roff` and columns `ks` (broadcast), fp32: float of dtype KIND (SRC 0), int8 *
+    scale (1), packed int4 * scale (2)."""
     if SRC == 0:
         v = load_f32(src_ptr + roff + ks, m, KIND)
     elif SRC == 1:
@@ -58,7 +61,8 @@ def _src(src_ptr, roff, m, ks, scale, SRC: tl.constexpr, KIND: tl.constexpr):
 def _rot_tile(src_ptr, scale, rows, rmask, stride, t0, j0, h_ptr, G: tl.constexpr, KC: tl.constexpr, NGT: tl.constexpr,
               BJ: tl.constexpr, BLOCK_M: tl.constexpr, SRC: tl.constexpr, ROT: tl.constexpr, KIND: tl.constexpr,
               INTERP: tl.constexpr):
-    "fp32 [BLOCK_M, NGT, BJ]: columns j0..j0+BJ of the rotation of each of the NGT groups from column t0, in chunks of KC (tl.dot operands in dtype KIND)."
+    """fp32 [BLOCK_M, NGT, BJ]: columns j0..j0+BJ of the rotation of each of the NGT groups from column t0, in chunks
+    of KC (tl.dot operands in dtype KIND)."""
     gofs = t0 + tl.arange(0, NGT) * G                           # first column of each group of the tile
     cols = j0 + tl.arange(0, BJ)
     acc = tl.zeros([BLOCK_M, NGT, BJ], dtype=tl.float32)
@@ -108,7 +112,8 @@ def _convrot_quant_kernel(x_ptr, h_ptr, q_ptr, s_ptr, M, K, FLOOR,
         if FIX16:
             d = tl.where(scale < 6.103515625e-05, scale, d)
     else:
-        scale = round_to(div_scalar(tl.maximum(amax, FLOOR), 7.0, 0.1428571492433548, CUDA_DIV), KIND)   # RD = fp32(1/7)
+        # RD = fp32(1/7)
+        scale = round_to(div_scalar(tl.maximum(amax, FLOOR), 7.0, 0.1428571492433548, CUDA_DIV), KIND)
         d = tl.where(scale == 0.0, 1.0, scale)
     tl.store(s_ptr + rows, scale, mask=rmask)
     d3 = d[:, None, None]
@@ -158,7 +163,8 @@ def _tiles(group, K, rows, rot, block_m=None):
     BJ = min(group, 128) if rot == 'dot' else min(group, 1024)
     width = 1024 if interpreting() else (128 if rot == 'dot' else 256)     # columns per tile, from whole small groups
     NGT = math.gcd(K // group, max(1, width // group))
-    budget = max(1, (min(16384, (1 << 20) // KC) if interpreting() else 4096) // (NGT * BJ))   # interpreter: products <= 2**20
+    # interpreter: products <= 2**20
+    budget = max(1, (min(16384, (1 << 20) // KC) if interpreting() else 4096) // (NGT * BJ))
     return KC, NGT, BJ, block_m or max(16 if rot == 'dot' else 1, min(pow2(rows), budget))
 
 def _check_group(K, group, who):
@@ -168,7 +174,8 @@ def _check_group(K, group, who):
 # %% ../../nbs/33_kernels_convrot.ipynb #e01711ed
 def _convrot_quant(x, group, mode, pack=False, fix16=False, rotation=None, activation=False, block_m=None, who='convrot',
                    cuda_div=None):
-    "Launch the fused kernel over x [..., K] viewed as rows: (int8 codes [M, K] or packed [M, K/2], fp32 scales [M]); `cuda_div` default: x.is_cuda."
+    """Launch the fused kernel over x [..., K] viewed as rows: (int8 codes [M, K] or packed [M, K/2], fp32 scales [M]);
+    `cuda_div` default: x.is_cuda."""
     kind = float_kind(x.dtype)
     K = x.shape[-1]
     _check_group(K, group, who)
@@ -222,7 +229,8 @@ def quantize_w4a4_weight(w:torch.Tensor, # [N, K] float weight, K % 64 == 0
                          rotation:str|None=None, # 'ordered' (default), 'dot' or 'ordered_loop'
                          block_m:int|None=None, # rows per program
                         ) -> tuple: # (int8 [N, K/2] packed values, fp32 [N] scales)
-    "Triton ConvRot W4A4 weight quantization: rotate, per-row int4, pack low nibble first (`cquant.w4a4.quantize_w4a4_weight`)."
+    """Triton ConvRot W4A4 weight quantization: rotate, per-row int4, pack low nibble first
+    (`cquant.w4a4.quantize_w4a4_weight`)."""
     if w.dim() != 2 or w.shape[1] % W4A4_KERNEL_GROUP:
         raise ValueError(f"quantize_w4a4_weight: expected a 2-D weight with K % 64 == 0, got shape {tuple(w.shape)}")
     return _convrot_quant(w, convrot_groupsize, 1, pack=True, rotation=rotation, block_m=block_m, who='quantize_w4a4_weight')
@@ -240,7 +248,8 @@ def _convrot_dequant_kernel(q_ptr, s_ptr, h_ptr, o_ptr, M, K, stride, G: tl.cons
         tid = tl.program_id(1) * NSUB + t
         t0 = (tid // (G // BJ)) * (NGT * G)                     # first column of the tile's groups
         j0 = (tid % (G // BJ)) * BJ                             # column chunk inside each group
-        acc = _rot_tile(q_ptr, sc, rows, rmask, stride, t0, j0, h_ptr, G, KC, NGT, BJ, BLOCK_M, SRC, ROT, 0, False)   # fp32 dot
+        # fp32 dot
+        acc = _rot_tile(q_ptr, sc, rows, rmask, stride, t0, j0, h_ptr, G, KC, NGT, BJ, BLOCK_M, SRC, ROT, 0, False)
         cols = (t0 + j0 + tl.arange(0, NGT) * G)[None, :, None] + tl.arange(0, BJ)[None, None, :]
         store_as(o_ptr + rows[:, None, None] * K + cols, acc, rmask[:, None, None] & (cols < K), KIND)
 
@@ -272,7 +281,8 @@ def dequantize_int8_convrot(q:torch.Tensor, # int8 [N, K], rotated
                             rotation:str|None=None, # 'ordered' (default), 'dot' or 'ordered_loop'
                             block_m:int|None=None, # rows per program
                            ) -> torch.Tensor: # [N, K] in dtype
-    "Triton ConvRot INT8 dequantization: `q * s` in fp32, rotated back in fp32, cast once (`cquant.int8.dequantize_int8_convrot`)."
+    """Triton ConvRot INT8 dequantization: `q * s` in fp32, rotated back in fp32, cast once
+    (`cquant.int8.dequantize_int8_convrot`)."""
     return _convrot_dequant(q, scale, group, dtype, False, rotation, block_m, 'dequantize_int8_convrot')
 
 def dequantize_w4a4_weight(qdata:torch.Tensor, # int8 [N, K/2] packed values
@@ -344,7 +354,8 @@ def w4a4_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp16)
                 rotation:str|None=None, # activation rotation: None ('ordered' interpreting, 'dot' on a GPU), 'ordered', 'dot'
                 block_m:int|None=None, block_n:int|None=None, block_k:int|None=None, # GEMM tiles
                ) -> torch.Tensor: # [..., N] in x's dtype
-    "Triton `x @ W.T + bias` for a convrot_w4a4 weight (`cquant.w4a4.w4a4_linear`): rotate + quantize x, int GEMM, epilogue."
+    """Triton `x @ W.T + bias` for a convrot_w4a4 weight (`cquant.w4a4.w4a4_linear`): rotate + quantize x, int GEMM,
+    epilogue."""
     K, N = w4a4_linear_dims(x, qweight, linear_dtype)
     dt, lead = x.dtype, x.shape[:-1]
     kind = float_kind(dt)
@@ -371,7 +382,8 @@ def convrot_int8_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp
                         rotation:str|None=None, # activation rotation: None ('ordered' interpreting, 'dot' on a GPU), 'ordered', 'dot'
                         block_m:int|None=None, block_n:int|None=None, block_k:int|None=None, # GEMM tiles
                        ) -> torch.Tensor: # [..., N]
-    "Triton ConvRot W8A8 linear (`cquant.int8.int8_linear(..., convrot=True)`): rotated per-token INT8 x, int32 GEMM, fp32 rescale."
+    """Triton ConvRot W8A8 linear (`cquant.int8.int8_linear(..., convrot=True)`): rotated per-token INT8 x, int32 GEMM,
+    fp32 rescale."""
     rotq = lambda x2: _convrot_quant(x2, convrot_groupsize, 0, rotation=rotation, activation=True, who='convrot_int8_linear')
     return w8a8_linear(x, weight, weight_scale, bias, out_dtype, (block_m, block_n, block_k), rotq, 'convrot_int8_linear')
 

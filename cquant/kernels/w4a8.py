@@ -162,8 +162,9 @@ def dequantize_w4a8(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
     if N and K:
         bo = min(cge, 64) if fuse else min(pow2(K), 256)
         bn = block_n or max(16, min(pow2(N), 4096 // bo))
-        dot = 0 if kind == 2 and interpreting() else kind    # operands in the output dtype, whose values they are (exact);
-                                                             # bf16 values as fp32 in the interpreter: the same, and cheaper
+        # operands in the output dtype, whose values they are (exact);
+        # bf16 values as fp32 in the interpreter: the same, and cheaper
+        dot = 0 if kind == 2 and interpreting() else kind
         _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bo))](
             w, s, w if lv is None else lv, sc, c, _rotation_matrix(cg, dev) if fuse else sc, out_view(out), N, K, group_size,
             bits, e4, lv is not None, correction is not None, ckind, kind, fuse, dot, interpreting(), cge, bn, bo,
