@@ -50,7 +50,8 @@ def _absmax_bits(x, block_r=None, block_c=None) -> torch.Tensor:
     out = torch.zeros(1, dtype=torch.int32, device=x.device)
     bc = block_c or min(pow2(K), 1024)
     br = block_r or max(1, min(pow2(N), 8192 // bc))
-    _absmax_kernel[(triton.cdiv(N, br), triton.cdiv(K, bc))](x, out, N, K, x.stride(0), x.stride(1), float_kind(x.dtype), br, bc)
+    _absmax_kernel[(triton.cdiv(N, br), triton.cdiv(K, bc))](x, out, N, K, x.stride(0), x.stride(1),
+                                                             float_kind(x.dtype), br, bc)
     return out
 
 # %% ../../nbs/32_kernels_blockscaled.ipynb #9240e102
@@ -169,7 +170,8 @@ def _mxfp8_encode(x, row_pad, block_r=None, block_b=None, cuda_div=None):
     bb = block_b or min(pow2(CS), 4)
     br = block_r or _quant_rows()
     _mxfp8_quantize_kernel[(triton.cdiv(RS, br), triton.cdiv(CS, bb))](
-        x, q, sc, N, K, x.stride(0), x.stride(1), NP, KP, RS, CS // 4, kind, x.is_cuda if cuda_div is None else bool(cuda_div), br, bb)
+        x, q, sc, N, K, x.stride(0), x.stride(1), NP, KP, RS, CS // 4, kind,
+            x.is_cuda if cuda_div is None else bool(cuda_div), br, bb)
     return q, sc
 
 def quantize_mxfp8(x:torch.Tensor, # [N, K] weight (fp32, bf16 or fp16)
@@ -292,7 +294,8 @@ def _gemm(fmt, xq, xs, xg, wq, ws, wg, bias, M, N, K, out_dtype, operand_dtype, 
     if bias is not None and b.numel() != N: raise ValueError(f"bias must have N={N} elements, got shape {tuple(bias.shape)}")
     launch_gemm(_blockscaled_gemm_kernel, _blockscaled_gemm_tuned, M, N, blocks,
                  xq, xs, xg, wq, ws, wg, b, out_view(out), M, N, K, xq.shape[1], wq.shape[1],
-                 xs.shape[1] // 4, ws.shape[1] // 4, fmt, bias is not None, float_kind(b.dtype) if bias is not None else 0,
+                 xs.shape[1] // 4, ws.shape[1] // 4, fmt, bias is not None,
+                 float_kind(b.dtype) if bias is not None else 0,
                  float_kind(out_dtype), _DOT[operand_dtype], interpreting())
     return out
 
@@ -312,7 +315,8 @@ def _linear(fmt, x, qdata, block_scale, shape, wg, quantize, bias, operand_dtype
     wq, ws = _weight_buffers(fmt, qdata, block_scale, shape)
     x2 = x.reshape(-1, K)
     xq, xs, xg = quantize(x2)
-    out = _gemm(fmt, xq, xs, xs if xg is None else xg, wq, ws, ws if wg is None else wg, bias, x2.shape[0], N, K, x.dtype,
+    out = _gemm(fmt, xq, xs, xs if xg is None else xg, wq, ws, ws if wg is None else wg, bias,
+                x2.shape[0], N, K, x.dtype,
                 operand_dtype, blocks)
     return out.reshape(*x.shape[:-1], N)
 
@@ -349,7 +353,8 @@ def mxfp8_linear(x:torch.Tensor, # activation [..., K]: fp32, bf16 or fp16
     quantize = lambda x2: (*_mxfp8_encode(x2, 1, cuda_div=cuda_div), None)
     return _linear(1, x, qdata, block_scale, shape, None, quantize, bias, operand_dtype, (block_m, block_n, block_k))
 
-_EPS = {torch.float32: (0.0, 2.0 ** -149), torch.bfloat16: (2.0 ** -7, 2.0 ** -133), torch.float16: (2.0 ** -10, 2.0 ** -24)}
+_EPS = {torch.float32: (0.0, 2.0 ** -149), torch.bfloat16: (2.0 ** -7, 2.0 ** -133),
+        torch.float16: (2.0 ** -10, 2.0 ** -24)}
 
 def linear_tolerance(xd:torch.Tensor, # eager's dequantized activation [M, K] (fp32)
                      wd:torch.Tensor, # eager's dequantized weight [N, K] (fp32)
@@ -417,7 +422,8 @@ def _quantize_mxfp8(w, stochastic_rounding=0):
 
 def _fits_dequantize_mxfp8(qdata, params, dtype) -> bool: return dtype in FLOAT_DTYPES and _fits_storage(1, qdata, params)
 
-def _dequantize_mxfp8(qdata, params, dtype): return dequantize_mxfp8(qdata, params.block_scale, dtype, params.orig_shape)
+def _dequantize_mxfp8(qdata, params, dtype): return dequantize_mxfp8(qdata, params.block_scale,
+                                                                     dtype, params.orig_shape)
 
 def _fits_linear_mxfp8(x, qdata, params, bias=None, input_scale=None) -> bool:
     return _fits_storage(1, qdata, params) and _fits_activation(x, params, bias)

@@ -71,13 +71,15 @@ def _rot_tile(src_ptr, scale, rows, rmask, stride, t0, j0, h_ptr, G: tl.constexp
             part = tl.zeros([BLOCK_M, NGT, BJ], dtype=tl.float32)
             hp = h_ptr + c * KC * G + cols
             for k in range(c * KC, c * KC + KC):
-                v = _src(src_ptr, (rows * stride)[:, None], rmask[:, None], (gofs + k)[None, :], scale[:, None], SRC, KIND)
+                v = _src(src_ptr, (rows * stride)[:, None], rmask[:, None], (gofs + k)[None, :],
+                         scale[:, None], SRC, KIND)
                 h = tl.load(hp)
                 hp += G
                 part += v[:, :, None] * h[None, None, :]
         else:
             ks = c * KC + tl.arange(0, KC)
-            xt = _src(src_ptr, (rows * stride)[:, None, None], rmask[:, None, None], (gofs[:, None] + ks[None, :])[None, :, :],
+            xt = _src(src_ptr, (rows * stride)[:, None, None], rmask[:, None, None],
+                      (gofs[:, None] + ks[None, :])[None, :, :],
                       scale[:, None, None], SRC, KIND)          # [BLOCK_M, NGT, KC]
             ht = tl.load(h_ptr + ks[:, None] * G + cols[None, :])   # [KC, BJ]
             if ROT == 2:      # interpreter only: numpy sums a non-inner axis slice after slice, the loop's order
@@ -104,7 +106,8 @@ def _convrot_quant_kernel(x_ptr, h_ptr, q_ptr, s_ptr, M, K, FLOOR,
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
     for t0 in range(0, K, NGT * G):                             # pass 1: absmax of the rotated row, in x's dtype
         for jc in tl.static_range(G // BJ):
-            r = round_to(_rot_tile(x_ptr, amax, rows, rmask, K, t0, jc * BJ, h_ptr, G, KC, NGT, BJ, BLOCK_M, 0, ROT, KIND,
+            r = round_to(_rot_tile(x_ptr, amax, rows, rmask, K, t0, jc * BJ, h_ptr, G, KC, NGT, BJ,
+                                   BLOCK_M, 0, ROT, KIND,
                                     INTERP), KIND)
             amax = tl.maximum(amax, tl.max(tl.max(tl.abs(r), axis=2), axis=1))
     if MODE == 0:
@@ -120,7 +123,8 @@ def _convrot_quant_kernel(x_ptr, h_ptr, q_ptr, s_ptr, M, K, FLOOR,
     m3 = rmask[:, None, None]
     for t0 in range(0, K, NGT * G):                             # pass 2: the same tiles again, quantized
         for jc in tl.static_range(G // BJ):
-            r = round_to(_rot_tile(x_ptr, amax, rows, rmask, K, t0, jc * BJ, h_ptr, G, KC, NGT, BJ, BLOCK_M, 0, ROT, KIND,
+            r = round_to(_rot_tile(x_ptr, amax, rows, rmask, K, t0, jc * BJ, h_ptr, G, KC, NGT, BJ,
+                                   BLOCK_M, 0, ROT, KIND,
                                     INTERP), KIND)
             v = tl.math.div_rn(r, d3)
             if MODE == 0:
@@ -137,7 +141,8 @@ def _convrot_quant_kernel(x_ptr, h_ptr, q_ptr, s_ptr, M, K, FLOOR,
             if PACK:
                 lo, hi = tl.split(tl.reshape(v.to(tl.int32), [BLOCK_M, NGT, BJ // 2, 2]))
                 pc = gofs // 2 + tl.arange(0, BJ // 2)[None, None, :]
-                tl.store(q_ptr + rows[:, None, None] * (K // 2) + pc, ((lo & 15) | ((hi & 15) << 4)).to(tl.int8), mask=m3)
+                tl.store(q_ptr + rows[:, None, None] * (K // 2) + pc,
+                         ((lo & 15) | ((hi & 15) << 4)).to(tl.int8), mask=m3)
             else:
                 cols = gofs + tl.arange(0, BJ)[None, None, :]
                 tl.store(q_ptr + rows[:, None, None] * K + cols, v.to(tl.int8), mask=m3)
@@ -172,7 +177,8 @@ def _check_group(K, group, who):
         raise ValueError(f"{who}: the rotation group must be a power of 4 (4, 16, 64, 256, ...) dividing K={K}, got {group}")
 
 # %% ../../nbs/33_kernels_convrot.ipynb #e01711ed
-def _convrot_quant(x, group, mode, pack=False, fix16=False, rotation=None, activation=False, block_m=None, who='convrot',
+def _convrot_quant(x, group, mode, pack=False, fix16=False, rotation=None, activation=False,
+                   block_m=None, who='convrot',
                    cuda_div=None):
     """Launch the fused kernel over x [..., K] viewed as rows: (int8 codes [M, K] or packed [M, K/2], fp32 scales [M]);
     `cuda_div` default: x.is_cuda."""
@@ -187,7 +193,8 @@ def _convrot_quant(x, group, mode, pack=False, fix16=False, rotation=None, activ
     if M and K:
         KC, NGT, BJ, bm = _tiles(group, K, M, rot, block_m)
         H = hadamard(group, torch.float32, x.device)
-        _convrot_quant_kernel[(triton.cdiv(M, bm),)](x2, H, q, s, M, K, _FLOOR4[kind], group, KC, NGT, BJ, bm, kind, mode, pack,
+        _convrot_quant_kernel[(triton.cdiv(M, bm),)](x2, H, q, s, M, K, _FLOOR4[kind], group, KC, NGT, BJ,
+                                                     bm, kind, mode, pack,
                                                      fix16, KIND_TINY[kind], _rot_code(rot), interpreting(),
                                                      x.is_cuda if cuda_div is None else bool(cuda_div))
     return q, s
@@ -210,7 +217,8 @@ def quantize_rows_int8_convrot(x:torch.Tensor, # activations [..., K] (fp32, bf1
                                block_m:int|None=None, # rows per program
                               ) -> tuple: # (int8 [..., K], fp32 scale [..., 1])
     "Rotate then per-token INT8: `quantize_rows_int8(rotate(x, group))`, the activations of the ConvRot W8A8 linear."
-    q, s = _convrot_quant(x, group, 0, rotation=rotation, activation=True, block_m=block_m, who='quantize_rows_int8_convrot')
+    q, s = _convrot_quant(x, group, 0, rotation=rotation, activation=True, block_m=block_m,
+                          who='quantize_rows_int8_convrot')
     return q.reshape(x.shape), s.reshape(*x.shape[:-1], 1)
 
 # %% ../../nbs/33_kernels_convrot.ipynb #1e424aae
@@ -221,7 +229,8 @@ def quantize_rows_int4_convrot(x:torch.Tensor, # [..., K] float, K even
                                block_m:int|None=None, # rows per program
                               ) -> tuple: # (int8 [..., K/2] packed or [..., K] codes, fp32 [..., 1] scale holding x's dtype value)
     "Rotate then per-row int4: `quantize_rows_int4(rotate(x, group))`, optionally `pack_int4`ed."
-    q, s = _convrot_quant(x, group, 1, pack=pack, rotation=rotation, activation=True, block_m=block_m, who='quantize_rows_int4_convrot')
+    q, s = _convrot_quant(x, group, 1, pack=pack, rotation=rotation, activation=True, block_m=block_m,
+                          who='quantize_rows_int4_convrot')
     return q.reshape(*x.shape[:-1], q.shape[-1]), s.reshape(*x.shape[:-1], 1)
 
 def quantize_w4a4_weight(w:torch.Tensor, # [N, K] float weight, K % 64 == 0
@@ -233,12 +242,15 @@ def quantize_w4a4_weight(w:torch.Tensor, # [N, K] float weight, K % 64 == 0
     (`cquant.w4a4.quantize_w4a4_weight`)."""
     if w.dim() != 2 or w.shape[1] % W4A4_KERNEL_GROUP:
         raise ValueError(f"quantize_w4a4_weight: expected a 2-D weight with K % 64 == 0, got shape {tuple(w.shape)}")
-    return _convrot_quant(w, convrot_groupsize, 1, pack=True, rotation=rotation, block_m=block_m, who='quantize_w4a4_weight')
+    return _convrot_quant(w, convrot_groupsize, 1, pack=True, rotation=rotation, block_m=block_m,
+                          who='quantize_w4a4_weight')
 
 # %% ../../nbs/33_kernels_convrot.ipynb #4e8a00ac
 @jit
-def _convrot_dequant_kernel(q_ptr, s_ptr, h_ptr, o_ptr, M, K, stride, G: tl.constexpr, KC: tl.constexpr, NGT: tl.constexpr,
-                            BJ: tl.constexpr, NSUB: tl.constexpr, BLOCK_M: tl.constexpr, SRC: tl.constexpr, KIND: tl.constexpr,
+def _convrot_dequant_kernel(q_ptr, s_ptr, h_ptr, o_ptr, M, K, stride, G: tl.constexpr,
+                            KC: tl.constexpr, NGT: tl.constexpr,
+                            BJ: tl.constexpr, NSUB: tl.constexpr, BLOCK_M: tl.constexpr,
+                            SRC: tl.constexpr, KIND: tl.constexpr,
                             ROT: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
@@ -269,8 +281,10 @@ def _convrot_dequant(q, scale, group, dtype, packed, rotation=None, block_m=None
         H = hadamard(group, torch.float32, q.device)
         tiles = K // (NGT * BJ)
         nsub = math.gcd(tiles, 8) if interpreting() else 1        # fewer, longer programs when interpreting
-        _convrot_dequant_kernel[(triton.cdiv(N, bm), tiles // nsub)](q.contiguous(), s, H, out_view(out), N, K, C, group, KC, NGT,
-                                                                     BJ, nsub, bm, 2 if packed else 1, kind, _rot_code(rot))
+        _convrot_dequant_kernel[(triton.cdiv(N, bm), tiles // nsub)](q.contiguous(), s, H, out_view(out), N,
+                                                                     K, C, group, KC, NGT,
+                                                                     BJ, nsub, bm, 2 if packed else 1,
+                                                                     kind, _rot_code(rot))
     return out
 
 # %% ../../nbs/33_kernels_convrot.ipynb #5f0fbccf
@@ -312,12 +326,15 @@ def _w4a4_gemm_kernel(a_ptr, w_ptr, o_ptr, xs_ptr, ws_ptr, b_ptr, M, N, K, A_PAC
     for k0 in range(0, KH, BLOCK_K // 2):                       # k0 counts packed bytes
         rk = k0 + tl.arange(0, BLOCK_K // 2)
         km = rk < KH
-        wlo, whi = _nibbles(tl.load(w_ptr + rn.to(tl.int64)[None, :] * KH + rk[:, None], mask=nm[None, :] & km[:, None], other=0))
+        wlo, whi = _nibbles(tl.load(w_ptr + rn.to(tl.int64)[None, :] * KH + rk[:, None],
+                                    mask=nm[None, :] & km[:, None], other=0))
         if A_PACKED:
-            alo, ahi = _nibbles(tl.load(a_ptr + rm.to(tl.int64)[:, None] * KH + rk[None, :], mask=mm[:, None] & km[None, :], other=0))
+            alo, ahi = _nibbles(tl.load(a_ptr + rm.to(tl.int64)[:, None] * KH + rk[None, :],
+                                        mask=mm[:, None] & km[None, :], other=0))
         else:
             rk2 = 2 * k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * K + rk2[None, :], mask=mm[:, None] & (rk2 < K)[None, :], other=0)
+            a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * K + rk2[None, :],
+                        mask=mm[:, None] & (rk2 < K)[None, :], other=0)
             alo, ahi = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
         acc += tl.dot(alo, wlo, out_dtype=tl.int32)
         acc += tl.dot(ahi, whi, out_dtype=tl.int32)
@@ -339,7 +356,8 @@ def w4a4_mm(a:torch.Tensor, # activations: int8 codes [M, K], or packed int4 [M,
     M, N, K = a.shape[0], qweight.shape[0], 2 * qweight.shape[1]
     out = torch.zeros((M, N), dtype=torch.int32, device=a.device)
     if M and N and K:
-        launch_gemm(_w4a4_gemm_kernel, _w4a4_gemm_tuned, M, N, (block_m, block_n, block_k), a.contiguous(), qweight.contiguous(),
+        launch_gemm(_w4a4_gemm_kernel, _w4a4_gemm_tuned, M, N, (block_m, block_n, block_k), a.contiguous(),
+                    qweight.contiguous(),
                      out, out, out, out, M, N, K, a_packed, 0, False, 0)
     return out
 
@@ -363,7 +381,8 @@ def w4a4_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp16)
     if ws.numel() != N: raise ValueError(f"w4a4_linear: weight scale must have N={N} elements, got shape {tuple(weight_scale.shape)}")
     x2 = x.reshape(-1, K)
     int4 = linear_dtype == 'int4'
-    xq, xs = _convrot_quant(x2, convrot_groupsize, 1 if int4 else 0, pack=int4, rotation=rotation, activation=True, who='w4a4_linear')
+    xq, xs = _convrot_quant(x2, convrot_groupsize, 1 if int4 else 0, pack=int4, rotation=rotation,
+                            activation=True, who='w4a4_linear')
     M = x2.shape[0]
     out = torch.empty((M, N), dtype=dt, device=x.device)
     if M and N:
@@ -384,8 +403,10 @@ def convrot_int8_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp
                        ) -> torch.Tensor: # [..., N]
     """Triton ConvRot W8A8 linear (`cquant.int8.int8_linear(..., convrot=True)`): rotated per-token INT8 x, int32 GEMM,
     fp32 rescale."""
-    rotq = lambda x2: _convrot_quant(x2, convrot_groupsize, 0, rotation=rotation, activation=True, who='convrot_int8_linear')
-    return w8a8_linear(x, weight, weight_scale, bias, out_dtype, (block_m, block_n, block_k), rotq, 'convrot_int8_linear')
+    rotq = lambda x2: _convrot_quant(x2, convrot_groupsize, 0, rotation=rotation, activation=True,
+                                     who='convrot_int8_linear')
+    return w8a8_linear(x, weight, weight_scale, bias, out_dtype, (block_m, block_n, block_k), rotq,
+                       'convrot_int8_linear')
 
 # %% ../../nbs/33_kernels_convrot.ipynb #b35c41fa
 def _group_fits(K, group): return is_power_of_4(group) and K % group == 0

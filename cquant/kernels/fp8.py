@@ -86,7 +86,8 @@ def _launch_quantize(x, q, amax, s, scale_given, fp8_dtype, cuda_div):
     "Quantize the flat contiguous `x` into the uint8 view `q` (scale from `amax`, or `s` when `scale_given`)."
     n, fmax = x.numel(), fp8_max(fp8_dtype)
     with _quiet():
-        _quantize_kernel[(triton.cdiv(n, _BLOCK),)](x, q, amax, s, n, scale_given, float_kind(x.dtype), fp8_dtype == torch.float8_e5m2,
+        _quantize_kernel[(triton.cdiv(n, _BLOCK),)](x, q, amax, s, n, scale_given, float_kind(x.dtype),
+                                                    fp8_dtype == torch.float8_e5m2,
                                                     fmax, recip32(fmax), bool(cuda_div), _BLOCK)
 
 def fp8_quantize(w:torch.Tensor, # weight or activation (fp32, bf16 or fp16), any shape, not empty
@@ -138,7 +139,8 @@ def fp8_dequantize(q:torch.Tensor, # FP8 tensor (float8_e4m3fn or float8_e5m2), 
     if n:
         s = scale.to(device=q.device, dtype=torch.float32).reshape(())
         with _quiet():
-            _dequantize_kernel[(triton.cdiv(n, _BLOCK),)](q.contiguous().view(torch.uint8).view(-1), s, out_view(out), n,
+            _dequantize_kernel[(triton.cdiv(n, _BLOCK),)](q.contiguous().view(torch.uint8).view(-1),
+                                                          s, out_view(out), n,
                                                           kind, q.dtype == torch.float8_e5m2, _BLOCK)
     return out
 
@@ -146,7 +148,8 @@ def fp8_dequantize(q:torch.Tensor, # FP8 tensor (float8_e4m3fn or float8_e5m2), 
 @jit
 def _fp8_gemm_kernel(x_ptr, w_ptr, o_ptr, sx_ptr, sw_ptr, b_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
                      QUANT_A: tl.constexpr, KIND: tl.constexpr, E5M2: tl.constexpr, FP8_DOT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BKIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, BKIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
     rm, rn, mm, nm = out_tile(M, N, BLOCK_M, BLOCK_N)
     sx = tl.load(sx_ptr)
     sw = tl.load(sw_ptr)

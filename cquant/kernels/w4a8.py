@@ -79,14 +79,16 @@ def w4a8_int8_grid(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
     if N and K:
         bk = block_k or min(pow2(K), 512)
         bn = block_n or max(1, min(pow2(N), 8192 // bk))
-        _grid_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](w, s, w if lv is None else lv, out, N, K, group_size, bits, e4,
+        _grid_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](w, s, w if lv is None else lv, out, N, K,
+                                                               group_size, bits, e4,
                                                                lv is not None, bn, bk, enable_fp_fusion=False)
     return out
 
 # %% ../../nbs/34_kernels_w4a8.ipynb #516a41eb
 @jit
 def _weight_tile(w_ptr, s_ptr, lv_ptr, sc, c_ptr, rn, rk, m2, N, K, G: tl.constexpr, BITS: tl.constexpr,
-                 S_E4M3: tl.constexpr, HAS_CB: tl.constexpr, HAS_CORR: tl.constexpr, CKIND: tl.constexpr, KIND: tl.constexpr):
+                 S_E4M3: tl.constexpr, HAS_CB: tl.constexpr, HAS_CORR: tl.constexpr, CKIND: tl.constexpr,
+                 KIND: tl.constexpr):
     "Pre-rotation weight values `(q * s_channel [+ correction]).to(dtype)` (dtype = KIND), held as fp32."
     v = _grid_tile(w_ptr, s_ptr, lv_ptr, rn, rk, m2, K, G, BITS, S_E4M3, HAS_CB) * sc[:, None]
     if HAS_CORR:
@@ -97,7 +99,8 @@ def _weight_tile(w_ptr, s_ptr, lv_ptr, sc, c_ptr, rn, rk, m2, N, K, G: tl.conste
 @jit
 def _dequant_kernel(w_ptr, s_ptr, lv_ptr, sc_ptr, c_ptr, h_ptr, o_ptr, N, K, G: tl.constexpr, BITS: tl.constexpr,
                     S_E4M3: tl.constexpr, HAS_CB: tl.constexpr, HAS_CORR: tl.constexpr, CKIND: tl.constexpr,
-                    KIND: tl.constexpr, ROTATE: tl.constexpr, DOT: tl.constexpr, INTERP: tl.constexpr, CGE: tl.constexpr,
+                    KIND: tl.constexpr, ROTATE: tl.constexpr, DOT: tl.constexpr,
+                    INTERP: tl.constexpr, CGE: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     o0 = tl.program_id(1) * BLOCK_O
@@ -116,7 +119,8 @@ def _dequant_kernel(w_ptr, s_ptr, lv_ptr, sc_ptr, c_ptr, h_ptr, o_ptr, N, K, G: 
             acc += dot_acc(v, h, tl.zeros([BLOCK_N, BLOCK_O], dtype=tl.float32), DOT, INTERP)
         v = acc
     else:
-        v = _weight_tile(w_ptr, s_ptr, lv_ptr, sc, c_ptr, rn, ro, m2, N, K, G, BITS, S_E4M3, HAS_CB, HAS_CORR, CKIND, KIND)
+        v = _weight_tile(w_ptr, s_ptr, lv_ptr, sc, c_ptr, rn, ro, m2, N, K, G, BITS, S_E4M3, HAS_CB,
+                         HAS_CORR, CKIND, KIND)
     store_as(o_ptr + rn.to(tl.int64)[:, None] * K + ro[None, :], v, m2, KIND)
 
 @functools.lru_cache(maxsize=16)
@@ -166,7 +170,8 @@ def dequantize_w4a8(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
         # bf16 values as fp32 in the interpreter: the same, and cheaper
         dot = 0 if kind == 2 and interpreting() else kind
         _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bo))](
-            w, s, w if lv is None else lv, sc, c, _rotation_matrix(cg, dev) if fuse else sc, out_view(out), N, K, group_size,
+            w, s, w if lv is None else lv, sc, c, _rotation_matrix(cg, dev) if fuse else sc,
+                                                                  out_view(out), N, K, group_size,
             bits, e4, lv is not None, correction is not None, ckind, kind, fuse, dot, interpreting(), cge, bn, bo,
             enable_fp_fusion=False)
     return out if fuse else rotate(out, cg, as_weight=True)
@@ -230,7 +235,8 @@ def w4a8_linear(x:torch.Tensor, # activations [..., K]: fp32, bf16 or fp16
     if x.shape[-1] != K: raise ValueError(f"w4a8_linear: x has K={x.shape[-1]} features but the weight has K={K}")
     if bias is not None: bias = bias.to(device=x.device, dtype=x.dtype)
     if correction is not None:
-        wt = dequantize_w4a8(qdata, s_rel, s_channel, bits, codebook, correction, group_size, convrot_groupsize, x.dtype)
+        wt = dequantize_w4a8(qdata, s_rel, s_channel, bits, codebook, correction, group_size,
+                             convrot_groupsize, x.dtype)
         return torch.nn.functional.linear(x, wt.to(x.device), bias)
     kind = float_kind(x.dtype)
     lead = x.shape[:-1]
@@ -257,7 +263,8 @@ def _fits_weight(qdata, p) -> bool:
 def layout_dequantize(qdata, params, dtype):
     "`W4A8Layout.dequantize` / `W6A8Layout.dequantize` through `dequantize_w4a8` (same bits)."
     p = params
-    return dequantize_w4a8(qdata, p.s_rel, p.s_channel, p.bits, _codebook(p), p.correction, p.group_size, p.convrot_groupsize, dtype)
+    return dequantize_w4a8(qdata, p.s_rel, p.s_channel, p.bits, _codebook(p), p.correction, p.group_size,
+                           p.convrot_groupsize, dtype)
 
 def fits_dequantize(qdata, params, dtype) -> bool:
     "Whether `layout_dequantize` covers this call."
@@ -266,7 +273,8 @@ def fits_dequantize(qdata, params, dtype) -> bool:
 def layout_linear(x, qdata, params, bias=None, input_scale=None):
     "`W4A8Layout.linear` / `W6A8Layout.linear` through `w4a8_linear` (same bits; `input_scale` ignored, as there)."
     p = params
-    return w4a8_linear(x, qdata, p.s_rel, p.s_channel, p.bits, _codebook(p), p.correction, bias, p.group_size, p.convrot_groupsize)
+    return w4a8_linear(x, qdata, p.s_rel, p.s_channel, p.bits, _codebook(p), p.correction, bias, p.group_size,
+                       p.convrot_groupsize)
 
 def fits_linear(x, qdata, params, bias=None, input_scale=None) -> bool:
     "Whether `layout_linear` covers this call."
