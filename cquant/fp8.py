@@ -15,8 +15,8 @@ from .tensor import ScaleRule, nvidia_compute
 from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, round_stochastic
 
 # %% auto #0
-__all__ = ['FP8_E4M3', 'FP8_E5M2', 'fp8_absmax_scale', 'round_to_fp8', 'quantize_per_tensor_fp8', 'dequantize_per_tensor_fp8',
-           'FP8Params', 'fp8_linear_fp32', 'FP8Layout']
+__all__ = ['FP8_E4M3', 'FP8_E5M2', 'fp8_absmax_scale', 'fp32_scalar', 'round_to_fp8', 'quantize_per_tensor_fp8',
+           'dequantize_per_tensor_fp8', 'FP8Params', 'fp8_linear_fp32', 'FP8Layout']
 
 # %% ../nbs/02_fp8.ipynb #b1e1b7e1
 def fp8_absmax_scale(w:torch.Tensor, # weight (fp32, bf16 or fp16)
@@ -26,7 +26,7 @@ def fp8_absmax_scale(w:torch.Tensor, # weight (fp32, bf16 or fp16)
     return (absmax(w) / fp8_max(fp8_dtype)).float()
 
 # %% ../nbs/02_fp8.ipynb #63c34873
-def _fp32_scalar(scale, what:str='scale') -> torch.Tensor:
+def fp32_scalar(scale, what:str='scale') -> torch.Tensor:
     "A positive finite scale (float or one-element tensor) as an fp32 0-d tensor."
     t = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
     if t.numel() != 1 or not (t.is_floating_point() or t.dtype in (torch.int32, torch.int64)) or t.dtype in FP8_DTYPES:
@@ -113,7 +113,7 @@ class FP8Layout(Layout):
             if not bool(torch.isfinite((1.0 / s).to(w.dtype))):     # all zero, or kitchen would overflow
                 s = absmax(w).float() / fp8_max(fp8_dtype)
                 if float(s) == 0: s = torch.ones((), dtype=torch.float32)
-        else: s = _fp32_scalar(scale)
+        else: s = fp32_scalar(scale)
         s = s.to(w.device)
         q = quantize_per_tensor_fp8(w, s, fp8_dtype, stochastic_rounding)
         return q, FP8Params(tuple(w.shape), w.dtype, s)
@@ -135,7 +135,7 @@ class FP8Layout(Layout):
         "ComfyUI's FP8 linear: x quantized with `input_scale` (None = 1.0), then the scaled matmul in fp32."
         if qdata.dim() != 2: return super().linear(x, qdata, params, bias)
         sx = torch.ones((), dtype=torch.float32, device=x.device) if input_scale is None else \
-             _fp32_scalar(input_scale, 'input_scale').to(x.device)
+             fp32_scalar(input_scale, 'input_scale').to(x.device)
         x2 = x.reshape(-1, x.shape[-1])
         xq = quantize_per_tensor_fp8(x2, sx, qdata.dtype)
         out = fp8_linear_fp32(xq, sx, qdata, params.scale, bias, x.dtype)

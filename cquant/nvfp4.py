@@ -19,7 +19,7 @@ from .tensor import Option, Params, Layout, FormatSpec, register_format, format_
 
 # %% auto #0
 __all__ = ['NVFP4', 'nvfp4_storage_shape', 'nvfp4_scale_shape', 'nvfp4_global_scale', 'nvfp4_quantize', 'nvfp4_scale_product',
-           'nvfp4_dequantize', 'NVFP4Params', 'NVFP4Layout', 'nvfp4_linear']
+           'check_nvfp4_qdata', 'nvfp4_dequantize', 'NVFP4Params', 'NVFP4Layout', 'nvfp4_linear']
 
 # %% ../nbs/03_nvfp4.ipynb #217a8109
 _GROUP = 16              # elements per block scale
@@ -50,7 +50,7 @@ def _default_scale(amax:torch.Tensor) -> torch.Tensor:
     s = (amax / (_E4M3_MAX * _E2M1_MAX)).float()
     return torch.where((s == 0) & (amax != 0), amax.float() / (_E4M3_MAX * _E2M1_MAX), s)   # no host sync
 
-def _as_scale(scale, device) -> torch.Tensor:
+def nvfp4_global_scale(scale, device) -> torch.Tensor:
     "A given global scale as an fp32 0-d tensor (a value cast, as kitchen does)."
     return torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(())
 
@@ -73,7 +73,7 @@ def nvfp4_quantize(x:torch.Tensor, # 2-D float tensor (fp32, bf16 or fp16)
     x = pad_to_multiple(x.detach(), _GROUP, _GROUP)
     Np, Kp = x.shape
     amax = absmax(x, block=_GROUP)                                  # [Np, Kp/16], in x's dtype
-    s = _default_scale(amax.amax()) if global_scale is None else _as_scale(global_scale, x.device)
+    s = _default_scale(amax.amax()) if global_scale is None else nvfp4_global_scale(global_scale, x.device)
     af = amax.float()
     bs = cast_fp8(torch.where(af == 0, 0.0, af / _E2M1_MAX / s))   # min(., 448) then e4m3; 0/0 -> 0, not NaN
     total = s * bs.float()
@@ -121,7 +121,8 @@ def _decode_blocks(qdata:torch.Tensor, mult:torch.Tensor, dtype:torch.dtype) -> 
         torch.mul(v, mult[i:i + step].unsqueeze(-1), out=out[i:i + step].view(-1, nb, _GROUP))
     return out
 
-def _check_qdata(qdata:torch.Tensor):
+def check_nvfp4_qdata(qdata:torch.Tensor):
+    "A ValueError unless `qdata` is NVFP4 storage: 2-D uint8, two codes per byte, whole blocks of 16."
     if qdata.dim() != 2 or qdata.dtype != torch.uint8 or (2 * qdata.shape[1]) % _GROUP:
         raise ValueError(f"nvfp4 qdata must be 2-D uint8 with 2*cols a multiple of 16, got {qdata.dtype} {tuple(qdata.shape)}")
 
@@ -132,7 +133,7 @@ def nvfp4_dequantize(qdata:torch.Tensor, # uint8 [Np, Kp/2], hi-first E2M1 codes
                      shape:tuple|None=None, # logical (N, K) to crop to; None keeps the padded (Np, Kp)
                     ) -> torch.Tensor: # contiguous [N, K] in `dtype`
     "Decode nvfp4 storage: e2m1(q) * (s * b), kitchen's arithmetic (see `nvfp4_scale_product` for fp16)."
-    _check_qdata(qdata)
+    check_nvfp4_qdata(qdata)
     Np, Kp = qdata.shape[0], 2 * qdata.shape[1]
     b = from_blocked(block_scale.view(torch.float8_e4m3fn), Np, Kp // _GROUP)
     out = _decode_blocks(qdata, nvfp4_scale_product(global_scale, b, dtype), dtype)

@@ -16,7 +16,7 @@ from .int8 import int_mm, quantize_rows_int8
 
 # %% auto #0
 __all__ = ['W4A4_QMAX', 'W4A4_KERNEL_GROUP', 'W4A4_LINEAR_DTYPES', 'CONVROT_W4A4', 'quantize_rows_int4', 'quantize_w4a4_weight',
-           'dequantize_w4a4_weight', 'w4a4_linear', 'W4A4Params', 'W4A4Layout']
+           'dequantize_w4a4_weight', 'w4a4_linear_dims', 'w4a4_linear', 'W4A4Params', 'W4A4Layout']
 
 # %% ../nbs/06_convrot_w4a4.ipynb #d860c9d6
 W4A4_QMAX = 7              # int4 levels are -7..7 (symmetric: -8 is never emitted)
@@ -63,7 +63,7 @@ def _rescale(acc, x_scale, w_scale, bias, out_dtype):
     if bias is not None: out.add_(bias.to(device=out.device, dtype=out_dtype))
     return out
 
-def _linear_dims(x, qweight, linear_dtype) -> tuple:
+def w4a4_linear_dims(x, qweight, linear_dtype) -> tuple:
     "(K, N) of a W4A4 linear call; a ValueError for an unknown `linear_dtype` or a weight that does not fit x."
     if linear_dtype not in W4A4_LINEAR_DTYPES:
         raise ValueError(f"w4a4_linear: linear_dtype must be 'int4' or 'int8', got {linear_dtype!r}")
@@ -81,7 +81,7 @@ def w4a4_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp16)
                 exact:bool=False, # int4 only: exact int32 accumulation + fp32 rescale instead of kitchen's eager float GEMM
                ) -> torch.Tensor: # [..., N] in x's dtype
     "`x @ W.T + bias` for a convrot_w4a4 weight, as ComfyUI runs it (int4 path bit-exact with kitchen eager)."
-    K, N = _linear_dims(x, qweight, linear_dtype)
+    K, N = w4a4_linear_dims(x, qweight, linear_dtype)
     if K % convrot_groupsize: raise ValueError(f"w4a4_linear: K={K} is not divisible by convrot_groupsize={convrot_groupsize}")
     dt, lead = x.dtype, x.shape[:-1]
     xr = rotate(x.reshape(-1, K), convrot_groupsize)

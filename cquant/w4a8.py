@@ -17,8 +17,8 @@ from .numerics import absmax, rotate, pack_uint4, unpack_uint4, pack_6bit, unpac
 from .int8 import int8_linear, _row_blocks
 
 # %% auto #0
-__all__ = ['ASYM_W4A8_INT8', 'W6A8_INT8', 'w4a8_default_codebook', 'w4a8_levels', 'w4a8_int8_grid', 'dequantize_w4a8',
-           'w4a8_linear', 'quantize_w4a8', 'W4A8Params', 'W4A8Layout', 'W6A8Layout']
+__all__ = ['ASYM_W4A8_INT8', 'W6A8_INT8', 'w4a8_default_codebook', 'w4a8_levels', 'check_w4a8_operands', 'w4a8_int8_grid',
+           'dequantize_w4a8', 'w4a8_linear', 'quantize_w4a8', 'W4A8Params', 'W4A8Layout', 'W6A8Layout']
 
 # %% ../nbs/07_w4a8.ipynb #7ed05f3a
 _FIXED_LUT = (-0.980602, -0.794529, -0.638165, -0.500986, -0.377321, -0.263187, -0.155210, -0.050720,
@@ -82,7 +82,7 @@ def _grid_rows(q, s, bits, lv, G):
     v = lv.to(q.device).index_select(0, c.view(-1).int()).view(R, Gn, G)
     return v.mul_(s.float()[..., None]).round_().clamp_(-127, 127).to(torch.int8).view(R, Gn * G)
 
-def _check_operands(qdata, s_rel, s_channel, bits, codebook, correction, group_size, convrot_groupsize):
+def check_w4a8_operands(qdata, s_rel, s_channel, bits, codebook, correction, group_size, convrot_groupsize):
     "Shapes of packed W4A8/W6A8 tensors; returns (N, K)."
     if qdata.dim() != 2 or qdata.dtype not in (torch.int8, torch.uint8) or s_rel.dim() != 2:
         raise ValueError(f"w4a8: expected a 2-D int8 packed weight and a 2-D s_rel, got {qdata.dtype}{tuple(qdata.shape)} and s_rel {tuple(s_rel.shape)}")
@@ -123,7 +123,7 @@ def dequantize_w4a8(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
                     dtype:torch.dtype=torch.bfloat16, # output dtype (the rotation back runs in it)
                    ) -> torch.Tensor: # [N, K] in dtype, original basis
     "Decode a W4A8/W6A8 weight exactly as kitchen: int8 grid x s_channel (+ correction) in fp32, cast, rotate back."
-    N, K = _check_operands(qdata, s_rel, s_channel, bits, codebook, correction, group_size, convrot_groupsize)
+    N, K = check_w4a8_operands(qdata, s_rel, s_channel, bits, codebook, correction, group_size, convrot_groupsize)
     Gn = K // group_size
     lv = w4a8_levels(bits, codebook)
     sc = s_channel.to(device=qdata.device, dtype=torch.float32)
@@ -149,7 +149,7 @@ def w4a8_linear(x:torch.Tensor, # activations [..., K]
                 convrot_groupsize:int=256, # the rotation group
                ) -> torch.Tensor: # [..., N] in x's dtype
     "`x @ W.T + bias` as kitchen's `w4a8_int8_linear`: the int8 ConvRot linear over the int8 grid, or float with a correction."
-    N, K = _check_operands(qdata, s_rel, s_channel, bits, codebook, correction, group_size, convrot_groupsize)
+    N, K = check_w4a8_operands(qdata, s_rel, s_channel, bits, codebook, correction, group_size, convrot_groupsize)
     if x.shape[-1] != K: raise ValueError(f"w4a8_linear: x has K={x.shape[-1]} features but the weight has K={K}")
     if bias is not None: bias = bias.to(device=x.device, dtype=x.dtype)
     if correction is not None:

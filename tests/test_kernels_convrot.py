@@ -20,7 +20,7 @@ from cquant.w4a4 import W4A4Layout
 from cquant.numerics import rotate, pack_int4, unpack_int4
 from cquant.tensor import same_bits
 import cquant.kernels.convrot as C
-from cquant.kernels.int8 import _recip32
+from cquant.kernels.base import recip32
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -47,8 +47,7 @@ def _bits(a, b, what=''):
     assert same_bits(_cpu(a), b), what
 
 
-def test_available():
-    assert C.triton_available()
+def test_fast_paths_listed():
     assert {(l, op) for l, op, _, _ in C.FAST_PATHS} == {(L, op) for L in (Int8Layout, W4A4Layout)
                                                           for op in ('quantize', 'dequantize', 'linear')}
 
@@ -337,11 +336,11 @@ def _cuda_eager_rows(xr):
     """The eager INT8 and int4 row quantizers (`quantize_rows_int8`, `quantize_rows_int4`) as torch computes them on CUDA:
     the divisions by the Python numbers 127 and 7 are multiplications by fp32(1/127) and fp32(1/7)."""
     a = xr.abs().amax(-1, keepdim=True)
-    s8 = (a.float() * torch.tensor(_recip32(127.0))).clamp_(min=1e-30)
+    s8 = (a.float() * torch.tensor(recip32(127.0))).clamp_(min=1e-30)
     d = s8.to(xr.dtype)
     d = d.masked_fill(d == 0, torch.finfo(xr.dtype).tiny)
     q8 = (xr / d).round_().clamp_(-128.0, 127.0).to(torch.int8)
-    s4 = (a.clamp(min=1e-10).float() * torch.tensor(_recip32(7.0))).to(xr.dtype)
+    s4 = (a.clamp(min=1e-10).float() * torch.tensor(recip32(7.0))).to(xr.dtype)
     v = (xr / s4).round_().clamp_(-7.0, 7.0)
     if xr.dtype == torch.float16: v = v.nan_to_num_(0.0)
     return q8, s8, v.to(torch.int8), s4.float()

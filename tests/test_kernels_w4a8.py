@@ -51,10 +51,6 @@ def _dev(a): return [t.to(DEV) if isinstance(t, torch.Tensor) else t for t in a]
 def _bits(a, b): return same_bits(a.cpu(), b)
 
 
-def test_available():
-    assert K.triton_available()
-
-
 @pytest.mark.parametrize('bits', [4, 6])
 def test_grid_every_scale_byte_and_code(bits):
     "254 non-NaN e4m3 bytes (negative, subnormal, 448) x every code; as fp32 scales too; codebook and uniform."

@@ -8,12 +8,12 @@ Docs: https://cquant-dev.github.io/cquant/kernels_blockscaled.html.md"""
 from __future__ import annotations
 import math
 import torch
-from .int8 import (_jit, triton, tl, _HAS_TRITON, interpreting, triton_available, _round_to, _store_as,
-                                 _load_f32, _div_scalar, _recip32, _e4m3_encode, _e4m3_decode, _e2m1_encode, _e2m1_decode,
-                                 _dot_acc, _kind, _FLOATS,
-                                 _out_view, _pow2, autotuned, _gemm_configs, _launch_gemm, _out_tile)
+from .base import (jit, triton, tl, interpreting, round_to, store_as, load_f32, div_scalar,
+                                 e4m3_encode, e4m3_decode, e2m1_encode, e2m1_decode, dot_acc, float_kind,
+                                 FLOAT_DTYPES, out_view, pow2, autotuned, gemm_configs, launch_gemm, out_tile)
 from ..numerics import round_up
-from ..nvfp4 import NVFP4Layout, NVFP4Params, nvfp4_storage_shape, nvfp4_scale_shape, _as_scale, _check_qdata
+from ..nvfp4 import (NVFP4Layout, NVFP4Params, nvfp4_storage_shape, nvfp4_scale_shape, nvfp4_global_scale,
+                          check_nvfp4_qdata)
 from ..mxfp8 import MXFP8Layout, MXFP8Params, mxfp8_storage_shape, mxfp8_scale_shape
 
 # %% auto #0
@@ -21,12 +21,12 @@ __all__ = ['FAST_PATHS', 'nvfp4_quantize', 'quantize_mxfp8', 'nvfp4_dequantize',
            'mxfp8_linear', 'linear_tolerance']
 
 # %% ../../nbs/32_kernels_blockscaled.ipynb #4299fb25
-@_jit
+@jit
 def _e8m0_decode(e):
     "int32 E8M0 bytes -> fp32 2^(e-127), as the eager decode: 0 -> 0.0, 255 -> NaN."
     return tl.where(e == 255, 0x7FC00000, e << 23).to(tl.float32, bitcast=True)
 
-@_jit
+@jit
 def _swizzle(r, c, CB4):
     "Byte offset of the logical block scale (row r, block c) in the 128x4-tiled layout with CB4 tiles per tile row."
     return ((r // 128) * CB4 + c // 4) * 512 + (r % 32) * 16 + ((r // 32) % 4) * 4 + c % 4
@@ -36,25 +36,26 @@ def _quant_rows():
     return 128 if interpreting() else 64
 
 # %% ../../nbs/32_kernels_blockscaled.ipynb #449c97a7
-@_jit
+@jit
 def _absmax_kernel(x_ptr, out_ptr, N, K, sxr, sxc, IN_KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     m = (rows < N)[:, None] & (cols < K)[None, :]
-    x = _load_f32(x_ptr + rows.to(tl.int64)[:, None] * sxr + cols[None, :] * sxc, m, IN_KIND)
+    x = load_f32(x_ptr + rows.to(tl.int64)[:, None] * sxr + cols[None, :] * sxc, m, IN_KIND)
     tl.atomic_max(out_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.int32, bitcast=True))
 
 def _absmax_bits(x, block_r=None, block_c=None) -> torch.Tensor:
     "int32 [1]: the fp32 bits of max|x| over a 2-D tensor."
     N, K = x.shape
     out = torch.zeros(1, dtype=torch.int32, device=x.device)
-    bc = block_c or min(_pow2(K), 1024)
-    br = block_r or max(1, min(_pow2(N), 8192 // bc))
-    _absmax_kernel[(triton.cdiv(N, br), triton.cdiv(K, bc))](x, out, N, K, x.stride(0), x.stride(1), _kind(x.dtype), br, bc)
+    bc = block_c or min(pow2(K), 1024)
+    br = block_r or max(1, min(pow2(N), 8192 // bc))
+    _absmax_kernel[(triton.cdiv(N, br), triton.cdiv(K, bc))](x, out, N, K, x.stride(0), x.stride(1),
+                                                             float_kind(x.dtype), br, bc)
     return out
 
 # %% ../../nbs/32_kernels_blockscaled.ipynb #9240e102
-@_jit
+@jit
 def _nvfp4_quantize_kernel(x_ptr, q_ptr, sc_ptr, s_ptr, amax_ptr, N, K, sxr, sxc, NP, QC, RS, CB4,
                            DYNAMIC: tl.constexpr, IN_KIND: tl.constexpr, CUDA_DIV: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
@@ -63,23 +64,24 @@ def _nvfp4_quantize_kernel(x_ptr, q_ptr, sc_ptr, s_ptr, amax_ptr, N, K, sxr, sxc
     r3 = rows[:, None, None]
     ce = blks[None, :, None] * 16 + 2 * tl.arange(0, 8)[None, None, :]            # even column of each pair
     base = x_ptr + r3.to(tl.int64) * sxr
-    xe = _load_f32(base + ce * sxc, (r3 < N) & (ce < K), IN_KIND)
-    xo = _load_f32(base + (ce + 1) * sxc, (r3 < N) & (ce + 1 < K), IN_KIND)
+    xe = load_f32(base + ce * sxc, (r3 < N) & (ce < K), IN_KIND)
+    xo = load_f32(base + (ce + 1) * sxc, (r3 < N) & (ce + 1 < K), IN_KIND)
     amax = tl.maximum(tl.max(tl.abs(xe), axis=2), tl.max(tl.abs(xo), axis=2))    # [BLOCK_R, BLOCK_B]
     if DYNAMIC:
         g = tl.load(amax_ptr).to(tl.float32, bitcast=True)
-        s32 = _div_scalar(g, 2688.0, 0.00037202381645329297, CUDA_DIV)              # RD = fp32(1/2688)
-        s = _round_to(s32, IN_KIND)
+        s32 = div_scalar(g, 2688.0, 0.00037202381645329297, CUDA_DIV)              # RD = fp32(1/2688)
+        s = round_to(s32, IN_KIND)
         s = tl.where((s == 0.0) & (g != 0.0), s32, s)
         tl.store(s_ptr, s, mask=(tl.program_id(0) == 0) & (tl.program_id(1) == 0))
     else:
         s = tl.load(s_ptr)
-    bs = tl.where(amax == 0.0, 0.0, tl.math.div_rn(_div_scalar(amax, 6.0, 0.1666666716337204, CUDA_DIV), s))   # fp32(1/6)
-    code, bval = _e4m3_encode(tl.minimum(tl.maximum(bs, -448.0), 448.0))
+    # fp32(1/6)
+    bs = tl.where(amax == 0.0, 0.0, tl.math.div_rn(div_scalar(amax, 6.0, 0.1666666716337204, CUDA_DIV), s))
+    code, bval = e4m3_encode(tl.minimum(tl.maximum(bs, -448.0), 448.0))
     total = s * bval
     zero = (total == 0.0)[:, :, None]
     t = tl.where(zero, 1.0, total[:, :, None])
-    byte = tl.where(zero, 0, (_e2m1_encode(xe, t) << 4) | _e2m1_encode(xo, t))
+    byte = tl.where(zero, 0, (e2m1_encode(xe, t) << 4) | e2m1_encode(xo, t))
     qc = blks[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
     tl.store(q_ptr + r3.to(tl.int64) * QC + qc, byte.to(tl.uint8), mask=(r3 < NP) & (qc < QC))
     r2, b2 = rows[:, None], blks[None, :]
@@ -89,8 +91,9 @@ def _check_2d_float(x, what):
     "x's dtype code, after checking x is a non-empty 2-D fp32/bf16/fp16 tensor."
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.numel() == 0:
         raise ValueError(f"{what}: expected a non-empty 2-D tensor, got {getattr(x, 'shape', type(x))}")
-    return _kind(x.dtype)
+    return float_kind(x.dtype)
 
+# %% ../../nbs/32_kernels_blockscaled.ipynb #89e7b38e
 def _rows_view(x):
     "x detached, with unit column stride (any row stride): a transposed view is copied, so column offsets stay small."
     x = x.detach()
@@ -112,9 +115,9 @@ def nvfp4_quantize(x:torch.Tensor, # 2-D float tensor (fp32, bf16 or fp16)
     if global_scale is None:
         amax, s = _absmax_bits(x), torch.empty((), dtype=torch.float32, device=x.device)
     else:
-        s = _as_scale(global_scale, x.device)
+        s = nvfp4_global_scale(global_scale, x.device)
         amax = s
-    bb = block_b or min(_pow2(CS), 8)
+    bb = block_b or min(pow2(CS), 8)
     br = block_r or _quant_rows()
     _nvfp4_quantize_kernel[(triton.cdiv(RS, br), triton.cdiv(CS, bb))](
         x, q, sc, s, amax, N, K, x.stride(0), x.stride(1), NP, QC, RS, CS // 4, global_scale is None, kind,
@@ -122,10 +125,11 @@ def nvfp4_quantize(x:torch.Tensor, # 2-D float tensor (fp32, bf16 or fp16)
     return q, s, sc.view(torch.float8_e4m3fn)
 
 # %% ../../nbs/32_kernels_blockscaled.ipynb #eda3e557
-@_jit
+@jit
 def _e8m0_exponent(amax, CUDA_DIV: tl.constexpr):
-    "Eager mxfp8's E8M0 exponent of fp32 block maxima: ceil(fp32 log2(max(amax/448, 2^-127))) + 127 (CPU log2), from the bits."
-    n = _div_scalar(amax, 448.0, 0.0022321429569274187, CUDA_DIV)                    # RD = fp32(1/448)
+    """Eager mxfp8's E8M0 exponent of fp32 block maxima: ceil(fp32 log2(max(amax/448, 2^-127))) + 127 (CPU log2), from
+    the bits."""
+    n = div_scalar(amax, 448.0, 0.0022321429569274187, CUDA_DIV)                    # RD = fp32(1/448)
     b = tl.maximum(n.to(tl.int32, bitcast=True), 0x400000)                             # n >= 2^-127 (n >= 0)
     E = b >> 23
     k = tl.where(E == 0, -127, E - 127)
@@ -136,23 +140,24 @@ def _e8m0_exponent(amax, CUDA_DIV: tl.constexpr):
     up = (j > 0) & ((k == 0) | (j >= J))
     return k + 127 + up.to(tl.int32)
 
-@_jit
+@jit
 def _mxfp8_quantize_kernel(x_ptr, q_ptr, sc_ptr, N, K, sxr, sxc, NP, KP, RS, CB4,
                            IN_KIND: tl.constexpr, CUDA_DIV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     blks = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     r3 = rows[:, None, None]
     cols = blks[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
-    x = _load_f32(x_ptr + r3.to(tl.int64) * sxr + cols * sxc, (r3 < N) & (cols < K), IN_KIND)
+    x = load_f32(x_ptr + r3.to(tl.int64) * sxr + cols * sxc, (r3 < N) & (cols < K), IN_KIND)
     amax = tl.max(tl.abs(x), axis=2)
     e = _e8m0_exponent(amax, CUDA_DIV)
     v = x * ((254 - e) << 23).to(tl.float32, bitcast=True)[:, :, None]
     v = tl.where((amax == 0.0)[:, :, None], 0.0, v)
-    code, _ = _e4m3_encode(tl.minimum(tl.maximum(v, -448.0), 448.0))
+    code, _ = e4m3_encode(tl.minimum(tl.maximum(v, -448.0), 448.0))
     tl.store(q_ptr + r3.to(tl.int64) * KP + cols, code.to(tl.uint8), mask=(r3 < NP) & (cols < KP))
     r2, b2 = rows[:, None], blks[None, :]
     tl.store(sc_ptr + _swizzle(r2, b2, CB4), e.to(tl.uint8), mask=(r2 < RS) & (b2 < CB4 * 4))
 
+# %% ../../nbs/32_kernels_blockscaled.ipynb #045c6a07
 def _mxfp8_encode(x, row_pad, block_r=None, block_b=None, cuda_div=None):
     "uint8 e4m3 codes [roundup(N,row_pad), roundup(K,32)] and uint8 swizzled exponents."
     kind = _check_2d_float(x, 'quantize_mxfp8')
@@ -162,10 +167,11 @@ def _mxfp8_encode(x, row_pad, block_r=None, block_b=None, cuda_div=None):
     RS, CS = round_up(NP, 128), round_up(KP // 32, 4)
     q = torch.empty((NP, KP), dtype=torch.uint8, device=x.device)
     sc = torch.empty((RS, CS), dtype=torch.uint8, device=x.device)
-    bb = block_b or min(_pow2(CS), 4)
+    bb = block_b or min(pow2(CS), 4)
     br = block_r or _quant_rows()
     _mxfp8_quantize_kernel[(triton.cdiv(RS, br), triton.cdiv(CS, bb))](
-        x, q, sc, N, K, x.stride(0), x.stride(1), NP, KP, RS, CS // 4, kind, x.is_cuda if cuda_div is None else bool(cuda_div), br, bb)
+        x, q, sc, N, K, x.stride(0), x.stride(1), NP, KP, RS, CS // 4, kind,
+            x.is_cuda if cuda_div is None else bool(cuda_div), br, bb)
     return q, sc
 
 def quantize_mxfp8(x:torch.Tensor, # [N, K] weight (fp32, bf16 or fp16)
@@ -173,26 +179,27 @@ def quantize_mxfp8(x:torch.Tensor, # [N, K] weight (fp32, bf16 or fp16)
                    block_b:int|None=None, # blocks of 32 per program (default up to 4)
                    cuda_div:bool|None=None, # `amax / 448` as torch on CUDA (times fp32(1/448)); default: x.is_cuda
                   ) -> tuple: # (e4m3 [Np, Kp], float8_e8m0fnu swizzled block scales)
-    "Triton mxfp8 quantization, bit-exact with `cquant.mxfp8.quantize_mxfp8` (round to nearest) on CPU (see the CUDA caveat)."
+    """Triton mxfp8 quantization, bit-exact with `cquant.mxfp8.quantize_mxfp8` (round to nearest) on CPU (see the CUDA
+    caveat)."""
     q, sc = _mxfp8_encode(x, 32, block_r, block_b, cuda_div)
     return q.view(torch.float8_e4m3fn), sc.view(torch.float8_e8m0fnu)
 
 # %% ../../nbs/32_kernels_blockscaled.ipynb #eb785a04
-@_jit
+@jit
 def _nvfp4_codes(q_ptr, sc_ptr, r, k, mask, QC, CB4):
     "(E2M1 value, e4m3 block scale) as fp32 for storage rows r and columns k (broadcastable int32 tensors)."
     byte = tl.load(q_ptr + r.to(tl.int64) * QC + k // 2, mask=mask, other=0).to(tl.int32)
     b = tl.load(sc_ptr + _swizzle(r, k // 16, CB4), mask=mask, other=0).to(tl.int32)
-    return _e2m1_decode((byte >> (4 - 4 * (k % 2))) & 15), _e4m3_decode(b)
+    return e2m1_decode((byte >> (4 - 4 * (k % 2))) & 15), e4m3_decode(b)
 
-@_jit
+@jit
 def _mxfp8_codes(q_ptr, sc_ptr, r, k, mask, QC, CB4):
     "(e4m3 value, 2^(e-127) block scale) as fp32 for storage rows r and columns k."
     byte = tl.load(q_ptr + r.to(tl.int64) * QC + k, mask=mask, other=0).to(tl.int32)
     e = tl.load(sc_ptr + _swizzle(r, k // 32, CB4), mask=mask, other=0).to(tl.int32)
-    return _e4m3_decode(byte), _e8m0_decode(e)
+    return e4m3_decode(byte), _e8m0_decode(e)
 
-@_jit
+@jit
 def _dequantize_kernel(q_ptr, sc_ptr, s_ptr, o_ptr, N, K, QC, CB4, FMT: tl.constexpr, KIND: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R))[:, None]
@@ -202,21 +209,22 @@ def _dequantize_kernel(q_ptr, sc_ptr, s_ptr, o_ptr, N, K, QC, CB4, FMT: tl.const
         v, b = _nvfp4_codes(q_ptr, sc_ptr, r, k, m, QC, CB4)
         s = tl.load(s_ptr)
         if KIND == 1:
-            mult = tl.where(s < 6.103515625e-05, _round_to(s * b, 1), _round_to(_round_to(s, 1) * b, 1))
+            mult = tl.where(s < 6.103515625e-05, round_to(s * b, 1), round_to(round_to(s, 1) * b, 1))
         else:
-            mult = _round_to(_round_to(s, KIND) * b, KIND)
+            mult = round_to(round_to(s, KIND) * b, KIND)
     else:
         v, mult = _mxfp8_codes(q_ptr, sc_ptr, r, k, m, QC, CB4)
-    _store_as(o_ptr + r.to(tl.int64) * K + k, v * mult, m, KIND)
+    store_as(o_ptr + r.to(tl.int64) * K + k, v * mult, m, KIND)
 
 def _launch_dequant(fmt, q, sc, s, dtype, N, K, CB4, block_r, block_c):
     out = torch.empty((N, K), dtype=dtype, device=q.device)
-    bc = block_c or min(_pow2(K), 256)
-    br = block_r or max(1, min(_pow2(N), 8192 // bc))
-    _dequantize_kernel[(triton.cdiv(N, br), triton.cdiv(K, bc))](q, sc, s, _out_view(out), N, K, q.shape[1], CB4, fmt,
-                                                                  _kind(dtype), br, bc)
+    bc = block_c or min(pow2(K), 256)
+    br = block_r or max(1, min(pow2(N), 8192 // bc))
+    _dequantize_kernel[(triton.cdiv(N, br), triton.cdiv(K, bc))](q, sc, s, out_view(out), N, K, q.shape[1], CB4, fmt,
+                                                                  float_kind(dtype), br, bc)
     return out
 
+# %% ../../nbs/32_kernels_blockscaled.ipynb #d8c664b3
 def _scale_buffer(bs, shape, what):
     if bs.numel() != shape[0] * shape[1]:
         raise ValueError(f"{what}: block scales need {shape[0] * shape[1]} elements {shape}, got shape {tuple(bs.shape)}")
@@ -230,7 +238,7 @@ def nvfp4_dequantize(qdata:torch.Tensor, # uint8 [Np, Kp/2], hi-first E2M1 codes
                      block_r:int|None=None, block_c:int|None=None, # tile (rows, columns) per program
                     ) -> torch.Tensor: # contiguous [N, K] in `dtype`
     "Triton nvfp4 decode, bit-exact with `cquant.nvfp4.nvfp4_dequantize`."
-    _check_qdata(qdata)
+    check_nvfp4_qdata(qdata)
     NP, KP = qdata.shape[0], 2 * qdata.shape[1]
     N, K = shape if shape is not None else (NP, KP)
     RS, CS = round_up(NP, 128), round_up(KP // 16, 4)
@@ -252,12 +260,12 @@ def dequantize_mxfp8(q:torch.Tensor, # e4m3 [Np, Kp] (or its uint8 bytes)
     return _launch_dequant(1, q.contiguous().view(torch.uint8), sc, sc, dtype, N, K, CS // 4, block_r, block_c)
 
 # %% ../../nbs/32_kernels_blockscaled.ipynb #456b0f2a
-@_jit
+@jit
 def _blockscaled_gemm_kernel(x_ptr, xs_ptr, xg_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr, o_ptr, M, N, K, XQC, WQC, XCB4, WCB4,
                              FMT: tl.constexpr, HAS_BIAS: tl.constexpr, B_KIND: tl.constexpr, KIND: tl.constexpr,
                              DOT: tl.constexpr, INTERP: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rm, rn, mm, nm = _out_tile(M, N, BLOCK_M, BLOCK_N)
+    rm, rn, mm, nm = out_tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -268,14 +276,15 @@ def _blockscaled_gemm_kernel(x_ptr, xs_ptr, xg_ptr, w_ptr, ws_ptr, wg_ptr, b_ptr
         else:
             xv, xb = _mxfp8_codes(x_ptr, xs_ptr, rm[:, None], rk[None, :], mm[:, None] & km, XQC, XCB4)
             wv, wb = _mxfp8_codes(w_ptr, ws_ptr, rn[:, None], rk[None, :], nm[:, None] & km, WQC, WCB4)
-        acc = _dot_acc(xv * xb, tl.trans(wv * wb), acc, DOT, INTERP)
+        acc = dot_acc(xv * xb, tl.trans(wv * wb), acc, DOT, INTERP)
     if FMT == 0:
         acc = acc * tl.load(xg_ptr) * tl.load(wg_ptr)
     if HAS_BIAS:
-        acc = acc + _load_f32(b_ptr + rn, nm, B_KIND)[None, :]
-    _store_as(o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc, mm[:, None] & nm[None, :], KIND)
+        acc = acc + load_f32(b_ptr + rn, nm, B_KIND)[None, :]
+    store_as(o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc, mm[:, None] & nm[None, :], KIND)
 
-_blockscaled_gemm_tuned = autotuned(_blockscaled_gemm_kernel, _gemm_configs(), ['M', 'N', 'K'])
+_blockscaled_gemm_tuned = autotuned(_blockscaled_gemm_kernel, gemm_configs(), ['M', 'N', 'K'])
+
 _DOT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 def _gemm(fmt, xq, xs, xg, wq, ws, wg, bias, M, N, K, out_dtype, operand_dtype, blocks):
@@ -283,12 +292,14 @@ def _gemm(fmt, xq, xs, xg, wq, ws, wg, bias, M, N, K, out_dtype, operand_dtype, 
     out = torch.empty((M, N), dtype=out_dtype, device=xq.device)
     b = bias.to(device=xq.device).reshape(-1).contiguous() if bias is not None else out
     if bias is not None and b.numel() != N: raise ValueError(f"bias must have N={N} elements, got shape {tuple(bias.shape)}")
-    _launch_gemm(_blockscaled_gemm_kernel, _blockscaled_gemm_tuned, M, N, blocks,
-                 xq, xs, xg, wq, ws, wg, b, _out_view(out), M, N, K, xq.shape[1], wq.shape[1],
-                 xs.shape[1] // 4, ws.shape[1] // 4, fmt, bias is not None, _kind(b.dtype) if bias is not None else 0,
-                 _kind(out_dtype), _DOT[operand_dtype], interpreting())
+    launch_gemm(_blockscaled_gemm_kernel, _blockscaled_gemm_tuned, M, N, blocks,
+                 xq, xs, xg, wq, ws, wg, b, out_view(out), M, N, K, xq.shape[1], wq.shape[1],
+                 xs.shape[1] // 4, ws.shape[1] // 4, fmt, bias is not None,
+                 float_kind(b.dtype) if bias is not None else 0,
+                 float_kind(out_dtype), _DOT[operand_dtype], interpreting())
     return out
 
+# %% ../../nbs/32_kernels_blockscaled.ipynb #caa449a6
 def _weight_buffers(fmt, qdata, block_scale, shape):
     "Check the weight storage against the logical shape; (codes, swizzled scale bytes [Rs, Cs])."
     if fmt == 0: want_q, want_s = nvfp4_storage_shape(shape), nvfp4_scale_shape(shape)
@@ -297,13 +308,15 @@ def _weight_buffers(fmt, qdata, block_scale, shape):
     return qdata.contiguous().view(torch.uint8), _scale_buffer(block_scale, want_s, 'linear').view(want_s)
 
 def _linear(fmt, x, qdata, block_scale, shape, wg, quantize, bias, operand_dtype, blocks):
-    "Both linears: check x and the weight storage against `shape`, `quantize(x2) -> (codes, scale bytes, global scale or None)`, `_gemm`."
+    """Both linears: check x and the weight storage against `shape`, `quantize(x2) -> (codes, scale bytes, global scale
+    or None)`, `_gemm`."""
     N, K = shape
     if x.shape[-1] != K: raise ValueError(f"{('nvfp4', 'mxfp8')[fmt]} linear: input has {x.shape[-1]} features, the weight expects {K}")
     wq, ws = _weight_buffers(fmt, qdata, block_scale, shape)
     x2 = x.reshape(-1, K)
     xq, xs, xg = quantize(x2)
-    out = _gemm(fmt, xq, xs, xs if xg is None else xg, wq, ws, ws if wg is None else wg, bias, x2.shape[0], N, K, x.dtype,
+    out = _gemm(fmt, xq, xs, xs if xg is None else xg, wq, ws, ws if wg is None else wg, bias,
+                x2.shape[0], N, K, x.dtype,
                 operand_dtype, blocks)
     return out.reshape(*x.shape[:-1], N)
 
@@ -318,13 +331,15 @@ def nvfp4_linear(x:torch.Tensor, # activation [..., K]: fp32, bf16 or fp16
                  block_m:int|None=None, block_n:int|None=None, block_k:int|None=None, # GEMM tiles (default: autotuned)
                  cuda_div:bool|None=None, # the activation's `/ 2688`, `/ 6` as torch on CUDA; default: x.is_cuda
                 ) -> torch.Tensor: # [..., N] in x's dtype
-    "Triton nvfp4 linear: x quantized as `cquant.nvfp4.nvfp4_linear` does, then a dequant-fused GEMM (see the tolerance)."
+    """Triton nvfp4 linear: x quantized as `cquant.nvfp4.nvfp4_linear` does, then a dequant-fused GEMM (see the
+    tolerance)."""
     def quantize(x2):
         xq, xg, xs = nvfp4_quantize(x2, input_scale, cuda_div=cuda_div)
         return xq, xs.view(torch.uint8), xg
     wg = global_scale.to(device=x.device, dtype=torch.float32).reshape(())
     return _linear(0, x, qdata, block_scale, shape, wg, quantize, bias, operand_dtype, (block_m, block_n, block_k))
 
+# %% ../../nbs/32_kernels_blockscaled.ipynb #4adb8777
 def mxfp8_linear(x:torch.Tensor, # activation [..., K]: fp32, bf16 or fp16
                  qdata:torch.Tensor, # e4m3 weight storage [Np, Kp]
                  block_scale:torch.Tensor, # its swizzled E8M0 scales
@@ -338,7 +353,8 @@ def mxfp8_linear(x:torch.Tensor, # activation [..., K]: fp32, bf16 or fp16
     quantize = lambda x2: (*_mxfp8_encode(x2, 1, cuda_div=cuda_div), None)
     return _linear(1, x, qdata, block_scale, shape, None, quantize, bias, operand_dtype, (block_m, block_n, block_k))
 
-_EPS = {torch.float32: (0.0, 2.0 ** -149), torch.bfloat16: (2.0 ** -7, 2.0 ** -133), torch.float16: (2.0 ** -10, 2.0 ** -24)}
+_EPS = {torch.float32: (0.0, 2.0 ** -149), torch.bfloat16: (2.0 ** -7, 2.0 ** -133),
+        torch.float16: (2.0 ** -10, 2.0 ** -24)}
 
 def linear_tolerance(xd:torch.Tensor, # eager's dequantized activation [M, K] (fp32)
                      wd:torch.Tensor, # eager's dequantized weight [N, K] (fp32)
@@ -355,7 +371,7 @@ def linear_tolerance(xd:torch.Tensor, # eager's dequantized activation [M, K] (f
 
 # %% ../../nbs/32_kernels_blockscaled.ipynb #fb11fe5f
 def _is_weight(w):
-    return isinstance(w, torch.Tensor) and w.dim() == 2 and w.numel() > 0 and w.dtype in _FLOATS
+    return isinstance(w, torch.Tensor) and w.dim() == 2 and w.numel() > 0 and w.dtype in FLOAT_DTYPES
 
 def _fits_quantize_nvfp4(w, stochastic_rounding=0, scale=None) -> bool:
     if not _is_weight(w) or stochastic_rounding: return False
@@ -379,21 +395,22 @@ def _fits_storage(fmt, qdata, params) -> bool:
         bs, want, dts = params.block_scale, mxfp8_scale_shape(shape), (torch.float8_e8m0fnu, torch.uint8)
     return bool(ok) and isinstance(bs, torch.Tensor) and bs.dtype in dts and bs.numel() == want[0] * want[1]
 
-def _fits_dequantize_nvfp4(qdata, params, dtype) -> bool: return dtype in _FLOATS and _fits_storage(0, qdata, params)
+def _fits_dequantize_nvfp4(qdata, params, dtype) -> bool: return dtype in FLOAT_DTYPES and _fits_storage(0, qdata, params)
 
 def _dequantize_nvfp4(qdata, params, dtype):
     return nvfp4_dequantize(qdata, params.global_scale, params.block_scale, dtype, params.orig_shape)
 
 def _fits_activation(x, params, bias) -> bool:
     N, K = params.orig_shape
-    if not (isinstance(x, torch.Tensor) and x.dtype in _FLOATS and x.dim() >= 1 and x.shape[-1] == K and x.numel() > 0): return False
-    return bias is None or (isinstance(bias, torch.Tensor) and bias.dtype in _FLOATS and bias.numel() == N)
+    if not (isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and x.dim() >= 1 and x.shape[-1] == K and x.numel() > 0): return False
+    return bias is None or (isinstance(bias, torch.Tensor) and bias.dtype in FLOAT_DTYPES and bias.numel() == N)
 
 def _fits_linear_nvfp4(x, qdata, params, bias=None, input_scale=None) -> bool:
     if not _fits_storage(0, qdata, params) or not _fits_activation(x, params, bias): return False
     if input_scale is None or (isinstance(input_scale, (int, float)) and not isinstance(input_scale, bool)): return True
     return isinstance(input_scale, torch.Tensor) and input_scale.numel() == 1 and input_scale.is_floating_point()
 
+# %% ../../nbs/32_kernels_blockscaled.ipynb #8af508fc
 def _linear_nvfp4(x, qdata, params, bias=None, input_scale=None):
     return nvfp4_linear(x, qdata, params.global_scale, params.block_scale, params.orig_shape, bias, input_scale)
 
@@ -403,9 +420,10 @@ def _quantize_mxfp8(w, stochastic_rounding=0):
     q, bs = quantize_mxfp8(w)
     return q, MXFP8Params(tuple(w.shape), w.dtype, bs)
 
-def _fits_dequantize_mxfp8(qdata, params, dtype) -> bool: return dtype in _FLOATS and _fits_storage(1, qdata, params)
+def _fits_dequantize_mxfp8(qdata, params, dtype) -> bool: return dtype in FLOAT_DTYPES and _fits_storage(1, qdata, params)
 
-def _dequantize_mxfp8(qdata, params, dtype): return dequantize_mxfp8(qdata, params.block_scale, dtype, params.orig_shape)
+def _dequantize_mxfp8(qdata, params, dtype): return dequantize_mxfp8(qdata, params.block_scale,
+                                                                     dtype, params.orig_shape)
 
 def _fits_linear_mxfp8(x, qdata, params, bias=None, input_scale=None) -> bool:
     return _fits_storage(1, qdata, params) and _fits_activation(x, params, bias)

@@ -12,13 +12,12 @@ __all__ = ['ROT_CHUNK', 'FAST_PATHS', 'rotate_ordered', 'quantize_int8_convrot',
 # %% ../../nbs/33_kernels_convrot.ipynb #c5fe0b88
 import math
 import torch
-from .int8 import (_jit, triton, tl, _HAS_TRITON, interpreting, triton_available, _round_to, _store_as,
-                                 _load_f32, _rint, _div_scalar, _dot_acc, _int8_row_scale, _kind, _KIND, _FLOATS, _TINY,
-                                 _out_view, _pow2, autotuned, _gemm_configs, _launch_gemm, _out_tile, _int_epilogue,
-                                 _w8a8_linear)
+from .base import (jit, triton, tl, interpreting, round_to, store_as, load_f32, rint, div_scalar,
+                                 dot_acc, int8_row_scale, float_kind, DTYPE_KIND, FLOAT_DTYPES, KIND_TINY, out_view,
+                                 pow2, autotuned, gemm_configs, launch_gemm, out_tile, int_epilogue, w8a8_linear)
 from ..numerics import hadamard, is_power_of_4
 from ..int8 import Int8Layout, Int8Params
-from ..w4a4 import W4A4Layout, W4A4Params, W4A4_KERNEL_GROUP, W4A4_LINEAR_DTYPES, _linear_dims
+from ..w4a4 import W4A4Layout, W4A4Params, W4A4_KERNEL_GROUP, W4A4_LINEAR_DTYPES, w4a4_linear_dims
 
 # %% ../../nbs/33_kernels_convrot.ipynb #6fa997d4
 ROT_CHUNK = 128   # the kernels sum each Hadamard group in chunks of this many k (sequential inside a chunk)
@@ -27,7 +26,8 @@ def rotate_ordered(x:torch.Tensor, # [..., K] float, K a multiple of `group`
                    group:int, # the rotation group G (a power of 4)
                    dtype:torch.dtype|None=None, # compute/result dtype (default x.dtype), like `numerics.rotate`
                   ) -> torch.Tensor: # x rotated group-wise, in `dtype`
-    "`numerics.rotate` with the kernels' fixed fp32 summation order: chunks of 128 k, sequential inside, added left to right."
+    """`numerics.rotate` with the kernels' fixed fp32 summation order: chunks of 128 k, sequential inside, added left
+    to right."""
     dt = x.dtype if dtype is None else dtype
     K = x.shape[-1]
     if not is_power_of_4(group) or K % group:
@@ -37,16 +37,18 @@ def rotate_ordered(x:torch.Tensor, # [..., K] float, K a multiple of `group`
     acc = None
     for c0 in range(0, group, ROT_CHUNK):
         part = torch.zeros_like(xg)
-        for k in range(c0, min(group, c0 + ROT_CHUNK)): part = part + xg[:, k:k + 1] * H[k]   # exact product, one rounding
+        # exact product, one rounding
+        for k in range(c0, min(group, c0 + ROT_CHUNK)): part = part + xg[:, k:k + 1] * H[k]
         acc = part if acc is None else acc + part
     return acc.reshape(x.shape).to(dt)
 
 # %% ../../nbs/33_kernels_convrot.ipynb #b2628e53
-@_jit
+@jit
 def _src(src_ptr, roff, m, ks, scale, SRC: tl.constexpr, KIND: tl.constexpr):
-    "Source values at row offsets `roff` and columns `ks` (broadcast), fp32: float of dtype KIND (SRC 0), int8 * scale (1), packed int4 * scale (2)."
+    """Source values at row offsets `roff` and columns `ks` (broadcast), fp32: float of dtype KIND (SRC 0), int8 *
+    scale (1), packed int4 * scale (2)."""
     if SRC == 0:
-        v = _load_f32(src_ptr + roff + ks, m, KIND)
+        v = load_f32(src_ptr + roff + ks, m, KIND)
     elif SRC == 1:
         v = tl.load(src_ptr + roff + ks, mask=m, other=0).to(tl.float32) * scale
     else:
@@ -54,11 +56,13 @@ def _src(src_ptr, roff, m, ks, scale, SRC: tl.constexpr, KIND: tl.constexpr):
         v = ((b << (28 - 4 * (ks % 2))) >> 28).to(tl.float32) * scale
     return v
 
-@_jit
+# %% ../../nbs/33_kernels_convrot.ipynb #ade92825
+@jit
 def _rot_tile(src_ptr, scale, rows, rmask, stride, t0, j0, h_ptr, G: tl.constexpr, KC: tl.constexpr, NGT: tl.constexpr,
               BJ: tl.constexpr, BLOCK_M: tl.constexpr, SRC: tl.constexpr, ROT: tl.constexpr, KIND: tl.constexpr,
               INTERP: tl.constexpr):
-    "fp32 [BLOCK_M, NGT, BJ]: columns j0..j0+BJ of the rotation of each of the NGT groups from column t0, in chunks of KC (tl.dot operands in dtype KIND)."
+    """fp32 [BLOCK_M, NGT, BJ]: columns j0..j0+BJ of the rotation of each of the NGT groups from column t0, in chunks
+    of KC (tl.dot operands in dtype KIND)."""
     gofs = t0 + tl.arange(0, NGT) * G                           # first column of each group of the tile
     cols = j0 + tl.arange(0, BJ)
     acc = tl.zeros([BLOCK_M, NGT, BJ], dtype=tl.float32)
@@ -67,19 +71,21 @@ def _rot_tile(src_ptr, scale, rows, rmask, stride, t0, j0, h_ptr, G: tl.constexp
             part = tl.zeros([BLOCK_M, NGT, BJ], dtype=tl.float32)
             hp = h_ptr + c * KC * G + cols
             for k in range(c * KC, c * KC + KC):
-                v = _src(src_ptr, (rows * stride)[:, None], rmask[:, None], (gofs + k)[None, :], scale[:, None], SRC, KIND)
+                v = _src(src_ptr, (rows * stride)[:, None], rmask[:, None], (gofs + k)[None, :],
+                         scale[:, None], SRC, KIND)
                 h = tl.load(hp)
                 hp += G
                 part += v[:, :, None] * h[None, None, :]
         else:
             ks = c * KC + tl.arange(0, KC)
-            xt = _src(src_ptr, (rows * stride)[:, None, None], rmask[:, None, None], (gofs[:, None] + ks[None, :])[None, :, :],
+            xt = _src(src_ptr, (rows * stride)[:, None, None], rmask[:, None, None],
+                      (gofs[:, None] + ks[None, :])[None, :, :],
                       scale[:, None, None], SRC, KIND)          # [BLOCK_M, NGT, KC]
             ht = tl.load(h_ptr + ks[:, None] * G + cols[None, :])   # [KC, BJ]
             if ROT == 2:      # interpreter only: numpy sums a non-inner axis slice after slice, the loop's order
                 part = tl.sum(xt[:, :, :, None] * ht[None, None, :, :], axis=2) + 0.0
             else:
-                p2 = _dot_acc(tl.reshape(xt, [BLOCK_M * NGT, KC]), ht, tl.zeros([BLOCK_M * NGT, BJ], dtype=tl.float32),
+                p2 = dot_acc(tl.reshape(xt, [BLOCK_M * NGT, KC]), ht, tl.zeros([BLOCK_M * NGT, BJ], dtype=tl.float32),
                               KIND, INTERP)                     # a fresh product per chunk, operands in x's dtype
                 part = tl.reshape(p2, [BLOCK_M, NGT, BJ])
         if c == 0:
@@ -89,7 +95,7 @@ def _rot_tile(src_ptr, scale, rows, rmask, stride, t0, j0, h_ptr, G: tl.constexp
     return acc
 
 # %% ../../nbs/33_kernels_convrot.ipynb #3c7edab5
-@_jit
+@jit
 def _convrot_quant_kernel(x_ptr, h_ptr, q_ptr, s_ptr, M, K, FLOOR,
                           G: tl.constexpr, KC: tl.constexpr, NGT: tl.constexpr, BJ: tl.constexpr, BLOCK_M: tl.constexpr,
                           KIND: tl.constexpr, MODE: tl.constexpr, PACK: tl.constexpr, FIX16: tl.constexpr,
@@ -100,45 +106,49 @@ def _convrot_quant_kernel(x_ptr, h_ptr, q_ptr, s_ptr, M, K, FLOOR,
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
     for t0 in range(0, K, NGT * G):                             # pass 1: absmax of the rotated row, in x's dtype
         for jc in tl.static_range(G // BJ):
-            r = _round_to(_rot_tile(x_ptr, amax, rows, rmask, K, t0, jc * BJ, h_ptr, G, KC, NGT, BJ, BLOCK_M, 0, ROT, KIND,
+            r = round_to(_rot_tile(x_ptr, amax, rows, rmask, K, t0, jc * BJ, h_ptr, G, KC, NGT, BJ,
+                                   BLOCK_M, 0, ROT, KIND,
                                     INTERP), KIND)
             amax = tl.maximum(amax, tl.max(tl.max(tl.abs(r), axis=2), axis=1))
     if MODE == 0:
-        scale, d = _int8_row_scale(amax, KIND, TINY, CUDA_DIV)
+        scale, d = int8_row_scale(amax, KIND, TINY, CUDA_DIV)
         if FIX16:
             d = tl.where(scale < 6.103515625e-05, scale, d)
     else:
-        scale = _round_to(_div_scalar(tl.maximum(amax, FLOOR), 7.0, 0.1428571492433548, CUDA_DIV), KIND)   # RD = fp32(1/7)
+        # RD = fp32(1/7)
+        scale = round_to(div_scalar(tl.maximum(amax, FLOOR), 7.0, 0.1428571492433548, CUDA_DIV), KIND)
         d = tl.where(scale == 0.0, 1.0, scale)
     tl.store(s_ptr + rows, scale, mask=rmask)
     d3 = d[:, None, None]
     m3 = rmask[:, None, None]
     for t0 in range(0, K, NGT * G):                             # pass 2: the same tiles again, quantized
         for jc in tl.static_range(G // BJ):
-            r = _round_to(_rot_tile(x_ptr, amax, rows, rmask, K, t0, jc * BJ, h_ptr, G, KC, NGT, BJ, BLOCK_M, 0, ROT, KIND,
+            r = round_to(_rot_tile(x_ptr, amax, rows, rmask, K, t0, jc * BJ, h_ptr, G, KC, NGT, BJ,
+                                   BLOCK_M, 0, ROT, KIND,
                                     INTERP), KIND)
             v = tl.math.div_rn(r, d3)
             if MODE == 0:
                 if FIX16:
-                    v = tl.where((scale < 6.103515625e-05)[:, None, None], v, _round_to(v, KIND))
+                    v = tl.where((scale < 6.103515625e-05)[:, None, None], v, round_to(v, KIND))
                 else:
-                    v = _round_to(v, KIND)
-                v = _rint(tl.minimum(tl.maximum(v, -128.0), 127.0))
+                    v = round_to(v, KIND)
+                v = rint(tl.minimum(tl.maximum(v, -128.0), 127.0))
             else:
-                v = _round_to(v, KIND)
+                v = round_to(v, KIND)
                 v = tl.where((scale == 0.0)[:, None, None], tl.where(r > 0, 7.0, tl.where(r < 0, -7.0, 0.0)), v)
-                v = _rint(tl.minimum(tl.maximum(v, -7.0), 7.0))
+                v = rint(tl.minimum(tl.maximum(v, -7.0), 7.0))
             gofs = (t0 + jc * BJ + tl.arange(0, NGT) * G)[None, :, None]
             if PACK:
                 lo, hi = tl.split(tl.reshape(v.to(tl.int32), [BLOCK_M, NGT, BJ // 2, 2]))
                 pc = gofs // 2 + tl.arange(0, BJ // 2)[None, None, :]
-                tl.store(q_ptr + rows[:, None, None] * (K // 2) + pc, ((lo & 15) | ((hi & 15) << 4)).to(tl.int8), mask=m3)
+                tl.store(q_ptr + rows[:, None, None] * (K // 2) + pc,
+                         ((lo & 15) | ((hi & 15) << 4)).to(tl.int8), mask=m3)
             else:
                 cols = gofs + tl.arange(0, BJ)[None, None, :]
                 tl.store(q_ptr + rows[:, None, None] * K + cols, v.to(tl.int8), mask=m3)
 
 # %% ../../nbs/33_kernels_convrot.ipynb #b7fba864
-_FLOOR4 = {k: torch.tensor(1e-10, dtype=dt).item() for dt, k in _KIND.items()}   # 1e-10 in x's dtype (0 in fp16)
+_FLOOR4 = {k: torch.tensor(1e-10, dtype=dt).item() for dt, k in DTYPE_KIND.items()}   # 1e-10 in x's dtype (0 in fp16)
 
 _ROTATIONS = ('ordered', 'dot', 'ordered_loop')
 
@@ -158,17 +168,21 @@ def _tiles(group, K, rows, rot, block_m=None):
     BJ = min(group, 128) if rot == 'dot' else min(group, 1024)
     width = 1024 if interpreting() else (128 if rot == 'dot' else 256)     # columns per tile, from whole small groups
     NGT = math.gcd(K // group, max(1, width // group))
-    budget = max(1, (min(16384, (1 << 20) // KC) if interpreting() else 4096) // (NGT * BJ))   # interpreter: products <= 2**20
-    return KC, NGT, BJ, block_m or max(16 if rot == 'dot' else 1, min(_pow2(rows), budget))
+    # interpreter: products <= 2**20
+    budget = max(1, (min(16384, (1 << 20) // KC) if interpreting() else 4096) // (NGT * BJ))
+    return KC, NGT, BJ, block_m or max(16 if rot == 'dot' else 1, min(pow2(rows), budget))
 
 def _check_group(K, group, who):
     if not is_power_of_4(group) or K % group:
         raise ValueError(f"{who}: the rotation group must be a power of 4 (4, 16, 64, 256, ...) dividing K={K}, got {group}")
 
-def _convrot_quant(x, group, mode, pack=False, fix16=False, rotation=None, activation=False, block_m=None, who='convrot',
+# %% ../../nbs/33_kernels_convrot.ipynb #e01711ed
+def _convrot_quant(x, group, mode, pack=False, fix16=False, rotation=None, activation=False,
+                   block_m=None, who='convrot',
                    cuda_div=None):
-    "Launch the fused kernel over x [..., K] viewed as rows: (int8 codes [M, K] or packed [M, K/2], fp32 scales [M]); `cuda_div` default: x.is_cuda."
-    kind = _kind(x.dtype)
+    """Launch the fused kernel over x [..., K] viewed as rows: (int8 codes [M, K] or packed [M, K/2], fp32 scales [M]);
+    `cuda_div` default: x.is_cuda."""
+    kind = float_kind(x.dtype)
     K = x.shape[-1]
     _check_group(K, group, who)
     x2 = x.reshape(-1, K).contiguous()
@@ -179,8 +193,9 @@ def _convrot_quant(x, group, mode, pack=False, fix16=False, rotation=None, activ
     if M and K:
         KC, NGT, BJ, bm = _tiles(group, K, M, rot, block_m)
         H = hadamard(group, torch.float32, x.device)
-        _convrot_quant_kernel[(triton.cdiv(M, bm),)](x2, H, q, s, M, K, _FLOOR4[kind], group, KC, NGT, BJ, bm, kind, mode, pack,
-                                                     fix16, _TINY[kind], _rot_code(rot), interpreting(),
+        _convrot_quant_kernel[(triton.cdiv(M, bm),)](x2, H, q, s, M, K, _FLOOR4[kind], group, KC, NGT, BJ,
+                                                     bm, kind, mode, pack,
+                                                     fix16, KIND_TINY[kind], _rot_code(rot), interpreting(),
                                                      x.is_cuda if cuda_div is None else bool(cuda_div))
     return q, s
 
@@ -202,9 +217,11 @@ def quantize_rows_int8_convrot(x:torch.Tensor, # activations [..., K] (fp32, bf1
                                block_m:int|None=None, # rows per program
                               ) -> tuple: # (int8 [..., K], fp32 scale [..., 1])
     "Rotate then per-token INT8: `quantize_rows_int8(rotate(x, group))`, the activations of the ConvRot W8A8 linear."
-    q, s = _convrot_quant(x, group, 0, rotation=rotation, activation=True, block_m=block_m, who='quantize_rows_int8_convrot')
+    q, s = _convrot_quant(x, group, 0, rotation=rotation, activation=True, block_m=block_m,
+                          who='quantize_rows_int8_convrot')
     return q.reshape(x.shape), s.reshape(*x.shape[:-1], 1)
 
+# %% ../../nbs/33_kernels_convrot.ipynb #1e424aae
 def quantize_rows_int4_convrot(x:torch.Tensor, # [..., K] float, K even
                                group:int=256, # rotation group
                                pack:bool=True, # pack two codes per byte (low nibble first) instead of one int8 per code
@@ -212,7 +229,8 @@ def quantize_rows_int4_convrot(x:torch.Tensor, # [..., K] float, K even
                                block_m:int|None=None, # rows per program
                               ) -> tuple: # (int8 [..., K/2] packed or [..., K] codes, fp32 [..., 1] scale holding x's dtype value)
     "Rotate then per-row int4: `quantize_rows_int4(rotate(x, group))`, optionally `pack_int4`ed."
-    q, s = _convrot_quant(x, group, 1, pack=pack, rotation=rotation, activation=True, block_m=block_m, who='quantize_rows_int4_convrot')
+    q, s = _convrot_quant(x, group, 1, pack=pack, rotation=rotation, activation=True, block_m=block_m,
+                          who='quantize_rows_int4_convrot')
     return q.reshape(*x.shape[:-1], q.shape[-1]), s.reshape(*x.shape[:-1], 1)
 
 def quantize_w4a4_weight(w:torch.Tensor, # [N, K] float weight, K % 64 == 0
@@ -220,15 +238,19 @@ def quantize_w4a4_weight(w:torch.Tensor, # [N, K] float weight, K % 64 == 0
                          rotation:str|None=None, # 'ordered' (default), 'dot' or 'ordered_loop'
                          block_m:int|None=None, # rows per program
                         ) -> tuple: # (int8 [N, K/2] packed values, fp32 [N] scales)
-    "Triton ConvRot W4A4 weight quantization: rotate, per-row int4, pack low nibble first (`cquant.w4a4.quantize_w4a4_weight`)."
+    """Triton ConvRot W4A4 weight quantization: rotate, per-row int4, pack low nibble first
+    (`cquant.w4a4.quantize_w4a4_weight`)."""
     if w.dim() != 2 or w.shape[1] % W4A4_KERNEL_GROUP:
         raise ValueError(f"quantize_w4a4_weight: expected a 2-D weight with K % 64 == 0, got shape {tuple(w.shape)}")
-    return _convrot_quant(w, convrot_groupsize, 1, pack=True, rotation=rotation, block_m=block_m, who='quantize_w4a4_weight')
+    return _convrot_quant(w, convrot_groupsize, 1, pack=True, rotation=rotation, block_m=block_m,
+                          who='quantize_w4a4_weight')
 
 # %% ../../nbs/33_kernels_convrot.ipynb #4e8a00ac
-@_jit
-def _convrot_dequant_kernel(q_ptr, s_ptr, h_ptr, o_ptr, M, K, stride, G: tl.constexpr, KC: tl.constexpr, NGT: tl.constexpr,
-                            BJ: tl.constexpr, NSUB: tl.constexpr, BLOCK_M: tl.constexpr, SRC: tl.constexpr, KIND: tl.constexpr,
+@jit
+def _convrot_dequant_kernel(q_ptr, s_ptr, h_ptr, o_ptr, M, K, stride, G: tl.constexpr,
+                            KC: tl.constexpr, NGT: tl.constexpr,
+                            BJ: tl.constexpr, NSUB: tl.constexpr, BLOCK_M: tl.constexpr,
+                            SRC: tl.constexpr, KIND: tl.constexpr,
                             ROT: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
@@ -238,12 +260,13 @@ def _convrot_dequant_kernel(q_ptr, s_ptr, h_ptr, o_ptr, M, K, stride, G: tl.cons
         tid = tl.program_id(1) * NSUB + t
         t0 = (tid // (G // BJ)) * (NGT * G)                     # first column of the tile's groups
         j0 = (tid % (G // BJ)) * BJ                             # column chunk inside each group
-        acc = _rot_tile(q_ptr, sc, rows, rmask, stride, t0, j0, h_ptr, G, KC, NGT, BJ, BLOCK_M, SRC, ROT, 0, False)   # fp32 dot
+        # fp32 dot
+        acc = _rot_tile(q_ptr, sc, rows, rmask, stride, t0, j0, h_ptr, G, KC, NGT, BJ, BLOCK_M, SRC, ROT, 0, False)
         cols = (t0 + j0 + tl.arange(0, NGT) * G)[None, :, None] + tl.arange(0, BJ)[None, None, :]
-        _store_as(o_ptr + rows[:, None, None] * K + cols, acc, rmask[:, None, None] & (cols < K), KIND)
+        store_as(o_ptr + rows[:, None, None] * K + cols, acc, rmask[:, None, None] & (cols < K), KIND)
 
 def _convrot_dequant(q, scale, group, dtype, packed, rotation=None, block_m=None, who='convrot dequantize'):
-    kind = _kind(dtype)
+    kind = float_kind(dtype)
     if q.dim() != 2 or q.dtype != torch.int8: raise ValueError(f"{who}: expected int8 [N, K] codes, got {q.dtype}{tuple(q.shape)}")
     N, C = q.shape
     K = 2 * C if packed else C
@@ -258,10 +281,13 @@ def _convrot_dequant(q, scale, group, dtype, packed, rotation=None, block_m=None
         H = hadamard(group, torch.float32, q.device)
         tiles = K // (NGT * BJ)
         nsub = math.gcd(tiles, 8) if interpreting() else 1        # fewer, longer programs when interpreting
-        _convrot_dequant_kernel[(triton.cdiv(N, bm), tiles // nsub)](q.contiguous(), s, H, _out_view(out), N, K, C, group, KC, NGT,
-                                                                     BJ, nsub, bm, 2 if packed else 1, kind, _rot_code(rot))
+        _convrot_dequant_kernel[(triton.cdiv(N, bm), tiles // nsub)](q.contiguous(), s, H, out_view(out), N,
+                                                                     K, C, group, KC, NGT,
+                                                                     BJ, nsub, bm, 2 if packed else 1,
+                                                                     kind, _rot_code(rot))
     return out
 
+# %% ../../nbs/33_kernels_convrot.ipynb #5f0fbccf
 def dequantize_int8_convrot(q:torch.Tensor, # int8 [N, K], rotated
                             scale:torch.Tensor, # fp32 [N, 1] (or one element)
                             group:int=256, # rotation group
@@ -269,7 +295,8 @@ def dequantize_int8_convrot(q:torch.Tensor, # int8 [N, K], rotated
                             rotation:str|None=None, # 'ordered' (default), 'dot' or 'ordered_loop'
                             block_m:int|None=None, # rows per program
                            ) -> torch.Tensor: # [N, K] in dtype
-    "Triton ConvRot INT8 dequantization: `q * s` in fp32, rotated back in fp32, cast once (`cquant.int8.dequantize_int8_convrot`)."
+    """Triton ConvRot INT8 dequantization: `q * s` in fp32, rotated back in fp32, cast once
+    (`cquant.int8.dequantize_int8_convrot`)."""
     return _convrot_dequant(q, scale, group, dtype, False, rotation, block_m, 'dequantize_int8_convrot')
 
 def dequantize_w4a4_weight(qdata:torch.Tensor, # int8 [N, K/2] packed values
@@ -283,35 +310,39 @@ def dequantize_w4a4_weight(qdata:torch.Tensor, # int8 [N, K/2] packed values
     return _convrot_dequant(qdata, scale, convrot_groupsize, dtype, True, rotation, block_m, 'dequantize_w4a4_weight')
 
 # %% ../../nbs/33_kernels_convrot.ipynb #a39d2718
-@_jit
+@jit
 def _nibbles(b):
     "int8 bytes -> (low, high) nibbles as sign-extended int8 (low = even column)."
     b = b.to(tl.int32)
     return ((b << 28) >> 28).to(tl.int8), ((b << 24) >> 28).to(tl.int8)
 
-@_jit
+@jit
 def _w4a4_gemm_kernel(a_ptr, w_ptr, o_ptr, xs_ptr, ws_ptr, b_ptr, M, N, K, A_PACKED: tl.constexpr, EPI: tl.constexpr,
                       HAS_BIAS: tl.constexpr, KIND: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rm, rn, mm, nm = _out_tile(M, N, BLOCK_M, BLOCK_N)
+    rm, rn, mm, nm = out_tile(M, N, BLOCK_M, BLOCK_N)
     KH = K // 2
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for k0 in range(0, KH, BLOCK_K // 2):                       # k0 counts packed bytes
         rk = k0 + tl.arange(0, BLOCK_K // 2)
         km = rk < KH
-        wlo, whi = _nibbles(tl.load(w_ptr + rn.to(tl.int64)[None, :] * KH + rk[:, None], mask=nm[None, :] & km[:, None], other=0))
+        wlo, whi = _nibbles(tl.load(w_ptr + rn.to(tl.int64)[None, :] * KH + rk[:, None],
+                                    mask=nm[None, :] & km[:, None], other=0))
         if A_PACKED:
-            alo, ahi = _nibbles(tl.load(a_ptr + rm.to(tl.int64)[:, None] * KH + rk[None, :], mask=mm[:, None] & km[None, :], other=0))
+            alo, ahi = _nibbles(tl.load(a_ptr + rm.to(tl.int64)[:, None] * KH + rk[None, :],
+                                        mask=mm[:, None] & km[None, :], other=0))
         else:
             rk2 = 2 * k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * K + rk2[None, :], mask=mm[:, None] & (rk2 < K)[None, :], other=0)
+            a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * K + rk2[None, :],
+                        mask=mm[:, None] & (rk2 < K)[None, :], other=0)
             alo, ahi = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
         acc += tl.dot(alo, wlo, out_dtype=tl.int32)
         acc += tl.dot(ahi, whi, out_dtype=tl.int32)
-    _int_epilogue(acc, o_ptr, xs_ptr, ws_ptr, b_ptr, rm, rn, mm, nm, N, EPI, True, HAS_BIAS, KIND)
+    int_epilogue(acc, o_ptr, xs_ptr, ws_ptr, b_ptr, rm, rn, mm, nm, N, EPI, True, HAS_BIAS, KIND)
 
-_w4a4_gemm_tuned = autotuned(_w4a4_gemm_kernel, _gemm_configs(), ['M', 'N', 'K'])
+_w4a4_gemm_tuned = autotuned(_w4a4_gemm_kernel, gemm_configs(), ['M', 'N', 'K'])
 
+# %% ../../nbs/33_kernels_convrot.ipynb #6103d17c
 def w4a4_mm(a:torch.Tensor, # activations: int8 codes [M, K], or packed int4 [M, K/2] with a_packed
             qweight:torch.Tensor, # packed int4 weight [N, K/2]
             a_packed:bool=False, # a holds packed int4 (low nibble first)
@@ -325,10 +356,12 @@ def w4a4_mm(a:torch.Tensor, # activations: int8 codes [M, K], or packed int4 [M,
     M, N, K = a.shape[0], qweight.shape[0], 2 * qweight.shape[1]
     out = torch.zeros((M, N), dtype=torch.int32, device=a.device)
     if M and N and K:
-        _launch_gemm(_w4a4_gemm_kernel, _w4a4_gemm_tuned, M, N, (block_m, block_n, block_k), a.contiguous(), qweight.contiguous(),
+        launch_gemm(_w4a4_gemm_kernel, _w4a4_gemm_tuned, M, N, (block_m, block_n, block_k), a.contiguous(),
+                    qweight.contiguous(),
                      out, out, out, out, M, N, K, a_packed, 0, False, 0)
     return out
 
+# %% ../../nbs/33_kernels_convrot.ipynb #1bd6e87d
 def w4a4_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp16)
                 qweight:torch.Tensor, # int8 [N, K/2] packed int4 weight (rotated)
                 weight_scale:torch.Tensor, # fp32 [N] per-row scales
@@ -339,21 +372,23 @@ def w4a4_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp16)
                 rotation:str|None=None, # activation rotation: None ('ordered' interpreting, 'dot' on a GPU), 'ordered', 'dot'
                 block_m:int|None=None, block_n:int|None=None, block_k:int|None=None, # GEMM tiles
                ) -> torch.Tensor: # [..., N] in x's dtype
-    "Triton `x @ W.T + bias` for a convrot_w4a4 weight (`cquant.w4a4.w4a4_linear`): rotate + quantize x, int GEMM, epilogue."
-    K, N = _linear_dims(x, qweight, linear_dtype)
+    """Triton `x @ W.T + bias` for a convrot_w4a4 weight (`cquant.w4a4.w4a4_linear`): rotate + quantize x, int GEMM,
+    epilogue."""
+    K, N = w4a4_linear_dims(x, qweight, linear_dtype)
     dt, lead = x.dtype, x.shape[:-1]
-    kind = _kind(dt)
+    kind = float_kind(dt)
     ws = weight_scale.to(device=x.device, dtype=torch.float32).reshape(-1).contiguous()
     if ws.numel() != N: raise ValueError(f"w4a4_linear: weight scale must have N={N} elements, got shape {tuple(weight_scale.shape)}")
     x2 = x.reshape(-1, K)
     int4 = linear_dtype == 'int4'
-    xq, xs = _convrot_quant(x2, convrot_groupsize, 1 if int4 else 0, pack=int4, rotation=rotation, activation=True, who='w4a4_linear')
+    xq, xs = _convrot_quant(x2, convrot_groupsize, 1 if int4 else 0, pack=int4, rotation=rotation,
+                            activation=True, who='w4a4_linear')
     M = x2.shape[0]
     out = torch.empty((M, N), dtype=dt, device=x.device)
     if M and N:
         b = bias.to(device=x.device, dtype=dt).reshape(-1).contiguous() if bias is not None else ws   # eager's cast
-        _launch_gemm(_w4a4_gemm_kernel, _w4a4_gemm_tuned, M, N, (block_m, block_n, block_k), xq, qweight.contiguous(),
-                     _out_view(out), xs, ws, b, M, N, K, int4, 2 if int4 and not exact else 1, bias is not None, kind)
+        launch_gemm(_w4a4_gemm_kernel, _w4a4_gemm_tuned, M, N, (block_m, block_n, block_k), xq, qweight.contiguous(),
+                     out_view(out), xs, ws, b, M, N, K, int4, 2 if int4 and not exact else 1, bias is not None, kind)
     return out.reshape(*lead, N)
 
 # %% ../../nbs/33_kernels_convrot.ipynb #35d3e385
@@ -366,9 +401,12 @@ def convrot_int8_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp
                         rotation:str|None=None, # activation rotation: None ('ordered' interpreting, 'dot' on a GPU), 'ordered', 'dot'
                         block_m:int|None=None, block_n:int|None=None, block_k:int|None=None, # GEMM tiles
                        ) -> torch.Tensor: # [..., N]
-    "Triton ConvRot W8A8 linear (`cquant.int8.int8_linear(..., convrot=True)`): rotated per-token INT8 x, int32 GEMM, fp32 rescale."
-    rotq = lambda x2: _convrot_quant(x2, convrot_groupsize, 0, rotation=rotation, activation=True, who='convrot_int8_linear')
-    return _w8a8_linear(x, weight, weight_scale, bias, out_dtype, (block_m, block_n, block_k), rotq, 'convrot_int8_linear')
+    """Triton ConvRot W8A8 linear (`cquant.int8.int8_linear(..., convrot=True)`): rotated per-token INT8 x, int32 GEMM,
+    fp32 rescale."""
+    rotq = lambda x2: _convrot_quant(x2, convrot_groupsize, 0, rotation=rotation, activation=True,
+                                     who='convrot_int8_linear')
+    return w8a8_linear(x, weight, weight_scale, bias, out_dtype, (block_m, block_n, block_k), rotq,
+                       'convrot_int8_linear')
 
 # %% ../../nbs/33_kernels_convrot.ipynb #b35c41fa
 def _group_fits(K, group): return is_power_of_4(group) and K % group == 0
@@ -380,21 +418,21 @@ def _int8_quantize(w, stochastic_rounding=0, per_row=False, convrot=False, convr
     return q, Int8Params(tuple(w.shape), w.dtype, s, True, True, int(convrot_groupsize))
 
 def _int8_quantize_fits(w, stochastic_rounding=0, per_row=False, convrot=False, convrot_groupsize=256):
-    return (bool(convrot) and not stochastic_rounding and w.dim() == 2 and w.dtype in _FLOATS
+    return (bool(convrot) and not stochastic_rounding and w.dim() == 2 and w.dtype in FLOAT_DTYPES
             and _group_fits(w.shape[1], convrot_groupsize))
 
 def _int8_dequantize(qdata, params, dtype):
     return dequantize_int8_convrot(qdata, params.scale, params.convrot_groupsize, dtype)
 
 def _int8_dequantize_fits(qdata, params, dtype):
-    return (bool(params.convrot) and qdata.dtype == torch.int8 and qdata.dim() == 2 and dtype in _FLOATS
+    return (bool(params.convrot) and qdata.dtype == torch.int8 and qdata.dim() == 2 and dtype in FLOAT_DTYPES
             and params.scale.numel() in (1, qdata.shape[0]) and _group_fits(qdata.shape[1], params.convrot_groupsize))
 
 def _int8_linear(x, qdata, params, bias=None, input_scale=None):
     return convrot_int8_linear(x, qdata, params.scale, bias, params.convrot_groupsize)
 
 def _int8_linear_fits(x, qdata, params, bias=None, input_scale=None):
-    return (bool(params.convrot) and x.dtype in _FLOATS and x.dim() >= 1 and qdata.dtype == torch.int8 and qdata.dim() == 2
+    return (bool(params.convrot) and x.dtype in FLOAT_DTYPES and x.dim() >= 1 and qdata.dtype == torch.int8 and qdata.dim() == 2
             and x.shape[-1] == qdata.shape[1] and params.scale.numel() in (1, qdata.shape[0])
             and _group_fits(qdata.shape[1], params.convrot_groupsize) and _bias_fits(bias, qdata.shape[0]))
 
@@ -403,21 +441,22 @@ def _w4a4_quantize(w, stochastic_rounding=0, convrot_groupsize=256, linear_dtype
     return q, W4A4Params(tuple(w.shape), w.dtype, s, int(convrot_groupsize), linear_dtype)
 
 def _w4a4_quantize_fits(w, stochastic_rounding=0, convrot_groupsize=256, linear_dtype='int4'):
-    return (not stochastic_rounding and w.dim() == 2 and w.dtype in _FLOATS and w.shape[1] % W4A4_KERNEL_GROUP == 0
+    return (not stochastic_rounding and w.dim() == 2 and w.dtype in FLOAT_DTYPES and w.shape[1] % W4A4_KERNEL_GROUP == 0
             and _group_fits(w.shape[1], convrot_groupsize))
 
 def _w4a4_dequantize(qdata, params, dtype):
     return dequantize_w4a4_weight(qdata, params.scale, params.convrot_groupsize, dtype)
 
+# %% ../../nbs/33_kernels_convrot.ipynb #579d446c
 def _w4a4_dequantize_fits(qdata, params, dtype):
-    return (qdata.dtype == torch.int8 and qdata.dim() == 2 and dtype in _FLOATS and params.scale.numel() == qdata.shape[0]
+    return (qdata.dtype == torch.int8 and qdata.dim() == 2 and dtype in FLOAT_DTYPES and params.scale.numel() == qdata.shape[0]
             and _group_fits(2 * qdata.shape[1], params.convrot_groupsize))
 
 def _w4a4_linear(x, qdata, params, bias=None, input_scale=None):
     return w4a4_linear(x, qdata, params.scale, bias, params.convrot_groupsize, params.linear_dtype)
 
 def _w4a4_linear_fits(x, qdata, params, bias=None, input_scale=None):
-    return (params.linear_dtype in W4A4_LINEAR_DTYPES and x.dtype in _FLOATS and x.dim() >= 1 and qdata.dtype == torch.int8
+    return (params.linear_dtype in W4A4_LINEAR_DTYPES and x.dtype in FLOAT_DTYPES and x.dim() >= 1 and qdata.dtype == torch.int8
             and qdata.dim() == 2 and x.shape[-1] == 2 * qdata.shape[1] and params.scale.numel() == qdata.shape[0]
             and _group_fits(x.shape[-1], params.convrot_groupsize) and _bias_fits(bias, qdata.shape[0]))
 

@@ -11,9 +11,10 @@ __all__ = ['KERNEL_MODULES', 'kernel_paths', 'KernelWarning', 'enable', 'disable
 import importlib, importlib.util, warnings
 import torch
 from ..tensor import register_fast_path, remove_fast_paths
-from .int8 import interpreting, triton_available
+from .base import interpreting, triton_available
 
 KERNEL_MODULES = ('int8', 'fp8', 'blockscaled', 'convrot', 'w4a8')
+
 _registered: list = []           # (layout, op, fn, module) registered by `enable`
 
 def kernel_paths() -> list:
@@ -38,6 +39,7 @@ def _on_device(fits, cpu:bool):
 class KernelWarning(UserWarning):
     "A kernel failed (e.g. does not compile for this GPU) and its eager layout op runs instead."
 
+# %% ../../nbs/39_kernels_dispatch.ipynb #616b0f50
 def _guarded(layout, op, fn):
     "`fn`, falling back to the eager `layout.<op>` for good (with a KernelWarning) the first time it raises."
     def run(*args, **kwargs):

@@ -11,11 +11,11 @@ __all__ = ['FAST_PATHS', 'fp8_quantize', 'fp8_dequantize', 'fp8_linear', 'fp8_li
 # %% ../../nbs/31_kernels_fp8.ipynb #4085b5c2
 import contextlib
 import torch
-from .int8 import (
-    _jit, triton, tl, _HAS_TRITON, interpreting, triton_available, _round_to, _store_as, _load_f32, _div_scalar, _recip32,
-    _fp8_code, _fp8_decode, _kind, _FLOATS, _out_view, autotuned, _gemm_configs, _launch_gemm, _out_tile)
+from .base import (jit, triton, tl, interpreting, round_to, store_as, load_f32, div_scalar, recip32,
+                                 fp8_code, fp8_decode, float_kind, FLOAT_DTYPES, out_view, autotuned, gemm_configs,
+                                 launch_gemm, out_tile)
 from ..numerics import FP8_DTYPES, fp8_max
-from ..fp8 import FP8Layout, FP8Params, _fp32_scalar, quantize_per_tensor_fp8
+from ..fp8 import FP8Layout, FP8Params, fp32_scalar, quantize_per_tensor_fp8
 
 # %% ../../nbs/31_kernels_fp8.ipynb #3b04b1ce
 def _quiet():
@@ -25,7 +25,7 @@ def _quiet():
     return np.errstate(divide='ignore', over='ignore', invalid='ignore')
 
 # %% ../../nbs/31_kernels_fp8.ipynb #caa4811b
-@_jit
+@jit
 def _as_fp8(c, E5M2: tl.constexpr):
     "int32 FP8 bytes -> an FP8 tensor (a bitcast, no conversion)."
     if E5M2:
@@ -35,33 +35,34 @@ def _as_fp8(c, E5M2: tl.constexpr):
     return r
 
 # %% ../../nbs/31_kernels_fp8.ipynb #9ad2e1fa
-@_jit
+@jit
 def _absmax_scale(amax, KIND: tl.constexpr, FMAX: tl.constexpr, RFMAX: tl.constexpr, CUDA_DIV: tl.constexpr):
     "FP8Layout.quantize's default scale from the fp32 max|w| (a scalar), as the eager code computes it."
-    s32 = _div_scalar(amax, FMAX, RFMAX, CUDA_DIV)              # CPU: correctly rounded; CUDA: times fp32(1/max)
-    s = _round_to(s32, KIND)
-    inv = _round_to(tl.math.div_rn(1.0, s), KIND)
+    s32 = div_scalar(amax, FMAX, RFMAX, CUDA_DIV)              # CPU: correctly rounded; CUDA: times fp32(1/max)
+    s = round_to(s32, KIND)
+    inv = round_to(tl.math.div_rn(1.0, s), KIND)
     if not (tl.abs(inv) <= 3.4028234663852886e38):               # dtype(1/s) not finite: fp32 scale, 1.0 for zeros
         s = tl.where(s32 == 0.0, 1.0, s32)
     return s
 
-@_jit
+@jit
 def _quantize_values(x, s, inv, KIND: tl.constexpr, E5M2: tl.constexpr):
     "fp32 `x` holding values of dtype KIND -> the FP8 bytes of `quantize_per_tensor_fp8(x, s)` (inv = dtype(1/s))."
     if tl.abs(inv) <= 3.4028234663852886e38:
-        v = _round_to(x * inv, KIND)
+        v = round_to(x * inv, KIND)
     else:
         v = tl.math.div_rn(x, s)
-    return _fp8_code(v, E5M2)
+    return fp8_code(v, E5M2)
 
-@_jit
+@jit
 def _amax_kernel(x_ptr, amax_ptr, n, KIND: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = _load_f32(x_ptr + offs, offs < n, KIND)
+    x = load_f32(x_ptr + offs, offs < n, KIND)
     a = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF             # |x| as int32 bits: ordered like the values
     tl.atomic_max(amax_ptr, tl.max(a, axis=0))
 
-@_jit
+# %% ../../nbs/31_kernels_fp8.ipynb #e7fef18a
+@jit
 def _quantize_kernel(x_ptr, q_ptr, amax_ptr, s_ptr, n, SCALE_GIVEN: tl.constexpr, KIND: tl.constexpr,
                      E5M2: tl.constexpr, FMAX: tl.constexpr, RFMAX: tl.constexpr, CUDA_DIV: tl.constexpr,
                      BLOCK: tl.constexpr):
@@ -72,10 +73,10 @@ def _quantize_kernel(x_ptr, q_ptr, amax_ptr, s_ptr, n, SCALE_GIVEN: tl.constexpr
         s = _absmax_scale(tl.load(amax_ptr).to(tl.float32, bitcast=True), KIND, FMAX, RFMAX, CUDA_DIV)
         if pid == 0:
             tl.store(s_ptr, s)
-    inv = _round_to(tl.math.div_rn(1.0, s), KIND)
+    inv = round_to(tl.math.div_rn(1.0, s), KIND)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    x = _load_f32(x_ptr + offs, m, KIND)
+    x = load_f32(x_ptr + offs, m, KIND)
     tl.store(q_ptr + offs, _quantize_values(x, s, inv, KIND, E5M2).to(tl.uint8), mask=m)
 
 # %% ../../nbs/31_kernels_fp8.ipynb #23a6af74
@@ -85,8 +86,9 @@ def _launch_quantize(x, q, amax, s, scale_given, fp8_dtype, cuda_div):
     "Quantize the flat contiguous `x` into the uint8 view `q` (scale from `amax`, or `s` when `scale_given`)."
     n, fmax = x.numel(), fp8_max(fp8_dtype)
     with _quiet():
-        _quantize_kernel[(triton.cdiv(n, _BLOCK),)](x, q, amax, s, n, scale_given, _kind(x.dtype), fp8_dtype == torch.float8_e5m2,
-                                                    fmax, _recip32(fmax), bool(cuda_div), _BLOCK)
+        _quantize_kernel[(triton.cdiv(n, _BLOCK),)](x, q, amax, s, n, scale_given, float_kind(x.dtype),
+                                                    fp8_dtype == torch.float8_e5m2,
+                                                    fmax, recip32(fmax), bool(cuda_div), _BLOCK)
 
 def fp8_quantize(w:torch.Tensor, # weight or activation (fp32, bf16 or fp16), any shape, not empty
                  fp8_dtype:torch.dtype=torch.float8_e4m3fn, # float8_e4m3fn or float8_e5m2
@@ -94,7 +96,7 @@ def fp8_quantize(w:torch.Tensor, # weight or activation (fp32, bf16 or fp16), an
                  cuda_div:bool|None=None, # torch's CUDA scalar division (times fp32(1/max)); default: w.is_cuda
                 ) -> tuple: # (FP8 tensor shaped like w, fp32 0-d scale)
     "Triton per-tensor FP8 quantization, bit-exact with `FP8Layout.quantize` (`stochastic_rounding=0`)."
-    kind = _kind(w.dtype)
+    kind = float_kind(w.dtype)
     if fp8_dtype not in FP8_DTYPES: raise ValueError(f"fp8_quantize: expected one of {FP8_DTYPES}, got {fp8_dtype}")
     if w.numel() == 0: raise ValueError("fp8_quantize: cannot take the absmax of an empty tensor")
     x = w.contiguous().view(-1)
@@ -105,31 +107,31 @@ def fp8_quantize(w:torch.Tensor, # weight or activation (fp32, bf16 or fp16), an
         with _quiet():
             _amax_kernel[(triton.cdiv(x.numel(), _BLOCK),)](x, amax, x.numel(), kind, _BLOCK)
     else:
-        s = _fp32_scalar(scale).to(w.device)                  # the eager validation, same errors
+        s = fp32_scalar(scale).to(w.device)                  # the eager validation, same errors
         amax = s
     _launch_quantize(x, q.view(torch.uint8), amax, s, scale is not None, fp8_dtype,
                      w.is_cuda if cuda_div is None else cuda_div)
     return q, s
 
 # %% ../../nbs/31_kernels_fp8.ipynb #abec3c32
-@_jit
+@jit
 def _dequantize_kernel(q_ptr, s_ptr, o_ptr, n, KIND: tl.constexpr, E5M2: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    v = _fp8_decode(tl.load(q_ptr + offs, mask=m, other=0).to(tl.int32), E5M2)
+    v = fp8_decode(tl.load(q_ptr + offs, mask=m, other=0).to(tl.int32), E5M2)
     s = tl.load(s_ptr)
-    d = _round_to(s, KIND)
+    d = round_to(s, KIND)
     if KIND == 1:
         if s < 6.103515625e-05:                                 # fp16 output, scale below fp16's normal range
             d = s
-    _store_as(o_ptr + offs, v * d, m, KIND)
+    store_as(o_ptr + offs, v * d, m, KIND)
 
 def fp8_dequantize(q:torch.Tensor, # FP8 tensor (float8_e4m3fn or float8_e5m2), any shape
                    scale:torch.Tensor, # fp32 one-element scale
                    dtype:torch.dtype=torch.bfloat16, # output dtype: fp32, bf16 or fp16
                   ) -> torch.Tensor: # q * scale in `dtype`, shaped like q
     "Triton FP8 dequantization, bit-exact with `FP8Layout.dequantize` / `dequantize_per_tensor_fp8`."
-    kind = _kind(dtype)
+    kind = float_kind(dtype)
     if q.dtype not in FP8_DTYPES: raise ValueError(f"fp8_dequantize: expected one of {FP8_DTYPES}, got {q.dtype}")
     if scale.numel() != 1: raise ValueError(f"fp8_dequantize: expected a one-element scale, got shape {tuple(scale.shape)}")
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
@@ -137,19 +139,21 @@ def fp8_dequantize(q:torch.Tensor, # FP8 tensor (float8_e4m3fn or float8_e5m2), 
     if n:
         s = scale.to(device=q.device, dtype=torch.float32).reshape(())
         with _quiet():
-            _dequantize_kernel[(triton.cdiv(n, _BLOCK),)](q.contiguous().view(torch.uint8).view(-1), s, _out_view(out), n,
+            _dequantize_kernel[(triton.cdiv(n, _BLOCK),)](q.contiguous().view(torch.uint8).view(-1),
+                                                          s, out_view(out), n,
                                                           kind, q.dtype == torch.float8_e5m2, _BLOCK)
     return out
 
 # %% ../../nbs/31_kernels_fp8.ipynb #315b97e3
-@_jit
+@jit
 def _fp8_gemm_kernel(x_ptr, w_ptr, o_ptr, sx_ptr, sw_ptr, b_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
                      QUANT_A: tl.constexpr, KIND: tl.constexpr, E5M2: tl.constexpr, FP8_DOT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BKIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rm, rn, mm, nm = _out_tile(M, N, BLOCK_M, BLOCK_N)
+                     HAS_BIAS: tl.constexpr, BKIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    rm, rn, mm, nm = out_tile(M, N, BLOCK_M, BLOCK_N)
     sx = tl.load(sx_ptr)
     sw = tl.load(sw_ptr)
-    inv = _round_to(tl.math.div_rn(1.0, sx), KIND)              # dtype(1 / input_scale)
+    inv = round_to(tl.math.div_rn(1.0, sx), KIND)              # dtype(1 / input_scale)
     a_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -158,7 +162,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, o_ptr, sx_ptr, sw_ptr, b_ptr, M, N, K, stride
         km = rk < K
         am = mm[:, None] & km[None, :]
         if QUANT_A:                                             # prologue: x tile -> FP8 bytes
-            x = _load_f32(a_rows + rk[None, :] * stride_xk, am, KIND)
+            x = load_f32(a_rows + rk[None, :] * stride_xk, am, KIND)
             a = _quantize_values(x, sx, inv, KIND, E5M2)
         else:                                                   # bytes quantized by _quantize_kernel
             a = tl.load(a_rows + rk[None, :] * stride_xk, mask=am, other=0).to(tl.int32)
@@ -166,14 +170,15 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, o_ptr, sx_ptr, sw_ptr, b_ptr, M, N, K, stride
         if FP8_DOT:
             acc = tl.dot(_as_fp8(a, E5M2), _as_fp8(w, E5M2), acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
         else:
-            acc = tl.dot(_fp8_decode(a, E5M2).to(tl.float16), _fp8_decode(w, E5M2).to(tl.float16), acc,
+            acc = tl.dot(fp8_decode(a, E5M2).to(tl.float16), fp8_decode(w, E5M2).to(tl.float16), acc,
                          out_dtype=tl.float32)
     v = acc * (sx * sw)
     if HAS_BIAS:
-        v = v + _load_f32(b_ptr + rn, nm, BKIND)[None, :]
-    _store_as(o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], v, mm[:, None] & nm[None, :], KIND)
+        v = v + load_f32(b_ptr + rn, nm, BKIND)[None, :]
+    store_as(o_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], v, mm[:, None] & nm[None, :], KIND)
 
-_fp8_gemm_tuned = autotuned(_fp8_gemm_kernel, _gemm_configs(), ['M', 'N', 'K'])
+_fp8_gemm_tuned = autotuned(_fp8_gemm_kernel, gemm_configs(), ['M', 'N', 'K'])
+
 _FUSE_MAX_M = 64
 
 def _fp8_dot_default(device) -> bool:
@@ -181,6 +186,7 @@ def _fp8_dot_default(device) -> bool:
     if interpreting() or device.type != 'cuda': return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
+# %% ../../nbs/31_kernels_fp8.ipynb #ab077ae4
 def fp8_linear(x:torch.Tensor, # activations [..., K]: fp32, bf16 or fp16
                qdata:torch.Tensor, # FP8 weight [N, K] (float8_e4m3fn or float8_e5m2)
                scale:torch.Tensor, # the weight's fp32 one-element scale
@@ -191,12 +197,12 @@ def fp8_linear(x:torch.Tensor, # activations [..., K]: fp32, bf16 or fp16
                block_m:int|None=None, block_n:int|None=None, block_k:int|None=None, # GEMM tiles (default: autotuned)
               ) -> torch.Tensor: # [..., N] in x's dtype
     "Triton FP8 linear: `FP8Layout.linear`'s activation bytes, exact products, fp32 accumulation."
-    kind = _kind(x.dtype)
+    kind = float_kind(x.dtype)
     if qdata.dtype not in FP8_DTYPES or qdata.dim() != 2 or x.dim() == 0 or qdata.shape[1] != x.shape[-1]:
         raise ValueError(f"fp8_linear: expected x [..., K] and an FP8 weight [N, K], got {tuple(x.shape)} and {qdata.dtype}{tuple(qdata.shape)}")
     (N, K), e5 = qdata.shape, qdata.dtype == torch.float8_e5m2
     sx = torch.ones((), dtype=torch.float32, device=x.device) if input_scale is None else \
-         _fp32_scalar(input_scale, 'input_scale').to(x.device)
+         fp32_scalar(input_scale, 'input_scale').to(x.device)
     sw = scale.to(device=x.device, dtype=torch.float32).reshape(())
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"fp8_linear: expected a bias of shape ({N},), got {tuple(bias.shape)}")
@@ -213,9 +219,9 @@ def fp8_linear(x:torch.Tensor, # activations [..., K]: fp32, bf16 or fp16
         w = qdata.view(torch.uint8)
         b = bias.to(x.device).contiguous() if bias is not None else sw
         with _quiet():
-            _launch_gemm(_fp8_gemm_kernel, _fp8_gemm_tuned, M, N, (block_m, block_n, block_k),
-                         a, w, _out_view(out), sx, sw, b, M, N, K, a.stride(0), a.stride(1), w.stride(0), w.stride(1),
-                         bool(fuse), kind, e5, bool(fp8_dot), bias is not None, _kind(b.dtype))
+            launch_gemm(_fp8_gemm_kernel, _fp8_gemm_tuned, M, N, (block_m, block_n, block_k),
+                         a, w, out_view(out), sx, sw, b, M, N, K, a.stride(0), a.stride(1), w.stride(0), w.stride(1),
+                         bool(fuse), kind, e5, bool(fp8_dot), bias is not None, float_kind(b.dtype))
     return out.reshape(*x.shape[:-1], N)
 
 # %% ../../nbs/31_kernels_fp8.ipynb #acb2681c
@@ -228,7 +234,7 @@ def fp8_linear_error_bound(x:torch.Tensor, # activations [..., K]
                           ) -> torch.Tensor: # fp64 [..., N]: the allowed |fp8_linear - FP8Layout.linear|
     "Per-output bound on |fp8_linear(...) - FP8Layout.linear(...)|: two fp32 summation orders, then the output cast."
     N, K = qdata.shape
-    sx = torch.ones((), dtype=torch.float32) if input_scale is None else _fp32_scalar(input_scale, 'input_scale')
+    sx = torch.ones((), dtype=torch.float32) if input_scale is None else fp32_scalar(input_scale, 'input_scale')
     x2 = x.reshape(-1, K)
     xq = quantize_per_tensor_fp8(x2, sx.to(x.device), qdata.dtype)   # eager's activation bytes (the kernel's are the same)
     P = (xq.double().abs() * abs(float(sx))) @ (qdata.double().abs() * abs(float(scale))).t()
@@ -251,7 +257,7 @@ def fp8_layout_quantize(w, stochastic_rounding=0, fp8_dtype=torch.float8_e4m3fn,
     return q, FP8Params(tuple(w.shape), w.dtype, s)
 
 def fp8_quantize_fits(w, stochastic_rounding=0, fp8_dtype=torch.float8_e4m3fn, scale=None) -> bool:
-    return (isinstance(w, torch.Tensor) and w.dtype in _FLOATS and w.numel() > 0 and not stochastic_rounding
+    return (isinstance(w, torch.Tensor) and w.dtype in FLOAT_DTYPES and w.numel() > 0 and not stochastic_rounding
             and fp8_dtype in FP8_DTYPES)
 
 def fp8_layout_dequantize(qdata, params, dtype):
@@ -259,17 +265,17 @@ def fp8_layout_dequantize(qdata, params, dtype):
     return fp8_dequantize(qdata, params.scale, dtype)
 
 def fp8_dequantize_fits(qdata, params, dtype) -> bool:
-    return isinstance(qdata, torch.Tensor) and qdata.dtype in FP8_DTYPES and dtype in _FLOATS and _is_scale(params.scale)
+    return isinstance(qdata, torch.Tensor) and qdata.dtype in FP8_DTYPES and dtype in FLOAT_DTYPES and _is_scale(params.scale)
 
 def fp8_layout_linear(x, qdata, params, bias=None, input_scale=None):
     "`FP8Layout.linear` through the Triton GEMM (within `fp8_linear_error_bound`)."
     return fp8_linear(x, qdata, params.scale, bias, input_scale)
 
 def fp8_linear_fits(x, qdata, params, bias=None, input_scale=None) -> bool:
-    return (isinstance(x, torch.Tensor) and x.dtype in _FLOATS and x.dim() >= 1 and isinstance(qdata, torch.Tensor)
+    return (isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and x.dim() >= 1 and isinstance(qdata, torch.Tensor)
             and qdata.dtype in FP8_DTYPES and qdata.dim() == 2 and qdata.shape[1] > 0 and x.shape[-1] == qdata.shape[1]
             and _is_scale(params.scale)
-            and (bias is None or (isinstance(bias, torch.Tensor) and bias.dtype in _FLOATS and tuple(bias.shape) == (qdata.shape[0],))))
+            and (bias is None or (isinstance(bias, torch.Tensor) and bias.dtype in FLOAT_DTYPES and tuple(bias.shape) == (qdata.shape[0],))))
 
 FAST_PATHS = [(FP8Layout, 'quantize', fp8_layout_quantize, fp8_quantize_fits),
               (FP8Layout, 'dequantize', fp8_layout_dequantize, fp8_dequantize_fits),

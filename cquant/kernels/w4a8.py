@@ -11,14 +11,14 @@ __all__ = ['FAST_PATHS', 'w4a8_int8_grid', 'dequantize_w4a8', 'w4a8_mm', 'w4a8_l
 # %% ../../nbs/34_kernels_w4a8.ipynb #3c44bb70
 import functools
 import torch
-from .int8 import (_jit, triton, tl, _HAS_TRITON, interpreting, triton_available, _round_to, _store_as,
-                                 _load_f32, _rint, _e4m3_decode, _dot_acc, _kind, _KIND, _out_view, _pow2, autotuned,
-                                 _gemm_configs, _launch_gemm, _out_tile, _int_epilogue, quantize_rows_int8)
+from .base import (jit, triton, tl, HAS_TRITON, interpreting, round_to, store_as, load_f32, rint,
+                                 e4m3_decode, dot_acc, float_kind, DTYPE_KIND, out_view, pow2, autotuned,
+                                 gemm_configs, launch_gemm, out_tile, int_epilogue, quantize_rows_int8)
 from ..numerics import rotate, hadamard
-from ..w4a8 import w4a8_levels, _check_operands, W4A8Layout, W6A8Layout
+from ..w4a8 import w4a8_levels, check_w4a8_operands, W4A8Layout, W6A8Layout
 
 # %% ../../nbs/34_kernels_w4a8.ipynb #406560b4
-@_jit
+@jit
 def _grid_tile(w_ptr, s_ptr, lv_ptr, rn, rk, m2, K, G: tl.constexpr, BITS: tl.constexpr, S_E4M3: tl.constexpr,
                HAS_CB: tl.constexpr):
     "int8-grid values (fp32 integers) of rows `rn` x columns `rk` of packed codes; 0 where `m2` is false."
@@ -34,13 +34,13 @@ def _grid_tile(w_ptr, s_ptr, lv_ptr, rn, rk, m2, K, G: tl.constexpr, BITS: tl.co
         lv = (code - (1 << (BITS - 1))).to(tl.float32)
     sp = s_ptr + rn.to(tl.int64)[:, None] * (K // G) + rk[None, :] // G
     if S_E4M3:
-        s = _e4m3_decode(tl.load(sp, mask=m2, other=0).to(tl.int32))
+        s = e4m3_decode(tl.load(sp, mask=m2, other=0).to(tl.int32))
     else:
         s = tl.load(sp, mask=m2, other=0.0)
-    return _rint(tl.minimum(tl.maximum(lv * s, -127.0), 127.0))
+    return rint(tl.minimum(tl.maximum(lv * s, -127.0), 127.0))
 
 # %% ../../nbs/34_kernels_w4a8.ipynb #c4922aa7
-@_jit
+@jit
 def _grid_kernel(w_ptr, s_ptr, lv_ptr, o_ptr, N, K, G: tl.constexpr, BITS: tl.constexpr, S_E4M3: tl.constexpr,
                  HAS_CB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -60,6 +60,7 @@ def _operands(qdata, s_rel, bits, codebook, device):
     lv = None if codebook is None else w4a8_levels(bits, codebook).to(device).contiguous()
     return w, (s.view(torch.uint8) if e4 else s), lv, e4
 
+# %% ../../nbs/34_kernels_w4a8.ipynb #6c55ae64
 def w4a8_int8_grid(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
                    s_rel:torch.Tensor, # [N, K/G] e4m3 (or fp32) relative scales
                    bits:int=4, # 4 or 6
@@ -76,27 +77,30 @@ def w4a8_int8_grid(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
     w, s, lv, e4 = _operands(qdata, s_rel, bits, codebook, qdata.device)
     out = torch.empty(N, K, dtype=torch.int8, device=qdata.device)
     if N and K:
-        bk = block_k or min(_pow2(K), 512)
-        bn = block_n or max(1, min(_pow2(N), 8192 // bk))
-        _grid_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](w, s, w if lv is None else lv, out, N, K, group_size, bits, e4,
+        bk = block_k or min(pow2(K), 512)
+        bn = block_n or max(1, min(pow2(N), 8192 // bk))
+        _grid_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](w, s, w if lv is None else lv, out, N, K,
+                                                               group_size, bits, e4,
                                                                lv is not None, bn, bk, enable_fp_fusion=False)
     return out
 
 # %% ../../nbs/34_kernels_w4a8.ipynb #516a41eb
-@_jit
+@jit
 def _weight_tile(w_ptr, s_ptr, lv_ptr, sc, c_ptr, rn, rk, m2, N, K, G: tl.constexpr, BITS: tl.constexpr,
-                 S_E4M3: tl.constexpr, HAS_CB: tl.constexpr, HAS_CORR: tl.constexpr, CKIND: tl.constexpr, KIND: tl.constexpr):
+                 S_E4M3: tl.constexpr, HAS_CB: tl.constexpr, HAS_CORR: tl.constexpr, CKIND: tl.constexpr,
+                 KIND: tl.constexpr):
     "Pre-rotation weight values `(q * s_channel [+ correction]).to(dtype)` (dtype = KIND), held as fp32."
     v = _grid_tile(w_ptr, s_ptr, lv_ptr, rn, rk, m2, K, G, BITS, S_E4M3, HAS_CB) * sc[:, None]
     if HAS_CORR:
         cp = c_ptr + (rk // G).to(tl.int64)[None, :] * N + rn[:, None]     # the correction is [K/G, N]
-        v = v + _load_f32(cp, m2, CKIND)
-    return _round_to(v, KIND)
+        v = v + load_f32(cp, m2, CKIND)
+    return round_to(v, KIND)
 
-@_jit
+@jit
 def _dequant_kernel(w_ptr, s_ptr, lv_ptr, sc_ptr, c_ptr, h_ptr, o_ptr, N, K, G: tl.constexpr, BITS: tl.constexpr,
                     S_E4M3: tl.constexpr, HAS_CB: tl.constexpr, HAS_CORR: tl.constexpr, CKIND: tl.constexpr,
-                    KIND: tl.constexpr, ROTATE: tl.constexpr, DOT: tl.constexpr, INTERP: tl.constexpr, CGE: tl.constexpr,
+                    KIND: tl.constexpr, ROTATE: tl.constexpr, DOT: tl.constexpr,
+                    INTERP: tl.constexpr, CGE: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     o0 = tl.program_id(1) * BLOCK_O
@@ -112,11 +116,12 @@ def _dequant_kernel(w_ptr, s_ptr, lv_ptr, sc_ptr, c_ptr, h_ptr, o_ptr, N, K, G: 
             v = _weight_tile(w_ptr, s_ptr, lv_ptr, sc, c_ptr, rn, rj, nm[:, None] & (rj < K)[None, :], N, K, G, BITS,
                              S_E4M3, HAS_CB, HAS_CORR, CKIND, KIND)
             h = tl.load(h_ptr + (rj - g0)[:, None] * CGE + (ro - g0)[None, :])
-            acc += _dot_acc(v, h, tl.zeros([BLOCK_N, BLOCK_O], dtype=tl.float32), DOT, INTERP)
+            acc += dot_acc(v, h, tl.zeros([BLOCK_N, BLOCK_O], dtype=tl.float32), DOT, INTERP)
         v = acc
     else:
-        v = _weight_tile(w_ptr, s_ptr, lv_ptr, sc, c_ptr, rn, ro, m2, N, K, G, BITS, S_E4M3, HAS_CB, HAS_CORR, CKIND, KIND)
-    _store_as(o_ptr + rn.to(tl.int64)[:, None] * K + ro[None, :], v, m2, KIND)
+        v = _weight_tile(w_ptr, s_ptr, lv_ptr, sc, c_ptr, rn, ro, m2, N, K, G, BITS, S_E4M3, HAS_CB,
+                         HAS_CORR, CKIND, KIND)
+    store_as(o_ptr + rn.to(tl.int64)[:, None] * K + ro[None, :], v, m2, KIND)
 
 @functools.lru_cache(maxsize=16)
 def _rotation_matrix(cg:int, device) -> torch.Tensor:
@@ -124,6 +129,7 @@ def _rotation_matrix(cg:int, device) -> torch.Tensor:
     cge = max(cg, 16)
     return torch.kron(torch.eye(cge // cg), hadamard(cg).T.contiguous()).to(device)
 
+# %% ../../nbs/34_kernels_w4a8.ipynb #22a08dfc
 _FUSE_MIN_SCALE = 2.0 ** -114   # smallest nonzero |s_channel| for which the fused bf16 rotation is proved exact
 
 def _fusion_exact(sc, dtype, correction, cg) -> bool:
@@ -131,6 +137,7 @@ def _fusion_exact(sc, dtype, correction, cg) -> bool:
     if dtype != torch.bfloat16 or correction is not None or cg > 256: return False
     return bool(((sc.abs() >= _FUSE_MIN_SCALE) | (sc == 0)).all())
 
+# %% ../../nbs/34_kernels_w4a8.ipynb #6b7fd323
 def dequantize_w4a8(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
                     s_rel:torch.Tensor, # [N, K/G] relative group scales (e4m3 or fp32)
                     s_channel:torch.Tensor, # [N] row scales
@@ -144,36 +151,38 @@ def dequantize_w4a8(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
                     block_n:int|None=None, # rows per program
                    ) -> torch.Tensor: # [N, K] in dtype, original basis
     "Triton W4A8/W6A8 decode, bit-exact with `cquant.w4a8.dequantize_w4a8` (unless `fuse_rotation=True` is forced)."
-    N, K = _check_operands(qdata, s_rel, s_channel, bits, codebook, correction, group_size, convrot_groupsize)
-    kind, dev, cg = _kind(dtype), qdata.device, convrot_groupsize
+    N, K = check_w4a8_operands(qdata, s_rel, s_channel, bits, codebook, correction, group_size, convrot_groupsize)
+    kind, dev, cg = float_kind(dtype), qdata.device, convrot_groupsize
     w, s, lv, e4 = _operands(qdata, s_rel, bits, codebook, dev)
     sc = s_channel.to(device=dev, dtype=torch.float32).contiguous()
     c, ckind = sc, 0
     if correction is not None:
-        ckind = _kind(correction.dtype)
+        ckind = float_kind(correction.dtype)
         c = correction.to(dev).contiguous()
     cge = max(cg, 16)
     if fuse_rotation is None: fuse_rotation = _fusion_exact(sc, dtype, correction, cg)
     fuse = bool(fuse_rotation) and K % cge == 0
     out = torch.empty(N, K, dtype=dtype, device=dev)
     if N and K:
-        bo = min(cge, 64) if fuse else min(_pow2(K), 256)
-        bn = block_n or max(16, min(_pow2(N), 4096 // bo))
-        dot = 0 if kind == 2 and interpreting() else kind    # operands in the output dtype, whose values they are (exact);
-                                                             # bf16 values as fp32 in the interpreter: the same, and cheaper
+        bo = min(cge, 64) if fuse else min(pow2(K), 256)
+        bn = block_n or max(16, min(pow2(N), 4096 // bo))
+        # operands in the output dtype, whose values they are (exact);
+        # bf16 values as fp32 in the interpreter: the same, and cheaper
+        dot = 0 if kind == 2 and interpreting() else kind
         _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bo))](
-            w, s, w if lv is None else lv, sc, c, _rotation_matrix(cg, dev) if fuse else sc, _out_view(out), N, K, group_size,
+            w, s, w if lv is None else lv, sc, c, _rotation_matrix(cg, dev) if fuse else sc,
+                                                                  out_view(out), N, K, group_size,
             bits, e4, lv is not None, correction is not None, ckind, kind, fuse, dot, interpreting(), cge, bn, bo,
             enable_fp_fusion=False)
     return out if fuse else rotate(out, cg, as_weight=True)
 
 # %% ../../nbs/34_kernels_w4a8.ipynb #46e03bff
-@_jit
+@jit
 def _w4a8_gemm_kernel(a_ptr, w_ptr, s_ptr, lv_ptr, o_ptr, xs_ptr, sc_ptr, b_ptr, M, N, K, G: tl.constexpr,
                       BITS: tl.constexpr, S_E4M3: tl.constexpr, HAS_CB: tl.constexpr, HAS_BIAS: tl.constexpr,
                       RESCALE: tl.constexpr, KIND: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rm, rn, mm, nm = _out_tile(M, N, BLOCK_M, BLOCK_N)
+    rm, rn, mm, nm = out_tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -181,9 +190,9 @@ def _w4a8_gemm_kernel(a_ptr, w_ptr, s_ptr, lv_ptr, o_ptr, xs_ptr, sc_ptr, b_ptr,
         a = tl.load(a_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :], mask=mm[:, None] & km[None, :], other=0)
         w = _grid_tile(w_ptr, s_ptr, lv_ptr, rn, rk, nm[:, None] & km[None, :], K, G, BITS, S_E4M3, HAS_CB).to(tl.int8)
         acc += tl.dot(a, tl.trans(w), out_dtype=tl.int32)
-    _int_epilogue(acc, o_ptr, xs_ptr, sc_ptr, b_ptr, rm, rn, mm, nm, N, RESCALE, True, HAS_BIAS, KIND)
+    int_epilogue(acc, o_ptr, xs_ptr, sc_ptr, b_ptr, rm, rn, mm, nm, N, RESCALE, True, HAS_BIAS, KIND)
 
-_w4a8_gemm_tuned = autotuned(_w4a8_gemm_kernel, _gemm_configs(), ['M', 'N', 'K'])
+_w4a8_gemm_tuned = autotuned(_w4a8_gemm_kernel, gemm_configs(), ['M', 'N', 'K'])
 
 def w4a8_mm(a:torch.Tensor, # int8 activations [M, K]
             qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
@@ -203,11 +212,12 @@ def w4a8_mm(a:torch.Tensor, # int8 activations [M, K]
     M = a.shape[0]
     out = torch.zeros(M, N, dtype=torch.int32, device=a.device)
     if M and N and K:
-        _launch_gemm(_w4a8_gemm_kernel, _w4a8_gemm_tuned, M, N, (block_m, block_n, block_k), a.contiguous(), w, s,
+        launch_gemm(_w4a8_gemm_kernel, _w4a8_gemm_tuned, M, N, (block_m, block_n, block_k), a.contiguous(), w, s,
                            w if lv is None else lv, out, out, out, out, M, N, K, group_size, bits, e4, lv is not None,
                            False, False, 0)
     return out
 
+# %% ../../nbs/34_kernels_w4a8.ipynb #718c6169
 def w4a8_linear(x:torch.Tensor, # activations [..., K]: fp32, bf16 or fp16
                 qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
                 s_rel:torch.Tensor, # [N, K/G]
@@ -221,13 +231,14 @@ def w4a8_linear(x:torch.Tensor, # activations [..., K]: fp32, bf16 or fp16
                 block_m:int|None=None, block_n:int|None=None, block_k:int|None=None, # GEMM tiles (default: autotuned)
                ) -> torch.Tensor: # [..., N] in x's dtype
     "Triton W4A8/W6A8 linear, bit-exact with `cquant.w4a8.w4a8_linear`: codes decoded inside an int8 GEMM."
-    N, K = _check_operands(qdata, s_rel, s_channel, bits, codebook, correction, group_size, convrot_groupsize)
+    N, K = check_w4a8_operands(qdata, s_rel, s_channel, bits, codebook, correction, group_size, convrot_groupsize)
     if x.shape[-1] != K: raise ValueError(f"w4a8_linear: x has K={x.shape[-1]} features but the weight has K={K}")
     if bias is not None: bias = bias.to(device=x.device, dtype=x.dtype)
     if correction is not None:
-        wt = dequantize_w4a8(qdata, s_rel, s_channel, bits, codebook, correction, group_size, convrot_groupsize, x.dtype)
+        wt = dequantize_w4a8(qdata, s_rel, s_channel, bits, codebook, correction, group_size,
+                             convrot_groupsize, x.dtype)
         return torch.nn.functional.linear(x, wt.to(x.device), bias)
-    kind = _kind(x.dtype)
+    kind = float_kind(x.dtype)
     lead = x.shape[:-1]
     xq, xs = quantize_rows_int8(rotate(x, convrot_groupsize).reshape(-1, K))     # eager rotation, Triton quantizer
     w, s, lv, e4 = _operands(qdata, s_rel, bits, codebook, x.device)
@@ -236,8 +247,8 @@ def w4a8_linear(x:torch.Tensor, # activations [..., K]: fp32, bf16 or fp16
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
         b = sc if bias is None else bias.reshape(-1).contiguous()                   # already in x's dtype (eager's cast)
-        _launch_gemm(_w4a8_gemm_kernel, _w4a8_gemm_tuned, M, N, (block_m, block_n, block_k), xq, w, s,
-                           w if lv is None else lv, _out_view(out), xs.reshape(-1), sc, b, M, N, K, group_size, bits, e4,
+        launch_gemm(_w4a8_gemm_kernel, _w4a8_gemm_tuned, M, N, (block_m, block_n, block_k), xq, w, s,
+                           w if lv is None else lv, out_view(out), xs.reshape(-1), sc, b, M, N, K, group_size, bits, e4,
                            lv is not None, bias is not None, True, kind)
     return out.reshape(*lead, N)
 
@@ -245,28 +256,30 @@ def w4a8_linear(x:torch.Tensor, # activations [..., K]: fp32, bf16 or fp16
 def _codebook(p): return p.codebook if isinstance(p.codebook, torch.Tensor) else None
 
 def _fits_weight(qdata, p) -> bool:
-    return (_HAS_TRITON and p.bits in (4, 6) and qdata.dim() == 2 and qdata.dtype in (torch.int8, torch.uint8)
+    return (HAS_TRITON and p.bits in (4, 6) and qdata.dim() == 2 and qdata.dtype in (torch.int8, torch.uint8)
             and p.s_rel.dim() == 2 and p.s_rel.dtype in _S_DTYPES and p.s_channel.is_floating_point()
-            and (p.correction is None or p.correction.dtype in _KIND))
+            and (p.correction is None or p.correction.dtype in DTYPE_KIND))
 
 def layout_dequantize(qdata, params, dtype):
     "`W4A8Layout.dequantize` / `W6A8Layout.dequantize` through `dequantize_w4a8` (same bits)."
     p = params
-    return dequantize_w4a8(qdata, p.s_rel, p.s_channel, p.bits, _codebook(p), p.correction, p.group_size, p.convrot_groupsize, dtype)
+    return dequantize_w4a8(qdata, p.s_rel, p.s_channel, p.bits, _codebook(p), p.correction, p.group_size,
+                           p.convrot_groupsize, dtype)
 
 def fits_dequantize(qdata, params, dtype) -> bool:
     "Whether `layout_dequantize` covers this call."
-    return dtype in _KIND and _fits_weight(qdata, params)
+    return dtype in DTYPE_KIND and _fits_weight(qdata, params)
 
 def layout_linear(x, qdata, params, bias=None, input_scale=None):
     "`W4A8Layout.linear` / `W6A8Layout.linear` through `w4a8_linear` (same bits; `input_scale` ignored, as there)."
     p = params
-    return w4a8_linear(x, qdata, p.s_rel, p.s_channel, p.bits, _codebook(p), p.correction, bias, p.group_size, p.convrot_groupsize)
+    return w4a8_linear(x, qdata, p.s_rel, p.s_channel, p.bits, _codebook(p), p.correction, bias, p.group_size,
+                       p.convrot_groupsize)
 
 def fits_linear(x, qdata, params, bias=None, input_scale=None) -> bool:
     "Whether `layout_linear` covers this call."
     p = params
-    return (x.dtype in _KIND and x.dim() >= 1 and x.shape[-1] == p.s_rel.shape[-1] * p.group_size and _fits_weight(qdata, p)
+    return (x.dtype in DTYPE_KIND and x.dim() >= 1 and x.shape[-1] == p.s_rel.shape[-1] * p.group_size and _fits_weight(qdata, p)
             and (bias is None or (bias.is_floating_point() and tuple(bias.shape) == (p.s_rel.shape[0],))))
 
 FAST_PATHS = [(W4A8Layout, 'dequantize', layout_dequantize, fits_dequantize),
