@@ -24,6 +24,7 @@ from .mxfp8 import *
 from .int8 import *
 from .w4a4 import *
 from .w4a8 import *
+from .comfy import *
 from .checkpoint import *
 from .quality import *
 from .modules import *

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from .tensor import (FORMATS, FormatSpec, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
                            get_format, load_quantized)
+from .comfy import expert_tensors, file_value, split_bank
 
 # %% auto #0
 __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'LEGACY_QMETA', 'LEGACY_MARKER', 'ATTENTION_KEY',
@@ -470,8 +471,7 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
         e.spec = spec = get_format(cfg['format'], p)
         e.options = spec.resolve(cfg, p)
     except QuantFormatError as err: raise _in_file(path, err) from None
-    from cquant.modules import _file_value
-    if _file_value(cfg, 'num_experts') is not None: _bank_config(path, e, infos)
+    if file_value(cfg, 'num_experts') is not None: _bank_config(path, e, infos)
     want = ('weight',) + spec.keys
     missing = [s for s in want if s not in infos]
     if missing: raise CheckpointError(path, f"'{p}{missing[0]}': expected {spec.name} tensors {list(want)}, found {p}{missing[0]} missing")
@@ -498,8 +498,7 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
 
 def _bank_config(path, e:ModuleEntry, infos:dict):
     "Check the `num_experts` of an MoE bank's comfy_quant (sets `e.num_experts`); a bank has no input_scale or pre_quant_scale."
-    from cquant.modules import _file_value
-    p, name, E = e.prefix, e.name, _file_value(e.config, 'num_experts')
+    p, name, E = e.prefix, e.name, file_value(e.config, 'num_experts')
     if isinstance(E, bool) or not isinstance(E, int) or E < 1:
         raise CheckpointError(path, f"'{p}comfy_quant[\"num_experts\"]': expected a positive integer (module {name!r}), found {E!r}")
     for s in ('input_scale', 'pre_quant_scale'):
@@ -509,8 +508,7 @@ def _bank_config(path, e:ModuleEntry, infos:dict):
 
 def _scan_bank(ck:Checkpoint, e:ModuleEntry, metas:dict, shape=None) -> ModuleEntry:
     """Validate an MoE expert bank (`num_experts` in its comfy_quant) expert by expert, split as
-    `cquant.modules.split_bank` loads it; `shape` is the bank's (E, N, K) or one expert's (N, K)."""
-    from cquant.modules import expert_tensors, split_bank
+    `cquant.comfy.split_bank` loads it; `shape` is the bank's (E, N, K) or one expert's (N, K)."""
     p, path, name, spec, E = e.prefix, ck.path, e.name, e.spec, e.num_experts
     try:
         if shape is None:
@@ -570,7 +568,7 @@ def _quantized(self:Checkpoint, name:str, shape=None, dtype:torch.dtype=torch.bf
     if not e.quantized: raise CheckpointError(self.path, f"'{e.prefix}comfy_quant': expected a quantized module, found none (module {name!r} is float)")
     if e.num_experts is not None:
         raise CheckpointError(self.path, f"'{e.prefix}weight': expected one quantized weight, found an MoE bank of {e.num_experts} experts "
-                                         f"(module {name!r}: load it with cquant.modules.QuantMoEExperts or split_bank)")
+                                         f"(module {name!r}: load it with cquant.modules.QuantMoEExperts or cquant.comfy.split_bank)")
     sd = {e.prefix + s: self[e.prefix + s] for s in e.spec.weight_keys if s in keys}
     try: return load_quantized(sd, e.prefix, e.shape, dtype, e.config)
     except Exception as err: raise _in_file(self.path, err) from None

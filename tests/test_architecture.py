@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 import cquant as cq
-from cquant import modules, tensor
+from cquant import comfy, modules, tensor
 from cquant.calibrate import search_smoothing
 
 PKG = Path(cq.__file__).parent
@@ -91,9 +91,9 @@ def test_min_sm_version_matches_kitchen():
 
 
 def test_one_comfy_quant_check():
-    "tensor.load_quantized, modules.read_comfy_quant and the checkpoint scan share check_comfy_quant's messages."
+    "tensor.load_quantized, comfy.read_comfy_quant and the checkpoint scan share check_comfy_quant's messages."
     sd = {'m.comfy_quant': cq.encode_json(['nvfp4']), 'm.weight': torch.zeros(2, 2)}
-    for f in (lambda: cq.load_quantized(sd, 'm'), lambda: modules.read_comfy_quant(sd, 'm')):
+    for f in (lambda: cq.load_quantized(sd, 'm'), lambda: comfy.read_comfy_quant(sd, 'm')):
         with pytest.raises(cq.QuantFormatError, match=r"'m\.comfy_quant': expected a JSON object, found list \['nvfp4'\]"): f()
     with pytest.raises(cq.QuantFormatError, match='expected a "format" field, found keys'): tensor.check_comfy_quant({'params': {}}, 'm.')
 

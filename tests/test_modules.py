@@ -26,9 +26,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cquant as cq
+from cquant.comfy import FPMM, dequantize_rows
 from cquant.modules import (QuantModule, QuantLinear, QuantEmbedding, QuantMoEExperts, load_quantized_model, quantize_model,
-                            uniform_plan, set_quant_compute, apply_lora, unpatch, lora_delta, string_to_seed, dequantize_rows,
-                            moe_dit_model, MOE_DIT, FPMM, comfy_disabled_formats, LoadKeysError, LoadKeysWarning)
+                            uniform_plan, set_quant_compute, apply_lora, unpatch, lora_delta, string_to_seed,
+                            moe_dit_model, MOE_DIT, comfy_disabled_formats, LoadKeysError, LoadKeysWarning)
 from cquant.tensor import QuantizedTensor, same_bits, test_bits as assert_bits   # alias: pytest would collect test_bits
 from cquant.numerics import sqnr
 from cquant.policy import dit_batches, Policy
