@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 import torch
 from .tensor import FORMATS, QuantizedTensor, check_finite, encode_json, format_color, get_format, quantize, same_bits
 from .checkpoint import (Checkpoint, CheckpointError, TensorInfo, open_checkpoint, save_file, split_key, scale_keys,
-                               size_ratio, text_table, _fmt_bytes)
-from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, Plan, MODES, SELECTIONS, layer_source, dit_state_dict
+                               size_ratio, text_table, _fmt_bytes, read_header, load_file)
+from ._version import __version__
+from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, Plan, MODES, SELECTIONS, layer_source
+from .models import dit_state_dict
 from .calibrate import Calibration
 from .minilm import minilm_path, fetch_minilm
 
@@ -394,7 +396,6 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
         layers, groups = layer_source(ck), ck.groups()
         if not requantize: _refuse_requantize(src, plan, layers)
         meta = {**ck.metadata, **(metadata or {}), 'cquant_policy': policy.to_json()}
-        from cquant import __version__
         meta['cquant_version'] = __version__
         drop = {m: _module_drop(groups[m]) for m, d in plan.items() if d.format and m in groups}
         total = sum(ck.info(k).nbytes for k in ck)
@@ -460,7 +461,6 @@ def _refuse_requantize(src:str, plan:Plan, layers):
 # %% ../nbs/13_quantize_checkpoint.ipynb #e8ccb581
 def _label(config:dict) -> str:
     "The policy label (INT8, INT8 ConvRot, W4A4, ...) of a stored comfy_quant config, else its format name."
-    from cquant.policy import CHOICES
     for c in CHOICES.values():
         try:
             if c.format == config.get('format') and c.config() == {k: v for k, v in config.items() if k != 'params'}: return c.label
@@ -524,7 +524,6 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
                       ) -> dict: # legacy kind, quantized modules per format, keys removed / added
     "Rewrite `src` with per-module `comfy_quant` entries (legacy headers and markers converted), streaming."
     from collections import Counter
-    from cquant.checkpoint import read_header
     src, dst = os.fspath(src), os.fspath(dst)
     check_outputs('convert_checkpoint', {'source': src}, {'destination': dst})
     raw = set(read_header(src)[0])
@@ -603,7 +602,6 @@ def cmd_quantize(args) -> int:
     check_outputs('', {'SRC': args.src}, {'DST': args.dst, '--report': args.report, '--plot': args.plot})
     cal = None
     if args.calibration:
-        from cquant.checkpoint import load_file
         cal = Calibration(load_file(args.calibration), smoothing=not args.no_smoothing)
     rep = quantize_checkpoint(args.src, args.dst, policy_from_args(args), progress=not args.quiet, report=args.report,
                               measure=not args.no_sqnr, calibration=cal, requantize=args.requantize)
@@ -708,7 +706,7 @@ def demo(out='cquant-demo', # output folder
     name = 'minilm'
     if src is None:
         name, src = 'dit', os.path.join(out, 'dit_bf16.safetensors')
-        save_file(dit_state_dict(0, torch.bfloat16), src, {'source': 'cquant.policy.dit_state_dict(seed=0), bf16'})
+        save_file(dit_state_dict(0, torch.bfloat16), src, {'source': 'cquant.models.dit_state_dict(seed=0), bf16'})
     dst = os.path.join(out, f'{name}_int4_mixed.safetensors')
     policy = Policy()
     print(f"# cquant demo: {name} ({src})\n# policy: {policy.to_json()}\n", file=file)

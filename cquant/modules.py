@@ -16,10 +16,10 @@ from .comfy import (FPMM, comfy_config, dequantize_rows, expert_tensors, file_va
                           nested_params, read_comfy_quant, row_dim, select_rows, split_bank)
 
 # %% auto #0
-__all__ = ['MOE_DIT', 'comfy_disabled_formats', 'QuantModule', 'QuantLinear', 'QuantEmbedding', 'QuantMoEExperts',
-           'quantized_names', 'quant_module', 'set_quant_compute', 'LoadKeysError', 'LoadKeysWarning', 'key_report',
-           'load_quantized_model', 'plan_entry', 'quantize_model', 'uniform_plan', 'string_to_seed',
-           'requantize_options', 'lora_delta', 'apply_lora', 'unpatch', 'bank_from_linears', 'BankMoE', 'moe_dit_model']
+__all__ = ['comfy_disabled_formats', 'QuantModule', 'QuantLinear', 'QuantEmbedding', 'QuantMoEExperts', 'quantized_names',
+           'swap_module', 'submodule', 'quant_module', 'set_quant_compute', 'LoadKeysError', 'LoadKeysWarning',
+           'key_report', 'load_quantized_model', 'plan_entry', 'uniform_plan', 'is_linear', 'string_to_seed',
+           'requantize_options', 'lora_delta', 'apply_lora', 'unpatch']
 
 # %% ../nbs/11_modules.ipynb #b2dfec52
 def comfy_disabled_formats(device=None, # a torch device (default: CPU)
@@ -373,11 +373,13 @@ def quantized_names(sd) -> list:
     "The modules (prefixes without the dot) that have a `comfy_quant` in state dict `sd`."
     return sorted({k[:-len('comfy_quant')].rstrip('.') for k in sd if k == 'comfy_quant' or k.endswith('.comfy_quant')})
 
-def _swap(model:nn.Module, name:str, new:nn.Module):
+def swap_module(model:nn.Module, name:str, new:nn.Module):
+    "Put `new` in place of submodule `name` of `model`."
     parent, _, child = name.rpartition('.')
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
-def _submodule(model:nn.Module, name:str):
+def submodule(model:nn.Module, name:str):
+    "Submodule `name` of `model`, None if there is none."
     try: return model.get_submodule(name)
     except AttributeError: return None
 
@@ -444,12 +446,12 @@ def load_quantized_model(model:nn.Module, # a model; its Linear/Embedding module
     "Load a Comfy quantized state dict into `model`, swapping each module that has a `comfy_quant` for its quantized version."
     sd = dict(state_dict)
     for name in quantized_names(sd):
-        m = _submodule(model, name)
+        m = submodule(model, name)
         if m is None: continue                                    # its keys are reported as unexpected
         q = quant_module(m, name)
         if q is not m:
             if not name: raise TypeError("load_quantized_model: the root module itself has a comfy_quant; load it through a parent module")
-            _swap(model, name, q)
+            swap_module(model, name, q)
     set_quant_compute(model, disabled_formats, full_precision_mm)
     model.load_result = res = model.load_state_dict(sd, strict=False, assign=assign)
     msg = key_report(res, f'load_quantized_model: the state dict for {type(model).__name__}')
@@ -472,33 +474,6 @@ def plan_entry(d, # a format name, (format, options), a comfy_quant dict, a Deci
     if not opts and cfg: opts = {k: v for k, v in {**nested_params(cfg), **cfg}.items() if k in spec.option_names}
     return spec.name, opts, bool(opts.pop(FPMM, False) or file_value(cfg, FPMM)), label or spec.name
 
-def quantize_model(model:nn.Module, # a float model, quantized in place
-                   plan, # {module name: format | (format, options) | comfy_quant dict | Decision | None}
-                   stochastic_rounding:int=0, # default seed for every module (0: round to nearest)
-                   calibration=None, # a `cquant.calibrate.Calibration`, batches for `model`, or {layer: inputs}
-                  ) -> nn.Module:
-    "Quantize the modules `plan` names (nn.Linear, nn.Embedding, QuantMoEExperts), swapping in quantized versions."
-    plan = {(k[:-len('.weight')] if k.endswith('.weight') else k): plan_entry(d)[:3] for k, d in dict(plan).items()}
-    if calibration is not None:
-        from cquant.calibrate import Calibration
-        calibration = Calibration.of(calibration).prepare(model, {k: d[0] for k, d in plan.items() if d[0] is not None})
-    for mod, (fmt, opts, fpmm) in plan.items():
-        if fmt is None: continue
-        m = _submodule(model, mod)
-        if m is None: raise KeyError(f"quantize_model: the plan names {mod!r}, which is not a module of {type(model).__name__}")
-        q = quant_module(m, mod)
-        if q is not m: _swap(model, mod, q)
-        q.key = mod + '.weight'
-        extras = {}
-        if calibration is not None and isinstance(q, QuantLinear):
-            w0 = q.weight.detach()
-            w, extras = calibration.layer(mod, fmt, w0)
-            if w is not w0: q.weight = nn.Parameter(w, requires_grad=False)     # smoothed: W / pre_quant_scale
-        opts.setdefault('stochastic_rounding', stochastic_rounding)
-        q.quantize_(fmt, full_precision_matrix_mult=fpmm, **opts)
-        for k, t in extras.items(): setattr(q, k, t.to(q.weight.device))
-    return model
-
 def uniform_plan(model:nn.Module, # a float model
                  fmt:str, # the format
                  skip:tuple=('gate',), # name substrings kept float (MoE routers by default)
@@ -515,6 +490,12 @@ def uniform_plan(model:nn.Module, # a float model
         except QuantFormatError: continue
         plan[name] = (spec.name, dict(options))
     return plan
+
+def is_linear(m:nn.Module) -> bool:
+    "Whether `m` is a linear layer: an `nn.Linear` or a class named Linear with its attributes (ComfyUI's ops)."
+    if isinstance(m, nn.Linear): return True
+    return type(m).__name__ == 'Linear' and all(hasattr(m, a) for a in ('in_features', 'out_features', 'weight', 'forward'))
+
 
 # %% ../nbs/11_modules.ipynb #6d592375
 def string_to_seed(key:str) -> int:
@@ -562,42 +543,3 @@ def unpatch(module:QuantModule) -> QuantModule:
     "Undo every `apply_lora` on `module`: the original weight tensor is put back, bit for bit."
     if module._lora_backup is not None: module.weight, module._lora_backup = module._lora_backup[0], None
     return module
-
-# %% ../nbs/11_modules.ipynb #6f20f9f1
-def bank_from_linears(linears) -> QuantMoEExperts:
-    "A float `QuantMoEExperts` stacking the weights (and biases) of E same-shaped `nn.Linear`s."
-    linears = list(linears)
-    w0 = linears[0].weight
-    bank = QuantMoEExperts(len(linears), w0.shape[1], w0.shape[0], linears[0].bias is not None, device='meta', dtype=w0.dtype)
-    bank.weight = nn.Parameter(torch.stack([l.weight.detach() for l in linears]))
-    if bank.bias is not None: bank.bias = nn.Parameter(torch.stack([l.bias.detach() for l in linears]))
-    return bank
-
-class BankMoE(nn.Module):
-    "Top-1 routed expert MLPs on two banks, `up` [E, hidden, dim] and `down` [E, dim, hidden]: `x + p * down(gelu(up(x)))`."
-    def __init__(self, gate:nn.Linear, up:QuantMoEExperts, down:QuantMoEExperts):
-        super().__init__()
-        self.gate, self.up, self.down = gate, up, down
-
-    @classmethod
-    def from_experts(cls, moe:nn.Module) -> BankMoE:
-        "The bank form of a module with a `gate` Linear and `experts[e].w1 / .w2` Linears (`cquant.policy`'s DiT MoE)."
-        return cls(moe.gate, bank_from_linears(e.w1 for e in moe.experts), bank_from_linears(e.w2 for e in moe.experts))
-
-    def forward(self, x):
-        h = x.reshape(-1, x.shape[-1])
-        p, idx = self.gate(h).softmax(-1).max(-1)
-        y = self.down(F.gelu(self.up(h, idx), approximate='tanh'), idx) * p[:, None]
-        return x + y.reshape(x.shape)
-
-MOE_DIT = dict(dim=128, depth=2, heads=2, mlp_ratio=2, experts=4, classes=64, freq_dim=128)
-
-def moe_dit_model(seed:int=0, # weights and outliers are drawn from this seed
-                  dtype:torch.dtype=torch.float32, # parameter dtype
-                  **kw, # sizes overriding `MOE_DIT`
-                 ) -> nn.Module: # in eval mode
-    "`cquant.policy.dit_model` at the `MOE_DIT` size, with its MoE on expert banks (`BankMoE`)."
-    from cquant.policy import dit_model
-    model = dit_model(seed, dtype, **{**MOE_DIT, **kw})
-    model.moe = BankMoE.from_experts(model.moe)
-    return model

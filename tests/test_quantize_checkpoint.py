@@ -9,7 +9,8 @@ import torch
 import cquant as cq
 from cquant.convert import (Report, StreamingWriter, add_demo_parser, add_plan_parser, add_quantize_parser,
                             add_report_parser, quantize_checkpoint, quantize_rows, report_error)
-from cquant.policy import Policy, PolicyWarning, dit_state_dict
+from cquant.policy import Policy, PolicyWarning
+from cquant.models import dit_state_dict
 
 POL = Policy('int4_mixed', preset='none', keep_float=('embed', 'adaLN', 'final_layer'))
 
