@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/checkpoint.html.md"""
 
 # %% ../nbs/10_checkpoint.ipynb #4006f88f
 from __future__ import annotations
-import argparse, json, math, os, struct, tempfile, textwrap, warnings
+import json, math, os, struct, tempfile, textwrap, warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -21,7 +21,7 @@ __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'LEGACY_QMETA', 'L
            'Checkpoint', 'open_checkpoint', 'AttentionChoice', 'attention_entries', 'encode_attention',
            'decode_attention', 'select_attention', 'attention_available', 'sol_applicable', 'split_key',
            'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'save_file', 'comfy_unread', 'load_file',
-           'inspect_checkpoint', 'size_ratio', 'text_table', 'format_inspect', 'cmd_inspect', 'add_inspect_parser']
+           'inspect_checkpoint', 'size_ratio', 'text_table', 'format_inspect']
 
 # %% ../nbs/10_checkpoint.ipynb #750ad511
 class CheckpointError(QuantFormatError):
@@ -755,18 +755,3 @@ def format_inspect(r:dict) -> str:
     for m, ks in r.get('comfy_unread', {}).items():
         out.append(f"warning: {m} stores {', '.join(ks)}, which ComfyUI's loader never reads: it decodes wrongly in ComfyUI")
     return '\n'.join(out)
-
-# %% ../nbs/10_checkpoint.ipynb #c4b5755a
-def cmd_inspect(args) -> int:
-    "Run `cquant inspect`: print the report of `args.file` (JSON with `--json`)."
-    r = inspect_checkpoint(args.file)
-    print(json.dumps(r, indent=1) if args.json else format_inspect(r))
-    return 0
-
-def add_inspect_parser(subparsers):
-    "Add the `inspect` subcommand to `cquant`'s subparsers."
-    p = subparsers.add_parser('inspect', help='per-module formats, shapes and sizes of a checkpoint (lazy: any file size)')
-    p.add_argument('file', help='a .safetensors checkpoint (modern or legacy)')
-    p.add_argument('--json', action='store_true', help='machine-readable output')
-    p.set_defaults(func=cmd_inspect)
-    return p

@@ -10,10 +10,10 @@ import math, warnings, zlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .tensor import (FORMATS, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
-                           format_error, get_format, load_quantized, module_prefix, quantize)
-from .comfy import (FPMM, comfy_config, dequantize_rows, expert_tensors, file_value, flagged_formats,
-                          nested_params, read_comfy_quant, row_dim, select_rows, split_bank)
+from .tensor import (FORMATS, QuantFormatError, QuantizedTensor, decode_json, encode_json, format_error, get_format,
+                           load_quantized, quantize)
+from .comfy import (FPMM, comfy_config, dequantize_rows, file_value, flagged_formats,
+                          nested_params, read_comfy_quant, row_dim, split_bank)
 
 # %% auto #0
 __all__ = ['comfy_disabled_formats', 'QuantModule', 'QuantLinear', 'QuantEmbedding', 'QuantMoEExperts', 'quantized_names',
