@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 import torch
-from .tensor import (FORMATS, FormatSpec, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
+from .formats import FORMATS
+from .tensor import (FormatSpec, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
                            get_format, load_quantized)
 from .comfy import expert_tensors, file_value, split_bank
 

@@ -12,7 +12,7 @@ __all__ = ['cmd_inspect', 'add_inspect_parser', 'policy_from_args', 'cmd_quantiz
 # %% ../nbs/20_cli.ipynb #a82e8daa
 import argparse, json, os, sys, warnings
 from ._version import __version__
-from .tensor import FORMATS
+from .formats import FORMATS
 from .checkpoint import format_inspect, inspect_checkpoint, load_file, open_checkpoint
 from .calibrate import Calibration
 from .policy import MODES, PRESETS, SELECTIONS, Policy, PolicyWarning, layer_source

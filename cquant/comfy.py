@@ -7,7 +7,8 @@ Docs: https://cquant-dev.github.io/cquant/comfy.html.md"""
 # %% ../nbs/09a_comfy.ipynb #4510f5bb
 from __future__ import annotations
 import torch
-from .tensor import (FORMATS, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, format_error,
+from .formats import FORMATS
+from .tensor import (QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, format_error,
                            get_format, load_quantized, module_prefix)
 
 # %% auto #0

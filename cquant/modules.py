@@ -10,7 +10,8 @@ import math, warnings, zlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .tensor import (FORMATS, QuantFormatError, QuantizedTensor, decode_json, encode_json, format_error, get_format,
+from .formats import FORMATS
+from .tensor import (QuantFormatError, QuantizedTensor, decode_json, encode_json, format_error, get_format,
                            load_quantized, quantize)
 from .comfy import (FPMM, comfy_config, dequantize_rows, file_value, flagged_formats,
                           nested_params, read_comfy_quant, row_dim, split_bank)
