@@ -11,23 +11,10 @@ Modules:
 - `cquant.w4a4`: ConvRot W4A4: Hadamard-rotated weights with one symmetric int4 scale per output row, packed two per byte, and the two linears ComfyUI runs on them (int4 or int8 activations).
 - `cquant.w4a8`: Grouped 4-bit (Lloyd-Max codebook, uniform or asymmetric) and 6-bit weights on ConvRot-rotated rows, decoded exactly onto the int8 grid the GEMM multiplies, with an encoder that beats kitchen's."""
 
-__version__ = "0.0.1"
-"""Understand, make, check and explore Comfy quantized checkpoints
-
-Modules:
-
-- `cquant.convert`: `quantize_checkpoint`: a float (or fp8) safetensors file in, a Comfy quantized file out, streamed tensor by tensor with memory near the largest tensor, atomically, with a per-layer report of what each layer got, why, and what it cost; the `cquant quantize / plan / report / demo` commands.
-- `cquant.fp8`: `float8_e4m3fn` and `float8_e5m2`: one fp32 scale per weight, FP8 elements, byte-compatible with comfy-kitchen, without its NaN and fp16-overflow failures.
-- `cquant.int8`: Symmetric absmax INT8 weights with one scale per tensor or per row, optional ConvRot rotation, and the linear layer as comfy-kitchen runs it: per-token INT8 activations and an exact integer GEMM.
-- `cquant.mxfp8`: The `mxfp8` format: e4m3 elements, one E8M0 exponent per block of 32 along K stored in the swizzled 128x4 layout, padding to 32, byte-compatible with comfy-kitchen, and a linear that runs on CPU.
-- `cquant.nvfp4`: The `nvfp4` format: 4-bit E2M1 elements in blocks of 16, an FP8 (E4M3) scale per block and one fp32 scale per tensor, packed two per byte with swizzled block scales; bit-exact with comfy-kitchen.
-- `cquant.policy`: Policies as plain data: modes with their shape fallbacks, architecture presets and auto-detection, the nested deterministic INT8 budget of `int4_mixed`, and a measured selection that spends the same budget where the quantization error actually is.
-- `cquant.w4a4`: ConvRot W4A4: Hadamard-rotated weights with one symmetric int4 scale per output row, packed two per byte, and the two linears ComfyUI runs on them (int4 or int8 activations).
-- `cquant.w4a8`: Grouped 4-bit (Lloyd-Max codebook, uniform or asymmetric) and 6-bit weights on ConvRot-rotated rows, decoded exactly onto the int8 grid the GEMM multiplies, with an encoder that beats kitchen's."""
-
-# Hand-written (no notebook exports this file): the version, and the public names gathered from the
-# exported modules so that `import cquant as cq` reaches them. Importing a layout module registers its
-# formats in `FORMATS`.
+# Hand-written (no notebook exports this file; nbdev writes only the docstring above): the version (from `_version`),
+# and each module's `__all__`, so that `import cquant as cq` reaches the public API. Helpers shared between modules are
+# exported with `#| exporti` (in their module, not in its `__all__`); the CLI (`cquant.cli`) is not re-exported.
+# Importing a layout module registers its formats in `FORMATS` (`cquant.formats` imports them all).
 from ._version import __version__
 
 from .tensor import *
@@ -38,6 +25,7 @@ from .mxfp8 import *
 from .int8 import *
 from .w4a4 import *
 from .w4a8 import *
+from .formats import *
 from .comfy import *
 from .checkpoint import *
 from .quality import *

@@ -12,8 +12,15 @@ from .tensor import (QuantFormatError, QuantizedTensor, check_comfy_quant, decod
                            get_format, load_quantized, module_prefix)
 
 # %% auto #0
-__all__ = ['FPMM', 'read_comfy_quant', 'nested_params', 'file_value', 'comfy_config', 'row_dim', 'flagged_formats', 'select_rows',
-           'dequantize_rows', 'split_bank', 'expert_tensors']
+__all__ = ['FPMM', 'read_comfy_quant', 'comfy_config', 'select_rows', 'dequantize_rows', 'split_bank', 'expert_tensors']
+
+# %% ../nbs/09a_comfy.ipynb #b6ad8e69
+def nested_params(cfg:dict) -> dict: return cfg['params'] if isinstance(cfg.get('params'), dict) else {}
+
+# %% ../nbs/09a_comfy.ipynb #0829d1e0
+def file_value(cfg:dict, name:str, top_level_only:bool=False):
+    "An option as a loader reads it: top level, else the nested `params` object (not for embeddings), else None."
+    return cfg[name] if name in cfg else (None if top_level_only else nested_params(cfg).get(name))
 
 # %% ../nbs/09a_comfy.ipynb #fcf8f0f6
 FPMM = 'full_precision_matrix_mult'
@@ -25,12 +32,6 @@ def read_comfy_quant(sd:dict, # a state dict (or any mapping of tensors)
     prefix = module_prefix(prefix)
     key = prefix + 'comfy_quant'
     return check_comfy_quant(decode_json(sd[key], key), prefix)
-
-def nested_params(cfg:dict) -> dict: return cfg['params'] if isinstance(cfg.get('params'), dict) else {}
-
-def file_value(cfg:dict, name:str, top_level_only:bool=False):
-    "An option as a loader reads it: top level, else the nested `params` object (not for embeddings), else None."
-    return cfg[name] if name in cfg else (None if top_level_only else nested_params(cfg).get(name))
 
 def comfy_config(qt:QuantizedTensor, # the quantized weight
                  explicit:tuple=(), # stored options the source file spelled out (kept even at their default)
@@ -46,20 +47,22 @@ def comfy_config(qt:QuantizedTensor, # the quantized weight
     if num_experts is not None: cfg['num_experts'] = int(num_experts)
     return cfg
 
+# %% ../nbs/09a_comfy.ipynb #bb493454
+def row_dim(k:str) -> int: return _ROW_DIM.get(k, 0)
+
+# %% ../nbs/09a_comfy.ipynb #88377281
+def flagged_formats(fact:str) -> list:
+    "The registered formats whose `FormatSpec` sets `fact` (for messages)."
+    return [n for n, s in FORMATS.items() if getattr(s, fact)]
+
 # %% ../nbs/09a_comfy.ipynb #6078f674
 _SHARED_KEYS = ('weight_codebook',)                                   # never per row, whatever their length
 _ROW_DIM = {'weight_correction': 1}                                   # stored transposed: [K/G, N]
-
-def row_dim(k:str) -> int: return _ROW_DIM.get(k, 0)
 
 def _is_per_row(k:str, t:torch.Tensor, n:int) -> bool:
     "Whether file tensor `k` has one entry per storage row (of `n`)."
     d = row_dim(k)
     return k == 'weight' or (k not in _SHARED_KEYS and t.dim() > d and t.shape[d] == n)
-
-def flagged_formats(fact:str) -> list:
-    "The registered formats whose `FormatSpec` sets `fact` (for messages)."
-    return [n for n, s in FORMATS.items() if getattr(s, fact)]
 
 def select_rows(tensors:dict, # file tensors of one module: {'weight': ..., 'weight_scale': ...}
                 rows, # an index tensor or a slice over storage rows

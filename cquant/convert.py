@@ -22,8 +22,8 @@ from .minilm import minilm_path, fetch_minilm
 
 # %% auto #0
 __all__ = ['BLOCK_MIN', 'BLOCK_MAX', 'StreamingWriter', 'block_elems', 'row_blocks', 'quantize_rows', 'Report', 'layer_ticks',
-           'plot_report', 'check_writable', 'check_outputs', 'trim_heap', 'quantize_checkpoint', 'stored_quantized',
-           'report_error', 'convert_checkpoint', 'preset_name', 'save_plot', 'plan_table', 'demo']
+           'plot_report', 'quantize_checkpoint', 'report_error', 'convert_checkpoint', 'preset_name', 'plan_table',
+           'demo']
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #483822d9
 class _RowStream:
@@ -318,12 +318,7 @@ def plot_report(report:Report, # from `quantize_checkpoint` or `report_error`
     fig.tight_layout()
     return fig
 
-# %% ../nbs/13_quantize_checkpoint.ipynb #f517ff09
-def _same_file(a:str, b:str) -> bool:
-    if os.path.realpath(a) == os.path.realpath(b): return True
-    try: return os.path.samefile(a, b)
-    except OSError: return False
-
+# %% ../nbs/13_quantize_checkpoint.ipynb #2ae18ac9
 def check_writable(path, # an output file
                    what:str='destination', # its name in the message
                    job:str='quantize_checkpoint', # the caller, in the message ('' for none)
@@ -338,6 +333,7 @@ def check_writable(path, # an output file
     os.close(fd); os.unlink(probe)
     return path
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #49665882
 def check_outputs(job:str, # the caller, in messages
                   inputs:dict, # {name: path} read by the job
                   outputs:dict, # {name: path or None} written by the job
@@ -354,8 +350,13 @@ def check_outputs(job:str, # the caller, in messages
         check_writable(path, name, job)
         seen[name] = path
 
-# %% ../nbs/13_quantize_checkpoint.ipynb #058d0939
-_LIBC = None
+# %% ../nbs/13_quantize_checkpoint.ipynb #f517ff09
+def _same_file(a:str, b:str) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b): return True
+    try: return os.path.samefile(a, b)
+    except OSError: return False
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #6bb171f1
 def trim_heap():
     "Hand freed heap memory back to the OS (glibc `malloc_trim`; a no-op elsewhere), so RSS tracks the live tensors."
     global _LIBC
@@ -364,6 +365,8 @@ def trim_heap():
         except (OSError, AttributeError): _LIBC = False
     if _LIBC: _LIBC.malloc_trim(0)
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #058d0939
+_LIBC = None
 def _as_policy(policy) -> Policy:
     if policy is None: return Policy()
     if isinstance(policy, Policy): return policy
@@ -445,12 +448,13 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
     if report is not None: rep.save(report)
     return rep
 
-# %% ../nbs/13_quantize_checkpoint.ipynb #fe3f4c6c
+# %% ../nbs/13_quantize_checkpoint.ipynb #59ca87ea
 def stored_quantized(plan:Plan, layers) -> dict:
     "`{layer: stored format}` of the layers `plan` would quantize that `layers` (a `LayerSource`) stores quantized."
     return {m: layers.infos[m].source_format for m, d in plan.items()
             if d.format and m in layers.infos and layers.infos[m].source_format}
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #fe3f4c6c
 def _refuse_requantize(src:str, plan:Plan, layers):
     stored = stored_quantized(plan, layers)
     if not stored: return
@@ -549,12 +553,11 @@ def preset_name(name:str) -> str:
         raise ValueError(f"unknown preset {name!r}: expected 'auto' or one of {', '.join(sorted(PRESETS))}, auto-conservative")
     return known[_norm(name)]
 
-# %% ../nbs/13_quantize_checkpoint.ipynb #c3593612
+# %% ../nbs/13_quantize_checkpoint.ipynb #6227a35e
 def save_plot(rep:Report, path:str):
     "Save `rep.plot()` as an image at `path` (100 dpi)."
     import matplotlib.pyplot as plt
     fig = rep.plot(); fig.savefig(path, dpi=100); plt.close(fig)
-
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #96d094cb
 def plan_table(plan:Plan, # from `Policy.plan`

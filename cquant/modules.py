@@ -18,9 +18,9 @@ from .comfy import (FPMM, comfy_config, dequantize_rows, file_value, flagged_for
 
 # %% auto #0
 __all__ = ['comfy_disabled_formats', 'QuantModule', 'QuantLinear', 'QuantEmbedding', 'QuantMoEExperts', 'quantized_names',
-           'swap_module', 'submodule', 'quant_module', 'set_quant_compute', 'LoadKeysError', 'LoadKeysWarning',
-           'key_report', 'load_quantized_model', 'plan_entry', 'uniform_plan', 'is_linear', 'string_to_seed',
-           'requantize_options', 'lora_delta', 'apply_lora', 'unpatch']
+           'quant_module', 'set_quant_compute', 'LoadKeysError', 'LoadKeysWarning', 'key_report',
+           'load_quantized_model', 'plan_entry', 'uniform_plan', 'string_to_seed', 'requantize_options', 'lora_delta',
+           'apply_lora', 'unpatch']
 
 # %% ../nbs/11_modules.ipynb #b2dfec52
 def comfy_disabled_formats(device=None, # a torch device (default: CPU)
@@ -369,20 +369,28 @@ class QuantMoEExperts(QuantModule):
         return (f'num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, '
                 f'bias={self.bias is not None}, format={self.format}')
 
-# %% ../nbs/11_modules.ipynb #24a275fc
-def quantized_names(sd) -> list:
-    "The modules (prefixes without the dot) that have a `comfy_quant` in state dict `sd`."
-    return sorted({k[:-len('comfy_quant')].rstrip('.') for k in sd if k == 'comfy_quant' or k.endswith('.comfy_quant')})
-
+# %% ../nbs/11_modules.ipynb #b6ebad8d
 def swap_module(model:nn.Module, name:str, new:nn.Module):
     "Put `new` in place of submodule `name` of `model`."
     parent, _, child = name.rpartition('.')
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
+# %% ../nbs/11_modules.ipynb #79d22375
 def submodule(model:nn.Module, name:str):
     "Submodule `name` of `model`, None if there is none."
     try: return model.get_submodule(name)
     except AttributeError: return None
+
+# %% ../nbs/11_modules.ipynb #3b3520eb
+def is_linear(m:nn.Module) -> bool:
+    "Whether `m` is a linear layer: an `nn.Linear` or a class named Linear with its attributes (ComfyUI's ops)."
+    if isinstance(m, nn.Linear): return True
+    return type(m).__name__ == 'Linear' and all(hasattr(m, a) for a in ('in_features', 'out_features', 'weight', 'forward'))
+
+# %% ../nbs/11_modules.ipynb #24a275fc
+def quantized_names(sd) -> list:
+    "The modules (prefixes without the dot) that have a `comfy_quant` in state dict `sd`."
+    return sorted({k[:-len('comfy_quant')].rstrip('.') for k in sd if k == 'comfy_quant' or k.endswith('.comfy_quant')})
 
 def quant_module(m:nn.Module, name:str='') -> QuantModule:
     "The quantized counterpart of `m`, sharing its parameters (`m` itself if it is one already)."
@@ -491,12 +499,6 @@ def uniform_plan(model:nn.Module, # a float model
         except QuantFormatError: continue
         plan[name] = (spec.name, dict(options))
     return plan
-
-def is_linear(m:nn.Module) -> bool:
-    "Whether `m` is a linear layer: an `nn.Linear` or a class named Linear with its attributes (ComfyUI's ops)."
-    if isinstance(m, nn.Linear): return True
-    return type(m).__name__ == 'Linear' and all(hasattr(m, a) for a in ('in_features', 'out_features', 'weight', 'forward'))
-
 
 # %% ../nbs/11_modules.ipynb #6d592375
 def string_to_seed(key:str) -> int:
