@@ -11,10 +11,11 @@ Modules:
 - `cquant.w4a4`: ConvRot W4A4: Hadamard-rotated weights with one symmetric int4 scale per output row, packed two per byte, and the two linears ComfyUI runs on them (int4 or int8 activations).
 - `cquant.w4a8`: Grouped 4-bit (Lloyd-Max codebook, uniform or asymmetric) and 6-bit weights on ConvRot-rotated rows, decoded exactly onto the int8 grid the GEMM multiplies, with an encoder that beats kitchen's."""
 
-# Hand-written (no notebook exports this file): the version, and the public names gathered from the
-# exported modules so that `import cquant as cq` reaches them. Importing a layout module registers its
-# formats in `FORMATS`.
-__version__ = "0.1.0"
+# Hand-written (no notebook exports this file; nbdev writes only the docstring above): the version (from `_version`),
+# and each module's `__all__`, so that `import cquant as cq` reaches the public API. Helpers shared between modules are
+# exported with `#| exporti` (in their module, not in its `__all__`); the CLI (`cquant.cli`) is not re-exported.
+# Importing a layout module registers its formats in `FORMATS` (`cquant.formats` imports them all).
+from ._version import __version__
 
 from .tensor import *
 from .numerics import *
@@ -24,9 +25,12 @@ from .mxfp8 import *
 from .int8 import *
 from .w4a4 import *
 from .w4a8 import *
+from .formats import *
+from .comfy import *
 from .checkpoint import *
 from .quality import *
 from .modules import *
+from .models import *
 from .policy import *
 from .convert import *
 from .explore import *

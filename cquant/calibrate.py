@@ -6,8 +6,8 @@ Docs: https://cquant-dev.github.io/cquant/calibrate.html.md"""
 
 # %% auto #0
 __all__ = ['CalibrationWarning', 'input_scale_rule', 'why_dynamic', 'ActivationStats', 'collect_stats', 'collect_amax',
-           'calibrate', 'apply_input_scales', 'smooth_scales', 'smoothing_identity_error', 'search_smoothing',
-           'search_input_scale', 'calibrate_layer', 'Calibration']
+           'collect_inputs', 'calibrate', 'apply_input_scales', 'smooth_scales', 'smoothing_identity_error',
+           'search_smoothing', 'search_input_scale', 'calibrate_layer', 'Calibration', 'quantize_model']
 
 # %% ../nbs/16_calibrate.ipynb #1535a3ca
 import math, warnings
@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from .tensor import get_format, FORMATS, ScaleRule, quantize
-from .modules import QuantLinear, plan_entry
-from .policy import collect_inputs
+from .modules import QuantLinear, is_linear, plan_entry, quant_module, submodule, swap_module
 
 # %% ../nbs/16_calibrate.ipynb #f2a2cafc
 class CalibrationWarning(UserWarning):
@@ -136,6 +135,31 @@ def collect_stats(model:nn.Module, # the float model (or one with QuantLinear mo
 def collect_amax(model:nn.Module, batches, names=None, progress:bool=False) -> dict:
     "Per-layer input amax over `batches` (fp32 0-d tensors): `collect_stats(...)[layer].amax`."
     return {n: s.amax for n, s in collect_stats(model, batches, names, progress).items()}
+
+# %% ../nbs/16_calibrate.ipynb #c98b2a15
+@torch.no_grad()
+def collect_inputs(model:nn.Module, # the float model
+                   batches, # iterable of inputs: a tuple is splatted into model(*batch), else model(batch)
+                   names=None, # Linear names to record (default: every Linear)
+                   max_rows:int=2048, # rows kept per layer (evenly spaced)
+                  ) -> dict: # {name: float32 [rows, K]}
+    "The inputs each Linear of `model` sees over `batches`, flattened to rows."
+    mods = {n: m for n, m in model.named_modules() if n and is_linear(m) and (names is None or n in names)}
+    seen = {n: [] for n in mods}
+    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: seen[n].append(args[0].detach().reshape(-1, args[0].shape[-1]).float()))
+             for n, m in mods.items()]
+    try:
+        for b in batches: model(*b) if isinstance(b, tuple) else model(b)
+    finally:
+        for h in hooks: h.remove()
+    out = {}
+    for n, xs in seen.items():
+        if not xs: continue
+        x = torch.cat(xs)
+        if x.shape[0] > max_rows: x = x[torch.linspace(0, x.shape[0] - 1, max_rows).round().long()]
+        out[n] = x
+    return out
+
 
 # %% ../nbs/16_calibrate.ipynb #0ef85f1f
 def _scale(rule:ScaleRule, stats, method:str='amax', percentile:float=99.99, pow2:bool=False) -> torch.Tensor:
@@ -342,3 +366,31 @@ class Calibration:
         x, st = (self.inputs or {}).get(name), (self.stats or {}).get(name)
         if x is None and st is None: return weight, {}
         return calibrate_layer(fmt, weight, x, st, self.method, self.percentile, self.pow2, self.smoothing, self.search)
+
+# %% ../nbs/16_calibrate.ipynb #62159452
+def quantize_model(model:nn.Module, # a float model, quantized in place
+                   plan, # {module name: format | (format, options) | comfy_quant dict | Decision | None}
+                   stochastic_rounding:int=0, # default seed for every module (0: round to nearest)
+                   calibration=None, # a `Calibration`, batches for `model`, or {layer: inputs}
+                  ) -> nn.Module:
+    "Quantize the modules `plan` names (nn.Linear, nn.Embedding, QuantMoEExperts), swapping in quantized versions."
+    plan = {(k[:-len('.weight')] if k.endswith('.weight') else k): plan_entry(d)[:3] for k, d in dict(plan).items()}
+    if calibration is not None:
+        calibration = Calibration.of(calibration).prepare(model, {k: d[0] for k, d in plan.items() if d[0] is not None})
+    for mod, (fmt, opts, fpmm) in plan.items():
+        if fmt is None: continue
+        m = submodule(model, mod)
+        if m is None: raise KeyError(f"quantize_model: the plan names {mod!r}, which is not a module of {type(model).__name__}")
+        q = quant_module(m, mod)
+        if q is not m: swap_module(model, mod, q)
+        q.key = mod + '.weight'
+        extras = {}
+        if calibration is not None and isinstance(q, QuantLinear):
+            w0 = q.weight.detach()
+            w, extras = calibration.layer(mod, fmt, w0)
+            if w is not w0: q.weight = nn.Parameter(w, requires_grad=False)     # smoothed: W / pre_quant_scale
+        opts.setdefault('stochastic_rounding', stochastic_rounding)
+        q.quantize_(fmt, full_precision_matrix_mult=fpmm, **opts)
+        for k, t in extras.items(): setattr(q, k, t.to(q.weight.device))
+    return model
+

@@ -6,13 +6,15 @@ Docs: https://cquant-dev.github.io/cquant/checkpoint.html.md"""
 
 # %% ../nbs/10_checkpoint.ipynb #4006f88f
 from __future__ import annotations
-import argparse, json, math, os, struct, tempfile, textwrap, warnings
+import json, math, os, struct, tempfile, textwrap, warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 import torch
-from .tensor import (FORMATS, FormatSpec, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
+from .formats import FORMATS
+from .tensor import (FormatSpec, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
                            get_format, load_quantized)
+from .comfy import expert_tensors, file_value, split_bank
 
 # %% auto #0
 __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'LEGACY_QMETA', 'LEGACY_MARKER', 'ATTENTION_KEY',
@@ -20,7 +22,7 @@ __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'LEGACY_QMETA', 'L
            'Checkpoint', 'open_checkpoint', 'AttentionChoice', 'attention_entries', 'encode_attention',
            'decode_attention', 'select_attention', 'attention_available', 'sol_applicable', 'split_key',
            'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'save_file', 'comfy_unread', 'load_file',
-           'inspect_checkpoint', 'size_ratio', 'text_table', 'format_inspect', 'cmd_inspect', 'add_inspect_parser']
+           'inspect_checkpoint', 'size_ratio', 'text_table', 'format_inspect']
 
 # %% ../nbs/10_checkpoint.ipynb #750ad511
 class CheckpointError(QuantFormatError):
@@ -470,8 +472,7 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
         e.spec = spec = get_format(cfg['format'], p)
         e.options = spec.resolve(cfg, p)
     except QuantFormatError as err: raise _in_file(path, err) from None
-    from cquant.modules import _file_value
-    if _file_value(cfg, 'num_experts') is not None: _bank_config(path, e, infos)
+    if file_value(cfg, 'num_experts') is not None: _bank_config(path, e, infos)
     want = ('weight',) + spec.keys
     missing = [s for s in want if s not in infos]
     if missing: raise CheckpointError(path, f"'{p}{missing[0]}': expected {spec.name} tensors {list(want)}, found {p}{missing[0]} missing")
@@ -498,8 +499,7 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
 
 def _bank_config(path, e:ModuleEntry, infos:dict):
     "Check the `num_experts` of an MoE bank's comfy_quant (sets `e.num_experts`); a bank has no input_scale or pre_quant_scale."
-    from cquant.modules import _file_value
-    p, name, E = e.prefix, e.name, _file_value(e.config, 'num_experts')
+    p, name, E = e.prefix, e.name, file_value(e.config, 'num_experts')
     if isinstance(E, bool) or not isinstance(E, int) or E < 1:
         raise CheckpointError(path, f"'{p}comfy_quant[\"num_experts\"]': expected a positive integer (module {name!r}), found {E!r}")
     for s in ('input_scale', 'pre_quant_scale'):
@@ -509,8 +509,7 @@ def _bank_config(path, e:ModuleEntry, infos:dict):
 
 def _scan_bank(ck:Checkpoint, e:ModuleEntry, metas:dict, shape=None) -> ModuleEntry:
     """Validate an MoE expert bank (`num_experts` in its comfy_quant) expert by expert, split as
-    `cquant.modules.split_bank` loads it; `shape` is the bank's (E, N, K) or one expert's (N, K)."""
-    from cquant.modules import expert_tensors, split_bank
+    `cquant.comfy.split_bank` loads it; `shape` is the bank's (E, N, K) or one expert's (N, K)."""
     p, path, name, spec, E = e.prefix, ck.path, e.name, e.spec, e.num_experts
     try:
         if shape is None:
@@ -570,7 +569,7 @@ def _quantized(self:Checkpoint, name:str, shape=None, dtype:torch.dtype=torch.bf
     if not e.quantized: raise CheckpointError(self.path, f"'{e.prefix}comfy_quant': expected a quantized module, found none (module {name!r} is float)")
     if e.num_experts is not None:
         raise CheckpointError(self.path, f"'{e.prefix}weight': expected one quantized weight, found an MoE bank of {e.num_experts} experts "
-                                         f"(module {name!r}: load it with cquant.modules.QuantMoEExperts or split_bank)")
+                                         f"(module {name!r}: load it with cquant.modules.QuantMoEExperts or cquant.comfy.split_bank)")
     sd = {e.prefix + s: self[e.prefix + s] for s in e.spec.weight_keys if s in keys}
     try: return load_quantized(sd, e.prefix, e.shape, dtype, e.config)
     except Exception as err: raise _in_file(self.path, err) from None
@@ -757,18 +756,3 @@ def format_inspect(r:dict) -> str:
     for m, ks in r.get('comfy_unread', {}).items():
         out.append(f"warning: {m} stores {', '.join(ks)}, which ComfyUI's loader never reads: it decodes wrongly in ComfyUI")
     return '\n'.join(out)
-
-# %% ../nbs/10_checkpoint.ipynb #c4b5755a
-def cmd_inspect(args) -> int:
-    "Run `cquant inspect`: print the report of `args.file` (JSON with `--json`)."
-    r = inspect_checkpoint(args.file)
-    print(json.dumps(r, indent=1) if args.json else format_inspect(r))
-    return 0
-
-def add_inspect_parser(subparsers):
-    "Add the `inspect` subcommand to `cquant`'s subparsers."
-    p = subparsers.add_parser('inspect', help='per-module formats, shapes and sizes of a checkpoint (lazy: any file size)')
-    p.add_argument('file', help='a .safetensors checkpoint (modern or legacy)')
-    p.add_argument('--json', action='store_true', help='machine-readable output')
-    p.set_defaults(func=cmd_inspect)
-    return p

@@ -8,22 +8,22 @@ Docs: https://cquant-dev.github.io/cquant/quantize_checkpoint.html.md"""
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #02a0f22e
 from __future__ import annotations
-import argparse, ctypes, io, json, math, os, sys, tempfile, time, warnings
+import ctypes, json, math, os, sys, tempfile, time, warnings
 from dataclasses import dataclass, field
 import torch
 from .tensor import FORMATS, QuantizedTensor, check_finite, encode_json, format_color, get_format, quantize, same_bits
 from .checkpoint import (Checkpoint, CheckpointError, TensorInfo, open_checkpoint, save_file, split_key, scale_keys,
-                               size_ratio, text_table, _fmt_bytes)
-from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, Plan, MODES, SELECTIONS, layer_source, dit_state_dict
+                               size_ratio, text_table, _fmt_bytes, read_header)
+from ._version import __version__
+from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, Plan, layer_source
+from .models import dit_state_dict
 from .calibrate import Calibration
 from .minilm import minilm_path, fetch_minilm
 
 # %% auto #0
 __all__ = ['BLOCK_MIN', 'BLOCK_MAX', 'StreamingWriter', 'block_elems', 'row_blocks', 'quantize_rows', 'Report', 'layer_ticks',
-           'plot_report', 'check_writable', 'check_outputs', 'trim_heap', 'quantize_checkpoint', 'stored_quantized',
-           'report_error', 'convert_checkpoint', 'cmd_convert', 'add_convert_parser', 'preset_name', 'policy_from_args',
-           'cmd_quantize', 'add_quantize_parser', 'plan_table', 'cmd_plan', 'add_plan_parser', 'cmd_report',
-           'add_report_parser', 'demo', 'cmd_demo', 'add_demo_parser']
+           'plot_report', 'quantize_checkpoint', 'report_error', 'convert_checkpoint', 'preset_name', 'plan_table',
+           'demo']
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #483822d9
 class _RowStream:
@@ -79,6 +79,11 @@ class StreamingWriter:
 
     @property
     def nbytes(self) -> int: return self._pos
+
+    def entry(self, name:str) -> TensorInfo:
+        "The `TensorInfo` (dtype, shape, bytes, offsets) of tensor `name`, written by `add` or a closed `stream`."
+        try: return self._entries[name]
+        except KeyError: raise CheckpointError(self.path, f"'{name}': expected a tensor written so far, found none") from None
 
     def commit(self) -> str:
         "Write the final file atomically (header, tensors from the spool, validation, rename) and remove the spool."
@@ -157,15 +162,15 @@ def _write_quantized(writer:StreamingWriter, w:torch.Tensor, key:str, prefix:str
             sig, noise, mx = sig + s, noise + n, max(mx, m)
         del qt, tensors
     stream.close()
-    nbytes = writer._entries[prefix + 'weight'].nbytes
+    nbytes = writer.entry(prefix + 'weight').nbytes
     for k, parts in bufs.items():
         rule = how.get(k, 0)
         if rule == 'shared':
             if not all(same_bits(p, parts[0]) for p in parts): raise RuntimeError(f"{key}: row blocks disagree on the shared {k!r}")
             t = parts[0]
         else: t = parts[0] if len(parts) == 1 else torch.cat(parts, rule)
-        writer.add(prefix + k, t); nbytes += writer._entries[prefix + k].nbytes
-    writer.add(prefix + 'comfy_quant', encode_json(config)); nbytes += writer._entries[prefix + 'comfy_quant'].nbytes
+        writer.add(prefix + k, t); nbytes += writer.entry(prefix + k).nbytes
+    writer.add(prefix + 'comfy_quant', encode_json(config)); nbytes += writer.entry(prefix + 'comfy_quant').nbytes
     return dict(config=config, bytes=nbytes, sig=sig, noise=noise, max_abs=mx)
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #2f7be87f
@@ -313,12 +318,7 @@ def plot_report(report:Report, # from `quantize_checkpoint` or `report_error`
     fig.tight_layout()
     return fig
 
-# %% ../nbs/13_quantize_checkpoint.ipynb #f517ff09
-def _same_file(a:str, b:str) -> bool:
-    if os.path.realpath(a) == os.path.realpath(b): return True
-    try: return os.path.samefile(a, b)
-    except OSError: return False
-
+# %% ../nbs/13_quantize_checkpoint.ipynb #2ae18ac9
 def check_writable(path, # an output file
                    what:str='destination', # its name in the message
                    job:str='quantize_checkpoint', # the caller, in the message ('' for none)
@@ -333,6 +333,7 @@ def check_writable(path, # an output file
     os.close(fd); os.unlink(probe)
     return path
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #49665882
 def check_outputs(job:str, # the caller, in messages
                   inputs:dict, # {name: path} read by the job
                   outputs:dict, # {name: path or None} written by the job
@@ -349,8 +350,13 @@ def check_outputs(job:str, # the caller, in messages
         check_writable(path, name, job)
         seen[name] = path
 
-# %% ../nbs/13_quantize_checkpoint.ipynb #058d0939
-_LIBC = None
+# %% ../nbs/13_quantize_checkpoint.ipynb #f517ff09
+def _same_file(a:str, b:str) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b): return True
+    try: return os.path.samefile(a, b)
+    except OSError: return False
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #6bb171f1
 def trim_heap():
     "Hand freed heap memory back to the OS (glibc `malloc_trim`; a no-op elsewhere), so RSS tracks the live tensors."
     global _LIBC
@@ -359,6 +365,8 @@ def trim_heap():
         except (OSError, AttributeError): _LIBC = False
     if _LIBC: _LIBC.malloc_trim(0)
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #058d0939
+_LIBC = None
 def _as_policy(policy) -> Policy:
     if policy is None: return Policy()
     if isinstance(policy, Policy): return policy
@@ -394,7 +402,6 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
         layers, groups = layer_source(ck), ck.groups()
         if not requantize: _refuse_requantize(src, plan, layers)
         meta = {**ck.metadata, **(metadata or {}), 'cquant_policy': policy.to_json()}
-        from cquant import __version__
         meta['cquant_version'] = __version__
         drop = {m: _module_drop(groups[m]) for m, d in plan.items() if d.format and m in groups}
         total = sum(ck.info(k).nbytes for k in ck)
@@ -411,7 +418,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                     if cal is not None: wt, extras = cal.layer(m, d.format, wt)
                     out = _write_quantized(w, wt, key, prefix, d.format, d.options, measure)
                     for k, t in extras.items():
-                        w.add(prefix + k, t); out['bytes'] += w._entries[prefix + k].nbytes
+                        w.add(prefix + k, t); out['bytes'] += w.entry(prefix + k).nbytes
                     del wt
                     trim_heap()
                     old = info.nbytes + sum(ck.info(groups[m][x]).nbytes for x in drop[m])
@@ -441,12 +448,13 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
     if report is not None: rep.save(report)
     return rep
 
-# %% ../nbs/13_quantize_checkpoint.ipynb #fe3f4c6c
+# %% ../nbs/13_quantize_checkpoint.ipynb #59ca87ea
 def stored_quantized(plan:Plan, layers) -> dict:
     "`{layer: stored format}` of the layers `plan` would quantize that `layers` (a `LayerSource`) stores quantized."
     return {m: layers.infos[m].source_format for m, d in plan.items()
             if d.format and m in layers.infos and layers.infos[m].source_format}
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #fe3f4c6c
 def _refuse_requantize(src:str, plan:Plan, layers):
     stored = stored_quantized(plan, layers)
     if not stored: return
@@ -460,7 +468,6 @@ def _refuse_requantize(src:str, plan:Plan, layers):
 # %% ../nbs/13_quantize_checkpoint.ipynb #e8ccb581
 def _label(config:dict) -> str:
     "The policy label (INT8, INT8 ConvRot, W4A4, ...) of a stored comfy_quant config, else its format name."
-    from cquant.policy import CHOICES
     for c in CHOICES.values():
         try:
             if c.format == config.get('format') and c.config() == {k: v for k, v in config.items() if k != 'params'}: return c.label
@@ -524,7 +531,6 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
                       ) -> dict: # legacy kind, quantized modules per format, keys removed / added
     "Rewrite `src` with per-module `comfy_quant` entries (legacy headers and markers converted), streaming."
     from collections import Counter
-    from cquant.checkpoint import read_header
     src, dst = os.fspath(src), os.fspath(dst)
     check_outputs('convert_checkpoint', {'source': src}, {'destination': dst})
     raw = set(read_header(src)[0])
@@ -535,24 +541,6 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
         keys, legacy = set(ck), ck.legacy
     return dict(src=src, dst=dst, legacy=legacy, formats=dict(Counter(e.format for e in mods.values() if e.quantized)),
                 removed=sorted(raw - keys), added=sorted(keys - raw))
-
-def cmd_convert(args) -> int:
-    "Run `cquant convert`."
-    r = convert_checkpoint(args.src, args.dst)
-    if args.json: print(json.dumps(r, indent=1)); return 0
-    print(f"{r['src']}: {'legacy ' + repr(r['legacy']) if r['legacy'] else 'no legacy markings (validated copy)'}; "
-          f"quantized modules {r['formats'] or 'none'}; {len(r['removed'])} key(s) removed, {len(r['added'])} added")
-    print(f"wrote {r['dst']}")
-    return 0
-
-def add_convert_parser(subparsers):
-    "Add `cquant convert SRC DST` (legacy scaled_fp8 / _quantization_metadata -> comfy_quant)."
-    p = subparsers.add_parser('convert', help='rewrite a legacy checkpoint (scaled_fp8, _quantization_metadata) with comfy_quant entries')
-    p.add_argument('src', help='a legacy .safetensors checkpoint')
-    p.add_argument('dst', help='output .safetensors (replaced only on success; never the source)')
-    p.add_argument('--json', action='store_true', help='machine-readable summary')
-    p.set_defaults(func=cmd_convert)
-    return p
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #48a1c2a9
 def _norm(name:str) -> str: return ''.join(ch for ch in name.lower() if ch not in ' -_.')
@@ -565,71 +553,11 @@ def preset_name(name:str) -> str:
         raise ValueError(f"unknown preset {name!r}: expected 'auto' or one of {', '.join(sorted(PRESETS))}, auto-conservative")
     return known[_norm(name)]
 
-# %% ../nbs/13_quantize_checkpoint.ipynb #c3593612
-def _preset_arg(s:str) -> str:
-    try: return preset_name(s)
-    except ValueError as e: raise argparse.ArgumentTypeError(str(e)) from None
-
-def _add_policy_args(p):
-    g = p.add_argument_group('policy')
-    g.add_argument('--mode', default='int4_mixed', choices=list(MODES), help='quantization mode (default: int4_mixed)')
-    g.add_argument('--preset', default='auto', type=_preset_arg, metavar='NAME',
-                   help=f"architecture preset: auto (detect, the default), none, or one of {', '.join(k for k in PRESETS if k != 'none')} "
-                        "(case, spaces, -, _ and . ignored: hidream_o1 works); `cquant presets` shows them")
-    g.add_argument('--ratio', type=float, default=0.2, help='int4_mixed_ratio: share of W4-compatible layers kept in INT8 (default: 0.2)')
-    g.add_argument('--keep-float', action='append', default=[], metavar='PATTERN', help='keep layers whose name contains PATTERN float (repeatable)')
-    g.add_argument('--int4-sensitive', action='append', default=[], metavar='PATTERN', help='layers the INT8 budget takes first (repeatable)')
-    g.add_argument('--selection', choices=SELECTIONS, default='structural', help='INT8 budget order: structural (Toolkit) or measured')
-    g.add_argument('--policy', metavar='JSON', help='a policy JSON file (as recorded in a quantized file); replaces the options above')
-
-def _add_output_args(p, json_help:str='print the result as JSON on stdout (nothing else there)'):
-    p.add_argument('--json', action='store_true', help=json_help)
-    p.add_argument('--wide', action='store_true', help='reasons on one line (default: wrapped at words)')
-
-def policy_from_args(args) -> Policy:
-    "The `Policy` of parsed CLI arguments (`--policy FILE` wins over the individual options)."
-    if getattr(args, 'policy', None):
-        text = open(args.policy).read() if os.path.exists(args.policy) else args.policy
-        return Policy.from_json(text)
-    return Policy(args.mode, args.preset, args.ratio, tuple(args.keep_float), tuple(args.int4_sensitive), args.selection)
-
-def _save_plot(rep:Report, path:str):
+# %% ../nbs/13_quantize_checkpoint.ipynb #6227a35e
+def save_plot(rep:Report, path:str):
+    "Save `rep.plot()` as an image at `path` (100 dpi)."
     import matplotlib.pyplot as plt
     fig = rep.plot(); fig.savefig(path, dpi=100); plt.close(fig)
-
-# %% ../nbs/13_quantize_checkpoint.ipynb #f4fffa2a
-def cmd_quantize(args) -> int:
-    "Run `cquant quantize`."
-    check_outputs('', {'SRC': args.src}, {'DST': args.dst, '--report': args.report, '--plot': args.plot})
-    cal = None
-    if args.calibration:
-        from cquant.checkpoint import load_file
-        cal = Calibration(load_file(args.calibration), smoothing=not args.no_smoothing)
-    rep = quantize_checkpoint(args.src, args.dst, policy_from_args(args), progress=not args.quiet, report=args.report,
-                              measure=not args.no_sqnr, calibration=cal, requantize=args.requantize)
-    if args.plot: _save_plot(rep, args.plot)
-    if args.json: print(json.dumps(rep.to_dict(), indent=1)); return 0
-    print(rep.table(wide=args.wide))
-    print(f"wrote {args.dst}" + (f", report {args.report}" if args.report else '') + (f", plot {args.plot}" if args.plot else ''))
-    return 0
-
-def add_quantize_parser(subparsers):
-    "Add `cquant quantize SRC DST ...`."
-    p = subparsers.add_parser('quantize', help='quantize a float safetensors checkpoint (streaming, atomic, with a per-layer report)')
-    p.add_argument('src', help='float (or fp8) .safetensors checkpoint')
-    p.add_argument('dst', help='output .safetensors (replaced only on success; never the source)')
-    _add_policy_args(p)
-    p.add_argument('--requantize', action='store_true', help='allow quantizing layers SRC already stores quantized (their error adds up)')
-    p.add_argument('--report', metavar='FILE', help='also save the per-layer report as JSON')
-    p.add_argument('--plot', metavar='PNG', help='also save the per-layer SQNR plot')
-    p.add_argument('--no-sqnr', action='store_true', help='skip the per-layer SQNR (about 3x faster on CPU: no dequantize)')
-    p.add_argument('--calibration', metavar='SAFETENSORS', help='layer inputs {layer name: [rows, K]} (as collect_inputs returns, '
-                   'saved with cq.save_file): measured selection, and input_scale / pre_quant_scale for FP8 and NVFP4 layers')
-    p.add_argument('--no-smoothing', action='store_true', help='with --calibration: no NVFP4 pre_quant_scale search')
-    p.add_argument('--quiet', action='store_true', help='no progress bar')
-    _add_output_args(p, 'print the report as JSON on stdout instead of the table')
-    p.set_defaults(func=cmd_quantize)
-    return p
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #96d094cb
 def plan_table(plan:Plan, # from `Policy.plan`
@@ -647,45 +575,6 @@ def plan_table(plan:Plan, # from `Policy.plan`
     if stored: out.append(f"{len(stored)} layer(s) stored quantized in the source" + (f"; {len(again)} would be quantized again "
                           "(cquant quantize refuses that without --requantize)" if again else ''))
     return '\n'.join(out)
-
-def cmd_plan(args) -> int:
-    "Run `cquant plan`."
-    with open_checkpoint(args.src) as ck:
-        layers = layer_source(ck)
-        plan = policy_from_args(args).plan(layers)
-        stored = {m: i.source_format for m, i in layers.infos.items() if i.source_format}
-    print(json.dumps({**plan.to_dict(), 'stored_quantized': stored}, indent=1) if args.json else plan_table(plan, stored, wide=args.wide))
-    return 0
-
-def add_plan_parser(subparsers):
-    "Add `cquant plan SRC ...` (dry run: what each layer would get, and why)."
-    p = subparsers.add_parser('plan', help='dry run: the format each layer would get, and why (reads only the header)')
-    p.add_argument('src', help='a .safetensors checkpoint')
-    _add_policy_args(p)
-    _add_output_args(p)
-    p.set_defaults(func=cmd_plan)
-    return p
-
-# %% ../nbs/13_quantize_checkpoint.ipynb #dda76bc7
-def cmd_report(args) -> int:
-    "Run `cquant report`."
-    check_outputs('', {'SRC': args.src, 'DST': args.dst}, {'--report': args.report, '--plot': args.plot})
-    rep = report_error(args.src, args.dst)
-    if args.report: rep.save(args.report)
-    if args.plot: _save_plot(rep, args.plot)
-    print(json.dumps(rep.to_dict(), indent=1) if args.json else rep.table(wide=args.wide))
-    return 0
-
-def add_report_parser(subparsers):
-    "Add `cquant report SRC DST` (error of a quantized file against its float original)."
-    p = subparsers.add_parser('report', help='per-layer error of a quantized file against its float original')
-    p.add_argument('src', help='the float original')
-    p.add_argument('dst', help='the quantized file')
-    p.add_argument('--report', metavar='FILE', help='also save the report as JSON')
-    p.add_argument('--plot', metavar='PNG', help='also save the per-layer SQNR plot')
-    _add_output_args(p, 'print the report as JSON on stdout instead of the table')
-    p.set_defaults(func=cmd_report)
-    return p
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #ad56a3c5
 def _demo_minilm(file) -> str|None:
@@ -708,7 +597,7 @@ def demo(out='cquant-demo', # output folder
     name = 'minilm'
     if src is None:
         name, src = 'dit', os.path.join(out, 'dit_bf16.safetensors')
-        save_file(dit_state_dict(0, torch.bfloat16), src, {'source': 'cquant.policy.dit_state_dict(seed=0), bf16'})
+        save_file(dit_state_dict(0, torch.bfloat16), src, {'source': 'cquant.models.dit_state_dict(seed=0), bf16'})
     dst = os.path.join(out, f'{name}_int4_mixed.safetensors')
     policy = Policy()
     print(f"# cquant demo: {name} ({src})\n# policy: {policy.to_json()}\n", file=file)
@@ -722,22 +611,6 @@ def demo(out='cquant-demo', # output folder
     print(rep.table(), '\n', file=file)
     print('# error of the written file against the original (cquant report)\n' + err.totals_text(), file=file)
     paths = dict(src=src, dst=dst, report=rep.save(os.path.join(out, 'report.json')), plot=os.path.join(out, 'report.png'))
-    _save_plot(rep, paths['plot'])
+    save_plot(rep, paths['plot'])
     print(f"\nwrote {dst} ({_fmt_bytes(os.path.getsize(dst))} from {_fmt_bytes(os.path.getsize(src))}), {paths['report']}, {paths['plot']}", file=file)
     return paths
-
-def cmd_demo(args) -> int:
-    "Run `cquant demo`."
-    paths = demo(args.out, args.source, progress=not args.quiet, file=sys.stderr if args.json else None)
-    if args.json: print(json.dumps({**paths, 'totals': json.load(open(paths['report']))['totals']}, indent=1))
-    return 0
-
-def add_demo_parser(subparsers):
-    "Add `cquant demo [--out DIR]`."
-    p = subparsers.add_parser('demo', help='the main job on an embedded model (MiniLM weights if installed, else a DiT-shaped model)')
-    p.add_argument('--out', default='cquant-demo', help='output folder (default: ./cquant-demo)')
-    p.add_argument('--source', choices=('auto', 'minilm', 'dit'), default='auto', help='which model (default: MiniLM, fetched once if needed, else DiT)')
-    p.add_argument('--quiet', action='store_true', help='no progress bar')
-    p.add_argument('--json', action='store_true', help='the paths written and the report totals as JSON on stdout (the rest on stderr)')
-    p.set_defaults(func=cmd_demo)
-    return p

@@ -11,11 +11,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
-import cquant   # registers the formats
-from .tensor import FORMATS, FormatSpec, QuantizedTensor, get_format, quantize, same_bits
+from .formats import FORMATS
+from .tensor import FormatSpec, QuantizedTensor, get_format, quantize, same_bits
 from .numerics import rotate
 from .convert import layer_ticks
 from .modules import plan_entry
+from .checkpoint import Checkpoint, open_checkpoint
+from .policy import Policy
 
 # %% auto #0
 __all__ = ['fit_options', 'accepts', 'option_domain', 'normalize_options', 'error_numbers', 'sample_rows', 'storage_bytes',
@@ -666,7 +668,6 @@ def plot_convrot(w, # 2-D float weight
 
 # %% ../nbs/14_explore.ipynb #9a6a133d
 def _checkpoint(source):
-    from cquant.checkpoint import Checkpoint, open_checkpoint
     if isinstance(source, Checkpoint): return source
     if isinstance(source, (str, os.PathLike)): return open_checkpoint(source)
     if isinstance(source, Mapping): return Checkpoint.from_state_dict(source)
@@ -778,7 +779,6 @@ def _tensor_layers(source) -> dict:
 def default_layer(layers:dict, # {layer: LayerRef}, as `weight_layers` gives
                  ) -> str: # a layer name
     "The first layer a conservative policy would quantize (embeddings, norms and heads stay float: `cquant.policy`), else the first."
-    from cquant.policy import Policy
     plan = Policy(mode='int8', preset='auto-conservative').plan({n: r.shape for n, r in layers.items()})
     return next((n for n in layers if plan[n].format is not None), next(iter(layers)))
 

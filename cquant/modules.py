@@ -10,46 +10,17 @@ import math, warnings, zlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .tensor import (FORMATS, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
-                           format_error, get_format, load_quantized, module_prefix, quantize)
+from .formats import FORMATS
+from .tensor import (QuantFormatError, QuantizedTensor, decode_json, encode_json, format_error, get_format,
+                           load_quantized, quantize)
+from .comfy import (FPMM, comfy_config, dequantize_rows, file_value, flagged_formats,
+                          nested_params, read_comfy_quant, row_dim, split_bank)
 
 # %% auto #0
-__all__ = ['FPMM', 'MOE_DIT', 'read_comfy_quant', 'comfy_config', 'comfy_disabled_formats', 'select_rows', 'dequantize_rows',
-           'QuantModule', 'QuantLinear', 'QuantEmbedding', 'split_bank', 'expert_tensors', 'QuantMoEExperts',
-           'quantized_names', 'quant_module', 'set_quant_compute', 'LoadKeysError', 'LoadKeysWarning', 'key_report',
-           'load_quantized_model', 'plan_entry', 'quantize_model', 'uniform_plan', 'string_to_seed',
-           'requantize_options', 'lora_delta', 'apply_lora', 'unpatch', 'bank_from_linears', 'BankMoE', 'moe_dit_model']
-
-# %% ../nbs/11_modules.ipynb #fcf8f0f6
-FPMM = 'full_precision_matrix_mult'
-
-def read_comfy_quant(sd:dict, # a state dict (or any mapping of tensors)
-                     prefix:str='', # the module prefix, e.g. 'blocks.0.attn.qkv.' (the trailing dot may be left out)
-                    ) -> dict: # the decoded JSON object (it has a 'format')
-    "The decoded `<prefix>comfy_quant` of `sd`: a JSON object with a `format` (errors name the key)."
-    prefix = module_prefix(prefix)
-    key = prefix + 'comfy_quant'
-    return check_comfy_quant(decode_json(sd[key], key), prefix)
-
-def _nested(cfg:dict) -> dict: return cfg['params'] if isinstance(cfg.get('params'), dict) else {}
-
-def _file_value(cfg:dict, name:str, top_level_only:bool=False):
-    "An option as a loader reads it: top level, else the nested `params` object (not for embeddings), else None."
-    return cfg[name] if name in cfg else (None if top_level_only else _nested(cfg).get(name))
-
-def comfy_config(qt:QuantizedTensor, # the quantized weight
-                 explicit:tuple=(), # stored options the source file spelled out (kept even at their default)
-                 full_precision:bool=False, # write `full_precision_matrix_mult: true`
-                 num_experts:int|None=None, # MoE banks: the expert count
-                ) -> dict: # the `comfy_quant` dict, keys in ComfyUI's order
-    "The `comfy_quant` a module writes for `qt`: format, the full-precision flag, the stored options, `num_experts`."
-    spec, opts = get_format(qt.format), qt.options
-    cfg = {'format': spec.name}
-    if full_precision: cfg[FPMM] = True
-    for o in spec.options:
-        if o.writes(opts) or (o.stored and o.name in explicit): cfg[o.name] = opts[o.name]
-    if num_experts is not None: cfg['num_experts'] = int(num_experts)
-    return cfg
+__all__ = ['comfy_disabled_formats', 'QuantModule', 'QuantLinear', 'QuantEmbedding', 'QuantMoEExperts', 'quantized_names',
+           'quant_module', 'set_quant_compute', 'LoadKeysError', 'LoadKeysWarning', 'key_report',
+           'load_quantized_model', 'plan_entry', 'uniform_plan', 'string_to_seed', 'requantize_options', 'lora_delta',
+           'apply_lora', 'unpatch']
 
 # %% ../nbs/11_modules.ipynb #b2dfec52
 def comfy_disabled_formats(device=None, # a torch device (default: CPU)
@@ -57,49 +28,6 @@ def comfy_disabled_formats(device=None, # a torch device (default: CPU)
     "The formats ComfyUI computes dequantized on `device` because it has no native kernel there (each format's `native_compute`)."
     dev = torch.device(device) if device is not None else torch.device('cpu')
     return frozenset(n for n, s in FORMATS.items() if not s.native_on(dev))
-
-# %% ../nbs/11_modules.ipynb #6078f674
-_SHARED_KEYS = ('weight_codebook',)                                   # never per row, whatever their length
-_ROW_DIM = {'weight_correction': 1}                                   # stored transposed: [K/G, N]
-
-def _row_dim(k:str) -> int: return _ROW_DIM.get(k, 0)
-
-def _is_per_row(k:str, t:torch.Tensor, n:int) -> bool:
-    "Whether file tensor `k` has one entry per storage row (of `n`)."
-    d = _row_dim(k)
-    return k == 'weight' or (k not in _SHARED_KEYS and t.dim() > d and t.shape[d] == n)
-
-def _flagged(fact:str) -> list:
-    "The registered formats whose `FormatSpec` sets `fact` (for messages)."
-    return [n for n, s in FORMATS.items() if getattr(s, fact)]
-
-def select_rows(tensors:dict, # file tensors of one module: {'weight': ..., 'weight_scale': ...}
-                rows, # an index tensor or a slice over storage rows
-                n_rows:int|None=None, # storage rows (default: tensors['weight'].shape[0])
-               ) -> dict: # the same keys: per-row tensors indexed, shared ones unchanged
-    "The file tensors of storage `rows`: `weight` and every tensor with one entry per row, indexed; shared tensors kept."
-    n = tensors['weight'].shape[0] if n_rows is None else n_rows
-    pick = lambda k, t: (t[rows] if _row_dim(k) == 0 else t[:, rows]) if _is_per_row(k, t, n) else t
-    return {k: pick(k, t) for k, t in tensors.items()}
-
-def dequantize_rows(qt:QuantizedTensor, # a 2-D [V, D] table in a row-separable format
-                    idx:torch.Tensor, # integer indices, any shape
-                    dtype:torch.dtype|None=None, # output dtype (default: qt's logical dtype)
-                   ) -> torch.Tensor: # [*idx.shape, D], bit-identical to qt.dequantize(dtype)[idx]
-    "Dequantize only the rows `idx` of `qt`, each distinct row once."
-    dtype = dtype or qt.dtype
-    if hasattr(qt.layout, 'dequantize_rows'): return qt.layout.dequantize_rows(qt.qdata, qt.params, idx, dtype)
-    if not qt._spec.row_gather or qt.dim() != 2 or qt._transposed:
-        raise format_error('', 'weight', f'a 2-D weight in a row-separable format {_flagged("row_gather")}', f'{qt.format} of shape {tuple(qt.shape)}')
-    if idx.is_floating_point() or idx.is_complex(): raise TypeError(f"dequantize_rows: indices must be integers, got {idx.dtype}")
-    V, D = qt.shape
-    flat = idx.reshape(-1).to(device=qt.qdata.device, dtype=torch.long)
-    if flat.numel() == 0: return torch.empty(*idx.shape, D, dtype=dtype, device=qt.qdata.device)
-    lo, hi = torch.aminmax(flat)
-    if int(lo) < 0 or int(hi) >= V: raise IndexError(f"dequantize_rows: index out of range for a table of {V} rows (got {int(lo)}..{int(hi)})")
-    uniq, inv = torch.unique(flat, return_inverse=True)
-    sub = load_quantized(select_rows(qt.layout.tensors(qt.qdata, qt.params), uniq, V), '', (len(uniq), D), dtype, qt.config)
-    return sub.dequantize()[inv].reshape(*idx.shape, D)
 
 # %% ../nbs/11_modules.ipynb #bae16160
 def _qparam(qt:QuantizedTensor) -> nn.Parameter: return nn.Parameter(qt, requires_grad=False)
@@ -114,7 +42,7 @@ class QuantModule(nn.Module):
     def _check_format(self, spec, prefix:str, key:str):
         "Raise unless this module accepts format `spec` (its `_fact` flag)."
         if self._fact is None or getattr(spec, self._fact): return
-        raise format_error(prefix, key, f'one of {_flagged(self._fact)} for {type(self).__name__}', repr(spec.name))
+        raise format_error(prefix, key, f'one of {flagged_formats(self._fact)} for {type(self).__name__}', repr(spec.name))
 
     def _init_quant(self):
         self.full_precision_mm = False          # user switch: always dequantize and compute in float
@@ -210,8 +138,8 @@ class QuantModule(nn.Module):
             extras = self._load_extras(state_dict, prefix, spec, shape[-1])
             consumed |= {prefix + k for k in extras}
             self.weight = _qparam(qt)
-            self._fpmm_config = bool(_file_value(cfg, FPMM, self._top_level_only))
-            self._explicit = tuple(o.name for o in spec.options if o.stored and _file_value(cfg, o.name, self._top_level_only) is not None)
+            self._fpmm_config = bool(file_value(cfg, FPMM, self._top_level_only))
+            self._explicit = tuple(o.name for o in spec.options if o.stored and file_value(cfg, o.name, self._top_level_only) is not None)
             for k in self._extra_keys: setattr(self, k, extras.get(k))
         load({k: v for k, v in state_dict.items() if k not in consumed}, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         if loaded and wkey in missing_keys: missing_keys.remove(wkey)
@@ -318,54 +246,6 @@ class QuantEmbedding(QuantModule):
         pad = f', padding_idx={self.padding_idx}' if self.padding_idx is not None else ''
         return f'{self.num_embeddings}, {self.embedding_dim}{pad}, format={self.format}'
 
-# %% ../nbs/11_modules.ipynb #bc4cdadc
-_FLATTEN_KEYS = ('weight', 'weight_scale', 'weight_s_rel', 'weight_s_channel')
-
-def _is_flat(spec, config:dict, tensors:dict) -> bool:
-    "ComfyUI's rule (the format's `flat_banks`): grouped formats and per-row INT8 keep the bank as rows; a 2-D weight already is."
-    return tensors['weight'].dim() == 2 or spec.bank_is_flat(config, tensors)
-
-def split_bank(tensors:dict, # the bank's file tensors, keys relative to the module ('weight', 'weight_scale', ...)
-               config:dict, # its comfy_quant
-               num_experts:int, # E
-               shape:tuple, # one expert's logical (N, K)
-               dtype:torch.dtype=torch.bfloat16, # logical dtype
-               prefix:str='', # module prefix for error messages
-              ) -> tuple: # ([E QuantizedTensors], stored flat?, names of shared tensors)
-    "One `QuantizedTensor` per expert (views of the bank's storage), each checked by its format like a Linear weight."
-    take, flat, shared = expert_tensors(tensors, config, num_experts, prefix)
-    experts = []
-    for i in range(num_experts):
-        try: experts.append(load_quantized({prefix + k: v for k, v in take(i).items()}, prefix, shape, dtype, config))
-        except QuantFormatError as e: raise QuantFormatError(f"{e} (expert {i} of {num_experts})") from None
-    return experts, flat, shared
-
-def expert_tensors(tensors:dict, # the bank's file tensors, keys relative to the module ('weight', 'weight_scale', ...)
-                   config:dict, # its comfy_quant
-                   num_experts:int, # E
-                   prefix:str='', # module prefix for error messages
-                  ) -> tuple: # (take: i -> expert i's file tensors, stored flat?, names of shared tensors)
-    "How a bank splits into experts: checks E against the leading dim (or the E*rows of a flat bank); `take(i)` gives expert i's tensors."
-    spec, E = get_format(config['format'], prefix), num_experts
-    w = tensors['weight']
-    flat = _is_flat(spec, config, tensors)
-    if flat:
-        if w.dim() == 3:
-            if w.shape[0] != E: raise format_error(prefix, 'weight', f'a bank of {E} experts, [{E}, ...] or [{E}*rows, ...]', f'shape {tuple(w.shape)}')
-            tensors = {k: t.reshape(E * t.shape[1], *t.shape[2:]) if k in _FLATTEN_KEYS and t.dim() > 1 and t.shape[0] == E
-                          else t.transpose(0, 1).reshape(t.shape[1], E * t.shape[2]) if _row_dim(k) == 1 and t.dim() == 3 and t.shape[0] == E
-                          else t for k, t in tensors.items()}
-            w = tensors['weight']
-        if w.dim() != 2 or w.shape[0] % E: raise format_error(prefix, 'weight', f'a flattened bank of {E} experts, [{E}*rows, cols]', f'shape {tuple(w.shape)}')
-        R, r = w.shape[0], w.shape[0] // E
-        per = {k: _is_per_row(k, t, R) for k, t in tensors.items()}
-        take = lambda i: select_rows(tensors, slice(i * r, (i + 1) * r), R)
-    else:
-        if w.dim() < 2 or w.shape[0] != E: raise format_error(prefix, 'weight', f'a bank with leading expert dim {E}', f'shape {tuple(w.shape)}')
-        per = {k: k == 'weight' or (k not in _SHARED_KEYS and t.dim() >= 1 and t.shape[0] == E) for k, t in tensors.items()}
-        take = lambda i: {k: t[i] if per[k] else t for k, t in tensors.items()}
-    return take, flat, {k for k, p in per.items() if not p}
-
 # %% ../nbs/11_modules.ipynb #1916f844
 class QuantMoEExperts(QuantModule):
     "A bank of E expert linears `[E, N, K]` (ComfyUI's `MoEExperts`), float or quantized per expert."
@@ -438,7 +318,7 @@ class QuantMoEExperts(QuantModule):
             if prefix + k in state_dict:
                 raise format_error(prefix, k, 'no input_scale or pre_quant_scale on an MoE expert bank (its activations are '
                                    'quantized per expert, dynamically)', f'{prefix + k} of shape {tuple(state_dict[prefix + k].shape)}')
-        n = _file_value(cfg, 'num_experts')
+        n = file_value(cfg, 'num_experts')
         if n is not None and n != E: raise format_error(prefix, 'comfy_quant["num_experts"]', f'{E} (the module has {E} experts)', repr(n))
         consumed = {ckey} | {prefix + k for k in spec.weight_keys if prefix + k in state_dict}
         loaded = wkey in state_dict
@@ -450,8 +330,8 @@ class QuantMoEExperts(QuantModule):
             experts, flat, shared = split_bank(tensors, cfg, E, (N, K), dtype, prefix)
             if device is not None: experts = [q if q.device == device else q.to(device) for q in experts]
             self.weight, self.experts, self._flat, self._shared = None, experts, flat, shared
-            self._fpmm_config = bool(_file_value(cfg, FPMM))
-            self._explicit = tuple(o.name for o in spec.options if o.stored and _file_value(cfg, o.name) is not None)
+            self._fpmm_config = bool(file_value(cfg, FPMM))
+            self._explicit = tuple(o.name for o in spec.options if o.stored and file_value(cfg, o.name) is not None)
         load({k: v for k, v in state_dict.items() if k not in consumed}, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         if loaded and wkey in missing_keys: missing_keys.remove(wkey)
 
@@ -461,7 +341,7 @@ class QuantMoEExperts(QuantModule):
         per = [q.state_dict('') for q in self.experts]
         for k in per[0]:
             ts = [p[k] for p in per]
-            destination[prefix + k] = ts[0] if k in self._shared else torch.cat(ts, _row_dim(k)) if self._flat else torch.stack(ts)
+            destination[prefix + k] = ts[0] if k in self._shared else torch.cat(ts, row_dim(k)) if self._flat else torch.stack(ts)
         destination[prefix + 'comfy_quant'] = encode_json(self.quant_config)
 
     def quantize_(self, fmt, *, stochastic_rounding:int=0, full_precision_matrix_mult:bool=False,
@@ -473,7 +353,7 @@ class QuantMoEExperts(QuantModule):
         E, N, K = W.shape
         flat = spec.bank_is_flat(options)
         if shared_scale and (not spec.row_gather or flat):
-            raise format_error('', f'{name} option shared_scale', f'a tensor-wise format of {_flagged("row_gather")}', f'{spec.name} {options}')
+            raise format_error('', f'{name} option shared_scale', f'a tensor-wise format of {flagged_formats("row_gather")}', f'{spec.name} {options}')
         if flat or shared_scale:     # rows quantize independently: the bank as one [E*N, K] tensor (one codebook, one shared scale)
             qt = quantize(W.reshape(E * N, K), spec, stochastic_rounding=stochastic_rounding, name=name, **options)
             experts, _, shared = split_bank(qt.state_dict(''), qt.config, E, (N, K), W.dtype)
@@ -489,18 +369,28 @@ class QuantMoEExperts(QuantModule):
         return (f'num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, '
                 f'bias={self.bias is not None}, format={self.format}')
 
+# %% ../nbs/11_modules.ipynb #b6ebad8d
+def swap_module(model:nn.Module, name:str, new:nn.Module):
+    "Put `new` in place of submodule `name` of `model`."
+    parent, _, child = name.rpartition('.')
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+# %% ../nbs/11_modules.ipynb #79d22375
+def submodule(model:nn.Module, name:str):
+    "Submodule `name` of `model`, None if there is none."
+    try: return model.get_submodule(name)
+    except AttributeError: return None
+
+# %% ../nbs/11_modules.ipynb #3b3520eb
+def is_linear(m:nn.Module) -> bool:
+    "Whether `m` is a linear layer: an `nn.Linear` or a class named Linear with its attributes (ComfyUI's ops)."
+    if isinstance(m, nn.Linear): return True
+    return type(m).__name__ == 'Linear' and all(hasattr(m, a) for a in ('in_features', 'out_features', 'weight', 'forward'))
+
 # %% ../nbs/11_modules.ipynb #24a275fc
 def quantized_names(sd) -> list:
     "The modules (prefixes without the dot) that have a `comfy_quant` in state dict `sd`."
     return sorted({k[:-len('comfy_quant')].rstrip('.') for k in sd if k == 'comfy_quant' or k.endswith('.comfy_quant')})
-
-def _swap(model:nn.Module, name:str, new:nn.Module):
-    parent, _, child = name.rpartition('.')
-    setattr(model.get_submodule(parent) if parent else model, child, new)
-
-def _submodule(model:nn.Module, name:str):
-    try: return model.get_submodule(name)
-    except AttributeError: return None
 
 def quant_module(m:nn.Module, name:str='') -> QuantModule:
     "The quantized counterpart of `m`, sharing its parameters (`m` itself if it is one already)."
@@ -565,12 +455,12 @@ def load_quantized_model(model:nn.Module, # a model; its Linear/Embedding module
     "Load a Comfy quantized state dict into `model`, swapping each module that has a `comfy_quant` for its quantized version."
     sd = dict(state_dict)
     for name in quantized_names(sd):
-        m = _submodule(model, name)
+        m = submodule(model, name)
         if m is None: continue                                    # its keys are reported as unexpected
         q = quant_module(m, name)
         if q is not m:
             if not name: raise TypeError("load_quantized_model: the root module itself has a comfy_quant; load it through a parent module")
-            _swap(model, name, q)
+            swap_module(model, name, q)
     set_quant_compute(model, disabled_formats, full_precision_mm)
     model.load_result = res = model.load_state_dict(sd, strict=False, assign=assign)
     msg = key_report(res, f'load_quantized_model: the state dict for {type(model).__name__}')
@@ -590,35 +480,8 @@ def plan_entry(d, # a format name, (format, options), a comfy_quant dict, a Deci
     else: raise TypeError(f"{caller}: plan entry: expected a format name, (format, options), a comfy_quant dict or a Decision, got {d!r}")
     if fmt is None: return None, {}, False, label or 'float'
     spec = get_format(fmt, caller=f'{caller}: plan entry')
-    if not opts and cfg: opts = {k: v for k, v in {**_nested(cfg), **cfg}.items() if k in spec.option_names}
-    return spec.name, opts, bool(opts.pop(FPMM, False) or _file_value(cfg, FPMM)), label or spec.name
-
-def quantize_model(model:nn.Module, # a float model, quantized in place
-                   plan, # {module name: format | (format, options) | comfy_quant dict | Decision | None}
-                   stochastic_rounding:int=0, # default seed for every module (0: round to nearest)
-                   calibration=None, # a `cquant.calibrate.Calibration`, batches for `model`, or {layer: inputs}
-                  ) -> nn.Module:
-    "Quantize the modules `plan` names (nn.Linear, nn.Embedding, QuantMoEExperts), swapping in quantized versions."
-    plan = {(k[:-len('.weight')] if k.endswith('.weight') else k): plan_entry(d)[:3] for k, d in dict(plan).items()}
-    if calibration is not None:
-        from cquant.calibrate import Calibration
-        calibration = Calibration.of(calibration).prepare(model, {k: d[0] for k, d in plan.items() if d[0] is not None})
-    for mod, (fmt, opts, fpmm) in plan.items():
-        if fmt is None: continue
-        m = _submodule(model, mod)
-        if m is None: raise KeyError(f"quantize_model: the plan names {mod!r}, which is not a module of {type(model).__name__}")
-        q = quant_module(m, mod)
-        if q is not m: _swap(model, mod, q)
-        q.key = mod + '.weight'
-        extras = {}
-        if calibration is not None and isinstance(q, QuantLinear):
-            w0 = q.weight.detach()
-            w, extras = calibration.layer(mod, fmt, w0)
-            if w is not w0: q.weight = nn.Parameter(w, requires_grad=False)     # smoothed: W / pre_quant_scale
-        opts.setdefault('stochastic_rounding', stochastic_rounding)
-        q.quantize_(fmt, full_precision_matrix_mult=fpmm, **opts)
-        for k, t in extras.items(): setattr(q, k, t.to(q.weight.device))
-    return model
+    if not opts and cfg: opts = {k: v for k, v in {**nested_params(cfg), **cfg}.items() if k in spec.option_names}
+    return spec.name, opts, bool(opts.pop(FPMM, False) or file_value(cfg, FPMM)), label or spec.name
 
 def uniform_plan(model:nn.Module, # a float model
                  fmt:str, # the format
@@ -683,42 +546,3 @@ def unpatch(module:QuantModule) -> QuantModule:
     "Undo every `apply_lora` on `module`: the original weight tensor is put back, bit for bit."
     if module._lora_backup is not None: module.weight, module._lora_backup = module._lora_backup[0], None
     return module
-
-# %% ../nbs/11_modules.ipynb #6f20f9f1
-def bank_from_linears(linears) -> QuantMoEExperts:
-    "A float `QuantMoEExperts` stacking the weights (and biases) of E same-shaped `nn.Linear`s."
-    linears = list(linears)
-    w0 = linears[0].weight
-    bank = QuantMoEExperts(len(linears), w0.shape[1], w0.shape[0], linears[0].bias is not None, device='meta', dtype=w0.dtype)
-    bank.weight = nn.Parameter(torch.stack([l.weight.detach() for l in linears]))
-    if bank.bias is not None: bank.bias = nn.Parameter(torch.stack([l.bias.detach() for l in linears]))
-    return bank
-
-class BankMoE(nn.Module):
-    "Top-1 routed expert MLPs on two banks, `up` [E, hidden, dim] and `down` [E, dim, hidden]: `x + p * down(gelu(up(x)))`."
-    def __init__(self, gate:nn.Linear, up:QuantMoEExperts, down:QuantMoEExperts):
-        super().__init__()
-        self.gate, self.up, self.down = gate, up, down
-
-    @classmethod
-    def from_experts(cls, moe:nn.Module) -> BankMoE:
-        "The bank form of a module with a `gate` Linear and `experts[e].w1 / .w2` Linears (`cquant.policy`'s DiT MoE)."
-        return cls(moe.gate, bank_from_linears(e.w1 for e in moe.experts), bank_from_linears(e.w2 for e in moe.experts))
-
-    def forward(self, x):
-        h = x.reshape(-1, x.shape[-1])
-        p, idx = self.gate(h).softmax(-1).max(-1)
-        y = self.down(F.gelu(self.up(h, idx), approximate='tanh'), idx) * p[:, None]
-        return x + y.reshape(x.shape)
-
-MOE_DIT = dict(dim=128, depth=2, heads=2, mlp_ratio=2, experts=4, classes=64, freq_dim=128)
-
-def moe_dit_model(seed:int=0, # weights and outliers are drawn from this seed
-                  dtype:torch.dtype=torch.float32, # parameter dtype
-                  **kw, # sizes overriding `MOE_DIT`
-                 ) -> nn.Module: # in eval mode
-    "`cquant.policy.dit_model` at the `MOE_DIT` size, with its MoE on expert banks (`BankMoE`)."
-    from cquant.policy import dit_model
-    model = dit_model(seed, dtype, **{**MOE_DIT, **kw})
-    model.moe = BankMoE.from_experts(model.moe)
-    return model

@@ -22,13 +22,15 @@ from .int8 import INT8_TENSORWISE
 from .w4a4 import CONVROT_W4A4
 from .w4a8 import ASYM_W4A8_INT8
 from .checkpoint import Checkpoint, open_checkpoint
+from .modules import is_linear
+from .calibrate import collect_inputs
 
 # %% auto #0
 __all__ = ['PRESETS', 'CONSERVATIVE', 'ANCHOR_RATIO', 'CHOICES', 'MODES', 'FLOAT_DTYPES', 'SELECTIONS', 'PRESET_ALIASES',
            'Preset', 'PolicyWarning', 'detect_preset', 'radical_inverse', 'bitrev_order', 'spread', 'budget_order',
            'budget_target', 'int8_budget', 'krea2_names', 'Choice', 'Mode', 'LayerInfo', 'ineligible', 'LayerSource',
-           'natural_key', 'layer_source', 'DiT', 'dit_model', 'dit_state_dict', 'dit_batches', 'canonical_preset',
-           'Decision', 'layer_errors', 'collect_inputs', 'Policy', 'measure_layers', 'Plan']
+           'natural_key', 'layer_source', 'canonical_preset', 'Decision', 'layer_errors', 'Policy', 'measure_layers',
+           'Plan']
 
 # %% ../nbs/12_policy.ipynb #e68726bc
 @dataclass(frozen=True)
@@ -270,10 +272,6 @@ def ineligible(info:LayerInfo) -> str|None:
         return f"dtype {str(info.dtype).removeprefix('torch.')} is not fp32/fp16/bf16/fp8"
     return None
 
-def _is_linear(m:nn.Module) -> bool:
-    if isinstance(m, nn.Linear): return True
-    return type(m).__name__ == 'Linear' and all(hasattr(m, a) for a in ('in_features', 'out_features', 'weight', 'forward'))
-
 # %% ../nbs/12_policy.ipynb #894cc4c9
 class LayerSource:
     "The layers of a model, state dict, checkpoint or shape mapping, as a policy sees them."
@@ -326,7 +324,7 @@ def _from_module(model:nn.Module) -> LayerSource:
         w = getattr(m, 'weight', None)
         if not n or not isinstance(w, torch.Tensor): continue
         src = w.format if isinstance(w, QuantizedTensor) else None
-        infos[n] = LayerInfo(n, tuple(w.shape), w.dtype, 'linear' if _is_linear(m) else type(m).__name__, src)
+        infos[n] = LayerInfo(n, tuple(w.shape), w.dtype, 'linear' if is_linear(m) else type(m).__name__, src)
         mods[n] = m
     def read(name):
         w = mods[name].weight.detach()
@@ -358,144 +356,6 @@ def layer_source(layers) -> LayerSource:
         if all(isinstance(v, (tuple, list, torch.Size)) for v in vals): return _from_shapes(layers)
         raise TypeError("plan: a mapping must hold either weight shapes (name -> (out, in)) or tensors (a state dict)")
     raise TypeError(f"plan: expected a shape mapping, a state dict, a Checkpoint, a path or an nn.Module, found {type(layers).__name__}")
-
-# %% ../nbs/12_policy.ipynb #b77f3b6b
-class _Attention(nn.Module):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).reshape(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, C))
-
-class _Mlp(nn.Module):
-    def __init__(self, dim, hidden):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-    def forward(self, x): return self.fc2(F.gelu(self.fc1(x), approximate='tanh'))
-
-class _Block(nn.Module):
-    def __init__(self, dim, heads, hidden):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
-        self.attn = _Attention(dim, heads)
-        self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
-        self.mlp = _Mlp(dim, hidden)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
-    def forward(self, x, c):
-        sh1, sc1, g1, sh2, sc2, g2 = self.adaLN_modulation(c)[:, None].chunk(6, dim=-1)
-        x = x + g1 * self.attn(self.norm1(x) * (1 + sc1) + sh1)
-        return x + g2 * self.mlp(self.norm2(x) * (1 + sc2) + sh2)
-
-class _Expert(nn.Module):
-    def __init__(self, dim, hidden):
-        super().__init__()
-        self.w1, self.w2 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False)
-    def forward(self, x): return self.w2(F.gelu(self.w1(x), approximate='tanh'))
-
-class _MoE(nn.Module):
-    def __init__(self, dim, experts, hidden):
-        super().__init__()
-        self.gate = nn.Linear(dim, experts, bias=False)
-        self.experts = nn.ModuleList(_Expert(dim, hidden) for _ in range(experts))
-    def forward(self, x):
-        h = x.reshape(-1, x.shape[-1])
-        p, idx = self.gate(h).softmax(-1).max(-1)
-        out = torch.zeros_like(h)
-        for e, ex in enumerate(self.experts):
-            sel = idx == e
-            if bool(sel.any()): out[sel] = ex(h[sel]) * p[sel, None]
-        return x + out.reshape(x.shape)
-
-class _TimeEmbed(nn.Module):
-    def __init__(self, freq_dim, dim):
-        super().__init__()
-        self.freq_dim = freq_dim
-        self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
-    def forward(self, t):
-        half = self.freq_dim // 2
-        f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
-        a = t.float()[:, None] * f[None]
-        return self.mlp(torch.cat([a.cos(), a.sin()], -1).to(self.mlp[0].weight.dtype))
-
-class _Final(nn.Module):
-    def __init__(self, dim, out):
-        super().__init__()
-        self.norm_final = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim))
-        self.linear = nn.Linear(dim, out)
-    def forward(self, x, c):
-        shift, scale = self.adaLN_modulation(c)[:, None].chunk(2, dim=-1)
-        return self.linear(self.norm_final(x) * (1 + scale) + shift)
-
-class DiT(nn.Module):
-    "A small DiT-shaped transformer on patch tokens: adaLN blocks, an MoE block, timestep and class embedders."
-    def __init__(self, dim=256, depth=4, heads=4, mlp_ratio=4, in_ch=16, experts=4, classes=10, freq_dim=256):
-        super().__init__()
-        self.patch_embed = nn.Linear(in_ch, dim)
-        self.t_embed = _TimeEmbed(freq_dim, dim)
-        self.y_embed = nn.Embedding(classes, dim)
-        self.blocks = nn.ModuleList(_Block(dim, heads, mlp_ratio * dim) for _ in range(depth))
-        self.moe = _MoE(dim, experts, 2 * dim)
-        self.final_layer = _Final(dim, in_ch)
-    def forward(self, x, t, y):
-        "x: [B, T, in_ch] patch tokens, t: [B] timesteps, y: [B] class labels -> [B, T, in_ch]."
-        h, c = self.patch_embed(x), self.t_embed(t) + self.y_embed(y)
-        for b in self.blocks: h = b(h, c)
-        return self.final_layer(self.moe(h), c)
-
-# %% ../nbs/12_policy.ipynb #55f03f3c
-def _student_t(shape, df:int, g:torch.Generator) -> torch.Tensor:
-    "Student-t samples with integer `df`, unit-ish scale, from generator `g` (normal / sqrt(chi2/df))."
-    chi2 = torch.randn((df,) + tuple(shape), generator=g).square().sum(0)
-    return torch.randn(shape, generator=g) / (chi2 / df).sqrt()
-
-@torch.no_grad()
-def _add_outliers(model:DiT, g:torch.Generator):
-    u = lambda: float(torch.rand((), generator=g))
-    for n, m in model.named_modules():               # heavy input columns, at layers drawn independently of their names
-        if not isinstance(m, nn.Linear) or n == 'patch_embed' or u() < 0.5: continue
-        w = m.weight
-        cols = torch.randperm(w.shape[1], generator=g)[:1 + int(4 * u())]
-        w[:, cols] *= math.exp(math.log(2) + u() * math.log(12))          # x2 .. x24, log-uniform
-    for b in model.blocks:
-        if u() < 0.5:                                          # heavy tails in qkv
-            q = b.attn.qkv.weight
-            q.copy_(_student_t(q.shape, 2, g) * q.std() / 2)
-        bias = b.adaLN_modulation[1].bias                      # activation outlier channels: large shift/scale
-        dim = bias.shape[0] // 6
-        for chunk in (0, 1, 3, 4):
-            ch = torch.randperm(dim, generator=g)[:3]
-            bias[chunk * dim + ch] += (3 + 6 * u()) * torch.sign(torch.randn(3, generator=g))
-
-def dit_model(seed:int=0, # everything (weights, outliers) is drawn from this seed
-              dtype:torch.dtype=torch.float32, # parameter dtype
-              outliers:bool=True, # inject the outlier columns, rows, heavy tails and activation channels
-              **kw, # DiT sizes: dim=256, depth=4, heads=4, mlp_ratio=4, in_ch=16, experts=4, classes=10
-             ) -> DiT: # in eval mode
-    "A deterministic DiT-shaped model with outliers where real DiTs have them; the global RNG is left untouched."
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = DiT(**kw)
-        if outliers: _add_outliers(model, torch.Generator().manual_seed(seed + 1))
-    return model.to(dtype).eval()
-
-def dit_state_dict(seed:int=0, dtype:torch.dtype=torch.float32, **kw) -> dict:
-    "The state dict of `dit_model(seed, dtype, **kw)` (plain tensors, owning their storage)."
-    return {k: v.detach().clone() for k, v in dit_model(seed, dtype, **kw).state_dict().items()}
-
-def dit_batches(n:int=2, # number of batches
-                batch:int=2, # samples per batch
-                tokens:int=64, # patch tokens per sample
-                seed:int=1, # inputs are drawn from this seed
-                in_ch:int=16, classes:int=10, # must match the model
-                dtype:torch.dtype=torch.float32,
-               ) -> list: # [(x, t, y)]
-    "Deterministic DiT inputs: noisy patch tokens, timesteps in [0, 1000), class labels."
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, tokens, in_ch, generator=g).to(dtype), torch.rand(batch, generator=g) * 1000,
-             torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)]
 
 # %% ../nbs/12_policy.ipynb #fdc8a86d
 SELECTIONS = ('structural', 'measured')
@@ -574,29 +434,6 @@ def layer_errors(w:torch.Tensor, # float weight [N, K] (quantized in its own dty
         if x is None: noise = float((qt.dequantize(torch.float32) - ref).double().square().sum())
         else: noise = float((F.linear(x.to(qt.dtype), qt).float() - y).double().square().sum())
         out.append(noise / sig if sig > 0 else (0.0 if noise == 0 else math.inf))
-    return out
-
-@torch.no_grad()
-def collect_inputs(model:nn.Module, # the float model
-                   batches, # iterable of inputs: a tuple is splatted into model(*batch), else model(batch)
-                   names=None, # Linear names to record (default: every Linear)
-                   max_rows:int=2048, # rows kept per layer (evenly spaced)
-                  ) -> dict: # {name: float32 [rows, K]}
-    "The inputs each Linear of `model` sees over `batches`, flattened to rows."
-    mods = {n: m for n, m in model.named_modules() if n and _is_linear(m) and (names is None or n in names)}
-    seen = {n: [] for n in mods}
-    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: seen[n].append(args[0].detach().reshape(-1, args[0].shape[-1]).float()))
-             for n, m in mods.items()]
-    try:
-        for b in batches: model(*b) if isinstance(b, tuple) else model(b)
-    finally:
-        for h in hooks: h.remove()
-    out = {}
-    for n, xs in seen.items():
-        if not xs: continue
-        x = torch.cat(xs)
-        if x.shape[0] > max_rows: x = x[torch.linspace(0, x.shape[0] - 1, max_rows).round().long()]
-        out[n] = x
     return out
 
 # %% ../nbs/12_policy.ipynb #16aa41cc

@@ -8,8 +8,8 @@ Docs: https://cquant-dev.github.io/cquant/format_quality.html.md"""
 from __future__ import annotations
 import math
 import torch
-import cquant   # registers the formats
-from .tensor import FORMATS, quantize, get_format
+from .formats import FORMATS
+from .tensor import quantize, get_format
 
 # %% auto #0
 __all__ = ['default_variants', 'format_table', 'rows_markdown', 'plot_format_sqnr']

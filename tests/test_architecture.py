@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 import cquant as cq
-from cquant import modules, tensor
+from cquant import comfy, modules, tensor
 from cquant.calibrate import search_smoothing
 
 PKG = Path(cq.__file__).parent
@@ -91,9 +91,9 @@ def test_min_sm_version_matches_kitchen():
 
 
 def test_one_comfy_quant_check():
-    "tensor.load_quantized, modules.read_comfy_quant and the checkpoint scan share check_comfy_quant's messages."
+    "tensor.load_quantized, comfy.read_comfy_quant and the checkpoint scan share check_comfy_quant's messages."
     sd = {'m.comfy_quant': cq.encode_json(['nvfp4']), 'm.weight': torch.zeros(2, 2)}
-    for f in (lambda: cq.load_quantized(sd, 'm'), lambda: modules.read_comfy_quant(sd, 'm')):
+    for f in (lambda: cq.load_quantized(sd, 'm'), lambda: comfy.read_comfy_quant(sd, 'm')):
         with pytest.raises(cq.QuantFormatError, match=r"'m\.comfy_quant': expected a JSON object, found list \['nvfp4'\]"): f()
     with pytest.raises(cq.QuantFormatError, match='expected a "format" field, found keys'): tensor.check_comfy_quant({'params': {}}, 'm.')
 
@@ -110,3 +110,107 @@ def test_plan_entry_is_the_one_normaliser():
 def test_smoothing_search_needs_a_declared_format():
     w, x = torch.randn(32, 64), torch.randn(8, 64)
     with pytest.raises(ValueError, match="'float8_e4m3fn' declares no smoothing search"): search_smoothing(w, x, fmt='float8_e4m3fn')
+
+
+# ---- Issue 15, second rule: imports run one way, each layer only downwards ----
+# Layers, lowest first. A module may import modules of its own layer or of a lower one (and no cycle), never a higher one;
+# the package itself (`import cquant`, i.e. `__init__`) is above every layer.
+LAYERS = (
+    ('core', {'_version', 'numerics', 'tensor'}),
+    ('formats', {'fp8', 'nvfp4', 'mxfp8', 'int8', 'w4a4', 'w4a8', 'formats'}),
+    ('comfy vocabulary', {'comfy'}),
+    ('checkpoint and modules', {'checkpoint', 'modules'}),
+    ('models', {'models', 'minilm'}),
+    ('calibration and policy', {'calibrate', 'policy'}),
+    ('jobs', {'convert'}),
+    ('cli', {'cli'}),
+    ('on top', {'explore', 'quality'}),
+    ('package', {'__init__'}),
+)
+RANK = {m: i for i, (_, ms) in enumerate(LAYERS) for m in ms}
+# (file, imported cquant module) allowed inside a function: the Triton fast paths, enabled only where triton and CUDA are
+FUNCTION_LEVEL_OK = {('__init__', 'kernels.dispatch')}
+
+
+def _targets(node, here:str) -> list:
+    "The cquant modules (dotted, relative to the package; '__init__' for the package) that an import statement names."
+    if isinstance(node, ast.Import):
+        return [a.name.partition('.')[2] or '__init__' for a in node.names if a.name.split('.')[0] == 'cquant']
+    if node.level == 0 and (node.module or '').split('.')[0] != 'cquant': return []
+    base = node.module if node.level else node.module.partition('.')[2]
+    if base: return [base]
+    return [a.name for a in node.names] if (node.level or node.module == 'cquant') else []
+
+
+def import_graph(pkg:Path=None) -> tuple:
+    "({module: {modules it imports at module level}}, ['file:line: imported'] for imports inside functions) of pkg/*.py."
+    graph, inner = {}, []
+    for p in sorted((pkg or PKG).glob('*.py')):
+        if p.name == '_modidx.py': continue
+        tree, here = ast.parse(p.read_text(), str(p)), p.stem
+        in_fn = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                 for n in ast.walk(f) if n is not f}
+        graph[here] = set()
+        for n in ast.walk(tree):
+            if not isinstance(n, (ast.Import, ast.ImportFrom)): continue
+            for t in _targets(n, here):
+                if id(n) in in_fn:
+                    if (here, t) not in FUNCTION_LEVEL_OK: inner.append(f'{p.name}:{n.lineno}: {t}')
+                else: graph[here].add(t.split('.')[0])
+    return graph, inner
+
+
+def cycles(graph:dict) -> list:
+    "Every import cycle, as a path a -> ... -> a (one per cycle found by depth-first search)."
+    found, state = [], {}
+    def visit(m, path):
+        state[m] = 'open'
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == 'open': found.append(' -> '.join(path[path.index(t):] + [t]))
+            elif t not in state: visit(t, path + [t])
+        state[m] = 'done'
+    for m in sorted(graph):
+        if m not in state: visit(m, [m])
+    return found
+
+
+def upward(graph:dict) -> list:
+    "`a -> b (layer of a < layer of b)` for every import of a higher layer, and modules missing from LAYERS."
+    bad = [f'{m}: not in LAYERS' for m in sorted(set(graph) | {t for ts in graph.values() for t in ts}) if m not in RANK]
+    name = lambda m: LAYERS[RANK[m]][0]
+    return bad + [f'{m} -> {t} ({name(m)} imports {name(t)})' for m, ts in sorted(graph.items()) for t in sorted(ts)
+                  if m in RANK and t in RANK and RANK[t] > RANK[m]]
+
+
+def test_layers_name_every_module():
+    assert set(import_graph()[0]) == set(RANK), set(import_graph()[0]) ^ set(RANK)
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph()[0])
+    assert not found, 'import cycles:\n' + '\n'.join(found)
+
+
+def test_imports_only_go_down():
+    bad = upward(import_graph()[0])
+    assert not bad, 'imports of a higher layer:\n' + '\n'.join(bad)
+
+
+def test_no_function_level_imports_of_cquant():
+    "A function importing a cquant module hides a dependency (and often a cycle); only the optional kernels may."
+    inner = import_graph()[1]
+    assert not inner, 'cquant imports inside functions (import at module level, or move the code down a layer):\n' + '\n'.join(inner)
+
+
+def test_the_import_checks_find_violations(tmp_path):
+    "The checks are not vacuous: a planted cycle, an upward import and a function-level import are reported."
+    (tmp_path / 'tensor.py').write_text('from .checkpoint import load_file\n')                   # core -> checkpoint
+    (tmp_path / 'checkpoint.py').write_text('import torch\nfrom cquant.tensor import FORMATS\n'
+                                            'def f():\n    from cquant import policy\n')
+    (tmp_path / 'fp8.py').write_text('from . import int8, tensor\nimport cquant\n')
+    (tmp_path / 'int8.py').write_text('from .fp8 import x\n')
+    g, inner = import_graph(tmp_path)
+    assert g == {'checkpoint': {'tensor'}, 'fp8': {'int8', 'tensor', '__init__'}, 'int8': {'fp8'}, 'tensor': {'checkpoint'}}
+    assert cycles(g) == ['checkpoint -> tensor -> checkpoint', 'fp8 -> int8 -> fp8']
+    assert upward(g) == ['fp8 -> __init__ (formats imports package)', 'tensor -> checkpoint (core imports checkpoint and modules)']
+    assert inner == ['checkpoint.py:4: policy']

@@ -9,7 +9,8 @@ import torch.nn as nn
 import cquant as cq
 from cquant.calibrate import (CalibrationWarning, apply_input_scales, calibrate, collect_amax, input_scale_rule,
                               search_smoothing, smooth_scales, smoothing_identity_error)
-from cquant.modules import QuantLinear, load_quantized_model, quantize_model
+from cquant.modules import QuantLinear, load_quantized_model
+from cquant.calibrate import collect_inputs, quantize_model
 
 
 class Tiny(nn.Module):
@@ -177,7 +178,6 @@ def _ckpt_model(seed=0):
 def test_quantize_model_and_checkpoint_with_calibration(tmp_path):
     "Both paths write the same input_scale / pre_quant_scale; the calibrated model reloads with identical outputs."
     from cquant.calibrate import Calibration
-    from cquant.policy import collect_inputs
     g = torch.Generator().manual_seed(5)
     batches = [torch.randn(16, 64, generator=g) * 200 for _ in range(3)]       # fc1 inputs far above 448
     plan = {'fc1': 'float8_e4m3fn', 'fc2': 'nvfp4'}
@@ -220,7 +220,6 @@ def test_cli_quantize_with_calibration(tmp_path, capsys):
     "`cquant quantize --calibration inputs.safetensors` writes the same input_scale as the Python call."
     from cquant.calibrate import Calibration
     from cquant.cli import main
-    from cquant.policy import collect_inputs
     g = torch.Generator().manual_seed(6)
     batches = [torch.randn(16, 64, generator=g) * 200 for _ in range(2)]
     m = _ckpt_model()

@@ -9,7 +9,8 @@ import torch
 import cquant as cq
 from cquant.checkpoint import CheckpointWarning
 from cquant.convert import StreamingWriter, plot_report, quantize_checkpoint
-from cquant.policy import PRESETS, Policy, PolicyWarning, dit_state_dict
+from cquant.policy import PRESETS, Policy, PolicyWarning
+from cquant.models import dit_state_dict
 from cquant.tensor import format_color
 
 ROOT = Path(__file__).resolve().parents[1]

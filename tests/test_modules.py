@@ -26,12 +26,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cquant as cq
-from cquant.modules import (QuantModule, QuantLinear, QuantEmbedding, QuantMoEExperts, load_quantized_model, quantize_model,
-                            uniform_plan, set_quant_compute, apply_lora, unpatch, lora_delta, string_to_seed, dequantize_rows,
-                            moe_dit_model, MOE_DIT, FPMM, comfy_disabled_formats, LoadKeysError, LoadKeysWarning)
+from cquant.comfy import FPMM, dequantize_rows
+from cquant.modules import (QuantModule, QuantLinear, QuantEmbedding, QuantMoEExperts, load_quantized_model,
+                            uniform_plan, set_quant_compute, apply_lora, unpatch, lora_delta, string_to_seed,
+                            comfy_disabled_formats, LoadKeysError, LoadKeysWarning)
 from cquant.tensor import QuantizedTensor, same_bits, test_bits as assert_bits   # alias: pytest would collect test_bits
 from cquant.numerics import sqnr
-from cquant.policy import dit_batches, Policy
+from cquant.policy import Policy
+from cquant.calibrate import quantize_model
+from cquant.models import MOE_DIT, dit_batches, moe_dit_model
 
 ALL8 = ('float8_e4m3fn', 'float8_e5m2', 'nvfp4', 'mxfp8', 'int8_tensorwise', 'convrot_w4a4', 'asym_w4a8_int8', 'w6a8_int8')
 

@@ -8,8 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 import cquant as cq
 from cquant.policy import (CHOICES, CONSERVATIVE, MODES, PRESETS, Policy, PolicyWarning, budget_order, budget_target,
-                           detect_preset, dit_batches, dit_model, dit_state_dict, int8_budget, krea2_names, layer_source,
-                           natural_key, spread)
+                           detect_preset, int8_budget, krea2_names, layer_source, natural_key, spread)
+from cquant.models import dit_batches, dit_model, dit_state_dict
 
 TEN = [f'layer.{i}' for i in range(10)]
 KREA_SENS = PRESETS['krea2'].int4_sensitive

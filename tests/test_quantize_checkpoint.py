@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import cquant as cq
-from cquant.convert import (Report, StreamingWriter, add_demo_parser, add_plan_parser, add_quantize_parser,
-                            add_report_parser, quantize_checkpoint, quantize_rows, report_error)
-from cquant.policy import Policy, PolicyWarning, dit_state_dict
+from cquant.convert import Report, StreamingWriter, quantize_checkpoint, quantize_rows, report_error
+from cquant.cli import add_demo_parser, add_plan_parser, add_quantize_parser, add_report_parser
+from cquant.policy import Policy, PolicyWarning
+from cquant.models import dit_state_dict
 
 POL = Policy('int4_mixed', preset='none', keep_float=('embed', 'adaLN', 'final_layer'))
 
@@ -225,3 +226,15 @@ def test_cli_convert_quantization_metadata(tmp_path, capsys):
     cq.test_bits(cq.load_quantized(new, 'blk.proj.', (48, 64)).dequantize(), qt.dequantize())
     assert main(['convert', str(tmp_path / 'missing.safetensors'), str(tmp_path / 'x.safetensors')]) == 1
     assert not (tmp_path / 'x.safetensors').exists()
+
+
+def test_writer_entry(tmp_path):
+    "`StreamingWriter.entry` gives what was written (for callers that count bytes), and names a missing tensor."
+    w = StreamingWriter(tmp_path / 'e.safetensors')
+    w.add('a', torch.zeros(3, 5, dtype=torch.bfloat16))
+    s = w.stream('b')
+    s.append(torch.ones(2, 4)); s.append(torch.ones(1, 4)); s.close()
+    assert (w.entry('a').nbytes, w.entry('a').shape) == (30, (3, 5))
+    assert (w.entry('b').nbytes, w.entry('b').shape, w.nbytes) == (48, (3, 4), 78)
+    with pytest.raises(cq.CheckpointError, match="'c': expected a tensor written so far"): w.entry('c')
+    w.abort()
