@@ -14,18 +14,15 @@ Modules:
 # Hand-written (no notebook exports this file; nbdev writes only the docstring above): the version (from `_version`),
 # and each module's `__all__`, so that `import cquant as cq` reaches the public API. Helpers shared between modules are
 # exported with `#| exporti` (in their module, not in its `__all__`); the CLI (`cquant.cli`) is not re-exported.
-# Importing a layout module registers its formats in `FORMATS` (`cquant.formats` imports them all).
+# Importing a layout module registers its formats in `FORMATS`; `cquant.formats` finds and imports every format module
+# (by its declaration), so no list of format modules is kept here.
 from ._version import __version__
 
 from .tensor import *
 from .numerics import *
-from .fp8 import *
-from .nvfp4 import *
-from .mxfp8 import *
-from .int8 import *
-from .w4a4 import *
-from .w4a8 import *
 from .formats import *
+for _module in FORMAT_MODULES: globals().update({n: getattr(_module, n) for n in _module.__all__})  # every format's API
+del _module
 from .comfy import *
 from .checkpoint import *
 from .quality import *

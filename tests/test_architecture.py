@@ -7,9 +7,10 @@ import torch
 import cquant as cq
 from cquant import comfy, modules, tensor
 from cquant.calibrate import search_smoothing
+from cquant.formats import format_module_names
 
 PKG = Path(cq.__file__).parent
-FORMAT_MODULES = {'fp8.py', 'nvfp4.py', 'mxfp8.py', 'int8.py', 'w4a4.py', 'w4a8.py', 'tensor.py', '_modidx.py'}
+FORMAT_MODULES = {f'{m}.py' for m in format_module_names()} | {'tensor.py', '_modidx.py'}   # found by their declarations
 # (file, top-level name assigned) -> why a format name may appear there as a string constant
 ALLOWED = {
     # the CLI's mode names 'nvfp4' and 'mxfp8' are mode vocabulary (data) that happen to equal their format's name;
@@ -117,7 +118,7 @@ def test_smoothing_search_needs_a_declared_format():
 # the package itself (`import cquant`, i.e. `__init__`) is above every layer.
 LAYERS = (
     ('core', {'_version', 'numerics', 'tensor'}),
-    ('formats', {'fp8', 'nvfp4', 'mxfp8', 'int8', 'w4a4', 'w4a8', 'formats'}),
+    ('formats', {*format_module_names(), 'formats'}),
     ('comfy vocabulary', {'comfy'}),
     ('checkpoint and modules', {'checkpoint', 'modules'}),
     ('models', {'models', 'minilm'}),

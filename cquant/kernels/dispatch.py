@@ -8,22 +8,24 @@ Docs: https://cquant-dev.github.io/cquant/kernels_dispatch.html.md"""
 __all__ = ['KERNEL_MODULES', 'kernel_paths', 'KernelWarning', 'enable', 'disable', 'enabled']
 
 # %% ../../nbs/39_kernels_dispatch.ipynb #4aa4dcaf
-import importlib, importlib.util, warnings
+import importlib, re, warnings
+from pathlib import Path
 import torch
 from ..tensor import register_fast_path, remove_fast_paths
+from ..formats import declaring_modules
+from . import base
 from .base import interpreting, triton_available
 
-KERNEL_MODULES = ('int8', 'fp8', 'blockscaled', 'convrot', 'w4a8')
+# every module of cquant.kernels that declares its FAST_PATHS, in its notebook's order (no list to keep)
+KERNEL_MODULES = tuple(declaring_modules(Path(base.__file__).parent, re.compile(r'^FAST_PATHS\s*=', re.M)))
 
 _registered: list = []           # (layout, op, fn, module) registered by `enable`
 
 def kernel_paths() -> list:
-    "Every `(layout, op, fn, fits, module)` of the kernel modules that are installed."
+    "Every `(layout, op, fn, fits, module)` of the kernel modules."
     out = []
     for name in KERNEL_MODULES:
-        if importlib.util.find_spec(f'cquant.kernels.{name}') is None: continue
-        mod = importlib.import_module(f'cquant.kernels.{name}')
-        out += [(*entry, name) for entry in getattr(mod, 'FAST_PATHS', [])]
+        out += [(*entry, name) for entry in importlib.import_module(f'cquant.kernels.{name}').FAST_PATHS]
     return out
 
 def _first_tensor(args, kwargs):
