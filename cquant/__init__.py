@@ -20,7 +20,7 @@ from ._version import __version__
 
 from .tensor import *
 from .numerics import *
-from .formats import *
+from .formats import FORMAT_MODULES
 for _module in FORMAT_MODULES: globals().update({n: getattr(_module, n) for n in _module.__all__})  # every format's API
 del _module
 from .comfy import *
