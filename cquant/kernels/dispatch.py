@@ -55,10 +55,11 @@ def _guarded(layout, op, fn):
 
 def enable(cpu:bool=False, # also route CPU tensors (only while TRITON_INTERPRET=1: tests)
            modules=None, # kernel module names to register (default: all of KERNEL_MODULES)
-           strict:bool=False, # let kernel errors raise (tests, the harness) instead of falling back to eager with a warning
+           strict:bool=False, # let kernel errors raise (tests, the harness), not fall back to eager with a warning
           ) -> list: # [(layout name, op, module)] now registered
     "Register the kernels as the layouts' fast paths (replacing an earlier `enable`)."
-    if not triton_available(): raise RuntimeError("cquant.kernels: triton cannot launch kernels here (no CUDA GPU and TRITON_INTERPRET is not 1)")
+    if not triton_available():
+        raise RuntimeError("cquant.kernels: triton cannot launch kernels here (no CUDA GPU and TRITON_INTERPRET is not 1)")
     disable()
     for layout, op, fn, fits, mod in kernel_paths():
         if modules is not None and mod not in modules: continue
