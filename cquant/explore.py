@@ -206,7 +206,7 @@ def variant_label(fmt, opts:dict) -> str:
     parts = [k if v is True else f"{k}={v}" for k, v in d.items()]
     return spec.name + (f"[{','.join(parts)}]" if parts else '')
 
-# %% ../nbs/14_explore.ipynb #235153b5
+# %% ../nbs/14_explore.ipynb #651de0e6
 @dataclass
 class Analysis:
     "One weight (or its sampled rows) through one format: reference, reconstruction, quantized tensor and numbers."
@@ -239,17 +239,23 @@ class Analysis:
     def row_index(self, i:int) -> int:
         "The row of the full weight that analysed row `i` is."
         return int(self.rows[i]) if self.sampled else int(i)
-    def position(self, row:int) -> int:
-        "The analysed row nearest to row `row` of the full weight (its index into `w`)."
-        if not self.sampled: return min(max(int(row), 0), len(self.w) - 1)
-        i = int(torch.searchsorted(self.rows, int(row)))
-        return min((j for j in (i - 1, i) if 0 <= j < len(self.rows)), key=lambda j: abs(int(self.rows[j]) - int(row)))
-    def __repr__(self):
-        n = self.numbers
-        return (f"Analysis({self.name!r} {self.shape} -> {self.label}: SQNR {n['sqnr_db']:.2f} dB, "
-                f"{n['bits_per_weight']:.3f} bits/weight{', ' + self.note if self.note else ''})")
 
-# %% ../nbs/14_explore.ipynb #92671e18
+# %% ../nbs/14_explore.ipynb #d89392c9
+@patch
+def position(self:Analysis, row:int) -> int:
+    "The analysed row nearest to row `row` of the full weight (its index into `w`)."
+    if not self.sampled: return min(max(int(row), 0), len(self.w) - 1)
+    i = int(torch.searchsorted(self.rows, int(row)))
+    return min((j for j in (i - 1, i) if 0 <= j < len(self.rows)), key=lambda j: abs(int(self.rows[j]) - int(row)))
+
+# %% ../nbs/14_explore.ipynb #a0439133
+@patch
+def __repr__(self:Analysis):
+    n = self.numbers
+    return (f"Analysis({self.name!r} {self.shape} -> {self.label}: SQNR {n['sqnr_db']:.2f} dB, "
+            f"{n['bits_per_weight']:.3f} bits/weight{', ' + self.note if self.note else ''})")
+
+# %% ../nbs/14_explore.ipynb #110a1398
 def analyze(w, # 2-D float weight (a QuantizedTensor is dequantized first)
             fmt, # format name or `FormatSpec`
             name:str='weight', # layer name for titles and errors
@@ -279,7 +285,7 @@ def analyze(w, # 2-D float weight (a QuantizedTensor is dequantized first)
                      quantize_s=best, rows_analysed=len(ws), rows_total=shape[0], sampled=idx is not None)
     return a
 
-# %% ../nbs/14_explore.ipynb #cbf02823
+# %% ../nbs/14_explore.ipynb #a7f244cf
 @dataclass
 class BlockGrid:
     "The representable values of one block at its scale, and the block's own values before and after quantization."
@@ -309,7 +315,7 @@ def typical_block(a:Analysis) -> tuple:
     x = F.pad(am[r], (0, -a.shape[1] % B)).reshape(-1, B).amax(1)
     return r, int(x.argsort()[len(x) // 2])
 
-# %% ../nbs/14_explore.ipynb #a6684bd8
+# %% ../nbs/14_explore.ipynb #f3573022
 def block_grid(a:Analysis, # from `analyze`
                row:int|None=None, # analysed row (default: `typical_block`)
                block:int|None=None, # block index along K (default: `typical_block`)
@@ -370,7 +376,7 @@ def _sampled_note(fig, a:Analysis, own:bool):
     fig.suptitle((old + '  ' if old else '') + f"analysed: {a.note}", x=0.99, ha='right', fontsize=8, color='C3')
     fig._cq_noted = True
 
-# %% ../nbs/14_explore.ipynb #88f55bb9
+# %% ../nbs/14_explore.ipynb #a5fe368a
 def plot_values(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
                 fmt=None, # format name (with a tensor)
                 row:int|None=None, # analysed row of the block whose grid is drawn (default: a typical block)
@@ -396,6 +402,24 @@ def plot_values(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
     gv = g.values.numpy() if g.values is not None else np.zeros(0)
     labels = [f'analysed weights within ±{A:.3g}', f'{len(gv)} representable values' if g.values is not None else 'grid: not decodable',
               'block values', 'their reconstruction']
+    art = _value_artists(ax, counts, edges, gv, g, labels)
+    dense = len(gv) > 64
+    art['grid'].set_linewidth(0.3 if dense else 0.7); art['grid'].set_alpha(0.45 if dense else 0.8)
+    ax.set_xlim(-A, A)
+    ax.set_ylim(0.5, 0.5 * (max(float(counts.max()), 1.0) / 0.5) ** (1 / 0.68))   # bars in the lower 68%: the legend above
+    r = a.row_index(g.row)
+    where = f"row {r}" + (f", cols {g.cols[0]}–{g.cols[1] - 1}" if a.block else ' (one scale per row or tensor)')
+    warn = '' if g.exact in (True, None) else ' (approximate: the probe did not reproduce the real scales)'
+    ax.set_title(f"{label or a.label} grid at {where}{warn}", fontsize=10)
+    ax.set_xlabel('value' if a.rotation is None else f'value in the rotated basis (ConvRot {a.rotation})')
+    _sampled_note(fig, a, own)
+    fig._cq_grid = g
+    return fig
+
+# %% ../nbs/14_explore.ipynb #fc0fb19f
+def _value_artists(ax, counts, edges, gv, g:BlockGrid, labels:list) -> dict:
+    "The histogram, grid lines, block values and legend of `plot_values`: made on the first draw into `ax`, then updated."
+    import numpy as np
     art, tr = getattr(ax, '_cq_values', None), ax.get_xaxis_transform()
     if art is None:         # first draw: make the artists (later calls with this Axes only update them)
         ax.set_yscale('log', nonpositive='clip'); ax.set_ylabel('count')
@@ -410,20 +434,9 @@ def plot_values(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
         art['grid'].set_segments([[(x, 0), (x, 1)] for x in gv])
         art['x'].set_data(g.x.numpy(), np.full(len(g.x), 0.06)); art['xq'].set_data(g.xq.numpy(), np.full(len(g.xq), 0.16))
         for t, s in zip(art['legend'].get_texts(), labels): t.set_text(s)
-    dense = len(gv) > 64
-    art['grid'].set_linewidth(0.3 if dense else 0.7); art['grid'].set_alpha(0.45 if dense else 0.8)
-    ax.set_xlim(-A, A)
-    ax.set_ylim(0.5, 0.5 * (max(float(counts.max()), 1.0) / 0.5) ** (1 / 0.68))   # bars in the lower 68%: the legend above
-    r = a.row_index(g.row)
-    where = f"row {r}" + (f", cols {g.cols[0]}–{g.cols[1] - 1}" if a.block else ' (one scale per row or tensor)')
-    warn = '' if g.exact in (True, None) else ' (approximate: the probe did not reproduce the real scales)'
-    ax.set_title(f"{label or a.label} grid at {where}{warn}", fontsize=10)
-    ax.set_xlabel('value' if a.rotation is None else f'value in the rotated basis (ConvRot {a.rotation})')
-    _sampled_note(fig, a, own)
-    fig._cq_grid = g
-    return fig
+    return art
 
-# %% ../nbs/14_explore.ipynb #a2b6372e
+# %% ../nbs/14_explore.ipynb #259df3c5
 def plot_errors(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
                 fmt=None, # format name (with a tensor)
                 bins:int=101, # histogram bins
@@ -473,7 +486,7 @@ def block_error(ref:torch.Tensor, # [n, K] reference
     db = 10 * torch.log10(s / n)
     return torch.where(n == 0, math.inf, torch.where(s == 0, -math.inf, db))
 
-# %% ../nbs/14_explore.ipynb #ac40cb61
+# %% ../nbs/14_explore.ipynb #8fcea69a
 def plot_error_map(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
                    fmt=None, # format name (with a tensor)
                    block:int|None=None, # block width (default: the format's block, else the ConvRot group or 64)
@@ -548,7 +561,7 @@ def kitchen_numbers(a:Analysis, # an analysis (kitchen quantizes the same rows)
     except Exception as e:
         return dict(kitchen_error=f"{type(e).__name__}: {str(e)[:120]}")
 
-# %% ../nbs/14_explore.ipynb #faa1b7f6
+# %% ../nbs/14_explore.ipynb #021bca05
 def format_variants(shape:tuple, # logical weight shape (N, K)
                     expand:bool=False, # also one variant per boolean option switched from its default
                    ) -> tuple: # ([(label, format, options)], {format: why it does not fit})
@@ -568,7 +581,7 @@ def format_variants(shape:tuple, # logical weight shape (N, K)
             if v not in out: out.append(v)
     return out, skipped
 
-# %% ../nbs/14_explore.ipynb #5545cf40
+# %% ../nbs/14_explore.ipynb #916592b1
 class Comparison(list):
     "Rows of `compare_formats` (a list of dicts) that print as a table."
     skipped: dict = {}
@@ -597,7 +610,7 @@ class Comparison(list):
     def __str__(self): return self.table()
     def _repr_markdown_(self): return self.table(markdown=True)
 
-# %% ../nbs/14_explore.ipynb #6d105fe7
+# %% ../nbs/14_explore.ipynb #10f19cac
 def compare_formats(w, # 2-D float weight
                     formats=None, # None: every registered format; or names / (label, format, options) triples
                     expand:bool=False, # with formats=None: also each boolean option flipped (see `format_variants`)
@@ -625,7 +638,7 @@ def compare_formats(w, # 2-D float weight
     rows.skipped = skipped
     return rows
 
-# %% ../nbs/14_explore.ipynb #6d61f6c7
+# %% ../nbs/14_explore.ipynb #59fe0077
 def plot_sqnr_bars(rows:list, # rows of `compare_formats`
                    title:str='SQNR per format', # figure title
                    ax=None, # draw into this Axes
@@ -650,7 +663,7 @@ def _int_rows(x:torch.Tensor, bits:int) -> torch.Tensor:
     s = x.abs().amax(1, keepdim=True).clamp_min(1e-30) / qmax
     return (x / s).round().clamp(-qmax, qmax) * s
 
-# %% ../nbs/14_explore.ipynb #b2e3a3dc
+# %% ../nbs/14_explore.ipynb #813525fc
 def plot_convrot(w, # 2-D float weight
                  group:int|None=None, # ConvRot group (default: the largest power of 4 <= 256 dividing K)
                  channel:int|None=None, # the outlier input channel (default: the column with the largest magnitude)
@@ -712,7 +725,7 @@ class LayerRef:
     nbytes: int                    # bytes stored for it (weight and scale entries)
     read: object                   # read() -> the weight as fp32 (quantized ones decoded)
 
-# %% ../nbs/14_explore.ipynb #a82fb1ed
+# %% ../nbs/14_explore.ipynb #54642f1c
 def weight_layers(source, # a path, state dict or `Checkpoint`
                  ) -> dict: # {layer: LayerRef}
     "The 2-D weights of a checkpoint, float or quantized, each with a function that reads it (quantized ones decoded)."
@@ -737,7 +750,7 @@ def _layer_row(name, ref:LayerRef, fmt, label, opts, n:dict) -> dict:
     return dict(layer=name, shape=ref.shape, format=fmt, label=label, options=_short_opts(spec, spec.resolve(None, **opts)) if spec else {},
                 sqnr_db=n['sqnr_db'], rel_error=n['rel_error'], bits_per_weight=n['bits_per_weight'], numel=math.prod(ref.shape))
 
-# %% ../nbs/14_explore.ipynb #38d3cc3f
+# %% ../nbs/14_explore.ipynb #21c74eff
 def layer_sqnr(source, # a path, state dict or `Checkpoint` (float weights with a plan; quantized ones with a reference)
                plan=None, # a format name, {layer: format | (format, options) | decision | None}, a policy plan, or a policy
                reference=None, # the float weights (path, state dict, Checkpoint) when `source` is quantized
@@ -769,7 +782,7 @@ def layer_sqnr(source, # a path, state dict or `Checkpoint` (float weights with 
         rows.append(_layer_row(name, ref, fmt, label, a.options, a.numbers))
     return rows
 
-# %% ../nbs/14_explore.ipynb #8dcdbb7e
+# %% ../nbs/14_explore.ipynb #fa3d8132
 def plot_layer_sqnr(rows:list, # rows of `layer_sqnr`
                     title:str='SQNR per layer', # figure title
                     by:str='format', # colour by 'format', or by 'label' (a policy's labels: INT8, INT8 ConvRot, W4A4, ...)
@@ -817,7 +830,7 @@ def default_layer(layers:dict, # {layer: LayerRef}, as `weight_layers` gives
     plan = Policy(mode='int8', preset='auto-conservative').plan({n: r.shape for n, r in layers.items()})
     return next((n for n in layers if plan[n].format is not None), next(iter(layers)))
 
-# %% ../nbs/14_explore.ipynb #13de978c
+# %% ../nbs/14_explore.ipynb #8df9ce95
 _BITS: dict = {}
 
 def fewest_bits_format(shape:tuple, # logical weight shape (N, K)
@@ -836,7 +849,7 @@ def fewest_bits_format(shape:tuple, # logical weight shape (N, K)
         if best is None or _BITS[key] < best[0]: best = (_BITS[key], name)
     return None if best is None else best[1]
 
-# %% ../nbs/14_explore.ipynb #88250fee
+# %% ../nbs/14_explore.ipynb #c2958a8d
 class Explorer:
     "An ipywidgets explorer of one layer through one format: display `widget` (or the explorer); `set` drives a control."
     def __init__(self, source, # tensor, state dict, checkpoint path or `Checkpoint`
@@ -909,7 +922,7 @@ def _held(self:Explorer):
 def _watch(self:Explorer, name, widget):
     widget.observe(lambda ch, n=name: self._changed(n, ch), names='value')
 
-# %% ../nbs/14_explore.ipynb #54307c7f
+# %% ../nbs/14_explore.ipynb #a0173f92
 @patch(as_prop=True)
 def options(self:Explorer) -> dict:
     "The current option values (from the option controls)."
@@ -1106,7 +1119,7 @@ def _render(self:Explorer, a:Analysis):
     Image.fromarray(np.asarray(fig.canvas.buffer_rgba())[..., :3]).save(buf, format='png', compress_level=1)
     self.image.value = buf.getvalue()
 
-# %% ../nbs/14_explore.ipynb #3b06c175
+# %% ../nbs/14_explore.ipynb #bb632c7b
 @patch(as_prop=True)
 def figure(self:Explorer):
     "The figure `image` shows (the current selection; redrawn in place on every change)."
@@ -1130,7 +1143,7 @@ def _show(self:Explorer):
                             + '</tr><tr>' + ''.join(f'<td style="padding:0 10px">{v}</td>' for _, v in cells) + '</tr></table>')
     else: self._html.value = ''
 
-# %% ../nbs/14_explore.ipynb #90aae289
+# %% ../nbs/14_explore.ipynb #774abf1b
 @patch
 def set(self:Explorer, name:str, # 'layer', 'format', 'row', 'block' or an option name
         value, # the new value (must be one the control offers)
@@ -1152,7 +1165,7 @@ def __repr__(self:Explorer):
     n = self.numbers
     return f"Explorer({self.layer!r} -> {n.get('label', self.format)}: SQNR {n.get('sqnr_db', math.nan):.2f} dB, {len(self.layers)} layers)"
 
-# %% ../nbs/14_explore.ipynb #55fc6514
+# %% ../nbs/14_explore.ipynb #a9d0956f
 def explore(source, # a tensor, a state dict, a checkpoint path or a `Checkpoint`
             layer:str|None=None, # initial layer (default: `default_layer`)
             format:str|None=None, # initial format (default: `fewest_bits_format`)

@@ -21,7 +21,7 @@ from .comfy import (FPMM, comfy_config, dequantize_rows, file_value, flagged_for
 __all__ = ['comfy_disabled_formats', 'QuantModule', 'QuantLinear', 'QuantEmbedding', 'QuantMoEExperts', 'set_quant_compute',
            'LoadKeysError', 'LoadKeysWarning', 'load_quantized_model', 'lora_delta', 'apply_lora', 'unpatch']
 
-# %% ../nbs/11_modules.ipynb #978fc136
+# %% ../nbs/11_modules.ipynb #0962e49a
 def comfy_disabled_formats(device=None, # a torch device (default: CPU)
                           ) -> frozenset: # format names computed dequantized on that device
     "The formats ComfyUI computes dequantized on `device` because it has no native kernel there (each format's `native_compute`)."
@@ -31,7 +31,7 @@ def comfy_disabled_formats(device=None, # a torch device (default: CPU)
 # %% ../nbs/11_modules.ipynb #ec572030
 def _qparam(qt:QuantizedTensor) -> nn.Parameter: return nn.Parameter(qt, requires_grad=False)
 
-# %% ../nbs/11_modules.ipynb #7373331f
+# %% ../nbs/11_modules.ipynb #dce6b645
 class QuantModule(nn.Module):
     "Base of the quantized modules: loading/saving Comfy state dicts, compute flags, device moves."
     _extra_keys: tuple = ()            # activation tensors the module loads (Linear: input_scale, pre_quant_scale)
@@ -67,13 +67,13 @@ def _check_format(self:QuantModule, spec, prefix:str, key:str):
     if self._fact is None or getattr(spec, self._fact): return
     raise format_error(prefix, key, f'one of {flagged_formats(self._fact)} for {type(self).__name__}', repr(spec.name))
 
-# %% ../nbs/11_modules.ipynb #daa5ca24
+# %% ../nbs/11_modules.ipynb #90f447de
 @patch(as_prop=True)
 def runs_full_precision(self:QuantModule) -> bool:
     "Whether forward dequantizes: `full_precision_mm`, the file's `full_precision_matrix_mult`, or a disabled format."
     return bool(self.full_precision_mm or self._fpmm_config or self.format in self.disabled_formats)
 
-# %% ../nbs/11_modules.ipynb #0411b79c
+# %% ../nbs/11_modules.ipynb #233d2b44
 @patch(as_prop=True)
 def quant_config(self:QuantModule) -> dict|None:
     "The `comfy_quant` dict this module writes (None while the weight is float)."
@@ -171,7 +171,7 @@ def _save_to_state_dict(self:QuantModule, destination, prefix, keep_vars):
         v = getattr(self, k, None)
         if v is not None: destination[prefix + k] = d(v)
 
-# %% ../nbs/11_modules.ipynb #08fe0489
+# %% ../nbs/11_modules.ipynb #f7154e55
 @patch
 def quantize_(self:QuantModule, fmt, # format name (or FormatSpec)
               *, stochastic_rounding:int=0, # 0: round to nearest; else a seed
@@ -186,7 +186,7 @@ def quantize_(self:QuantModule, fmt, # format name (or FormatSpec)
     self._fpmm_config, self._explicit = bool(full_precision_matrix_mult), ()
     return self
 
-# %% ../nbs/11_modules.ipynb #2b6215a1
+# %% ../nbs/11_modules.ipynb #fcbe6370
 class QuantLinear(QuantModule):
     "A Linear whose weight may be a `QuantizedTensor`: ComfyUI's `MixedPrecisionOps.Linear` for any torch model."
     _extra_keys = ('input_scale', 'pre_quant_scale')
@@ -221,7 +221,7 @@ class QuantLinear(QuantModule):
     def extra_repr(self):
         return f'in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, format={self.format}'
 
-# %% ../nbs/11_modules.ipynb #7205e250
+# %% ../nbs/11_modules.ipynb #568dbb71
 class QuantEmbedding(QuantModule):
     "An Embedding whose table may be quantized (fp8 or int8, per-row scales, rotation); a lookup decodes only its rows."
     _fact, _top_level_only, _default_scale = 'embedding', True, True
@@ -250,21 +250,25 @@ class QuantEmbedding(QuantModule):
         m.weight = emb.weight
         return m if fmt is None else m.quantize_(fmt, **options)
 
-    def forward(self, idx:torch.Tensor, out_dtype:torch.dtype|None=None) -> torch.Tensor:
-        w = self.weight
-        if not isinstance(w, QuantizedTensor):
-            out = F.embedding(idx, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
-            return out if out_dtype is None else out.to(out_dtype)
-        if self.max_norm is not None: raise NotImplementedError("QuantEmbedding: max_norm renormalizes rows in place, which a quantized table cannot do")
-        dtype = out_dtype or w.dtype
-        if hasattr(w.layout, 'dequantize_rows'): return dequantize_rows(w, idx).to(dtype)   # ComfyUI: the layout's gather, then a cast
-        return dequantize_rows(w, idx, dtype)
+# %% ../nbs/11_modules.ipynb #2733b140
+@patch
+def forward(self:QuantEmbedding, idx:torch.Tensor, out_dtype:torch.dtype|None=None) -> torch.Tensor:
+    w = self.weight
+    if not isinstance(w, QuantizedTensor):
+        out = F.embedding(idx, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
+        return out if out_dtype is None else out.to(out_dtype)
+    if self.max_norm is not None: raise NotImplementedError("QuantEmbedding: max_norm renormalizes rows in place, which a quantized table cannot do")
+    dtype = out_dtype or w.dtype
+    if hasattr(w.layout, 'dequantize_rows'): return dequantize_rows(w, idx).to(dtype)   # ComfyUI: the layout's gather, then a cast
+    return dequantize_rows(w, idx, dtype)
 
-    def extra_repr(self):
-        pad = f', padding_idx={self.padding_idx}' if self.padding_idx is not None else ''
-        return f'{self.num_embeddings}, {self.embedding_dim}{pad}, format={self.format}'
+# %% ../nbs/11_modules.ipynb #9cf9b8ad
+@patch
+def extra_repr(self:QuantEmbedding):
+    pad = f', padding_idx={self.padding_idx}' if self.padding_idx is not None else ''
+    return f'{self.num_embeddings}, {self.embedding_dim}{pad}, format={self.format}'
 
-# %% ../nbs/11_modules.ipynb #36933bb7
+# %% ../nbs/11_modules.ipynb #8b963f08
 class QuantMoEExperts(QuantModule):
     "A bank of E expert linears `[E, N, K]` (ComfyUI's `MoEExperts`), float or quantized per expert."
 
@@ -293,7 +297,7 @@ class QuantMoEExperts(QuantModule):
         "Expert i's weight: a float `[N, K]` view, or its own `QuantizedTensor`."
         return self.experts[i] if self.experts is not None else self.weight[i]
 
-# %% ../nbs/11_modules.ipynb #c4fc3bbe
+# %% ../nbs/11_modules.ipynb #cee38c07
 @patch
 def expert_linear(self:QuantMoEExperts, x:torch.Tensor, i:int) -> torch.Tensor:
     "`x @ W_i^T + b_i`: expert i's format linear for 2-D x, else (full precision, or x not 2-D) ComfyUI's dequantized `F.linear`."
@@ -303,7 +307,7 @@ def expert_linear(self:QuantMoEExperts, x:torch.Tensor, i:int) -> torch.Tensor:
     if self.runs_full_precision or x.dim() != 2: return F.linear(x, qt.dequantize().to(x.dtype), b)
     return qt.linear(x, b)
 
-# %% ../nbs/11_modules.ipynb #242900ba
+# %% ../nbs/11_modules.ipynb #3ec56ca8
 @patch
 def forward(self:QuantMoEExperts, x:torch.Tensor, # [E, ..., K] (slice e for expert e), or [..., K] routed by `expert_ids`
             expert_ids:torch.Tensor|None=None, # [...] the expert of each row of x
@@ -370,7 +374,7 @@ def _save_to_state_dict(self:QuantMoEExperts, destination, prefix, keep_vars):
         destination[prefix + k] = ts[0] if k in self._shared else torch.cat(ts, row_dim(k)) if self._flat else torch.stack(ts)
     destination[prefix + 'comfy_quant'] = encode_json(self.quant_config)
 
-# %% ../nbs/11_modules.ipynb #e7fe82dd
+# %% ../nbs/11_modules.ipynb #a317de5b
 @patch
 def quantize_(self:QuantMoEExperts, fmt, *, stochastic_rounding:int=0, full_precision_matrix_mult:bool=False,
               shared_scale:bool=False, # one scale for the whole bank (FP8, tensor-wise INT8) instead of one per expert
@@ -393,7 +397,7 @@ def quantize_(self:QuantMoEExperts, fmt, *, stochastic_rounding:int=0, full_prec
     self._fpmm_config, self._explicit = bool(full_precision_matrix_mult), ()
     return self
 
-# %% ../nbs/11_modules.ipynb #26469f64
+# %% ../nbs/11_modules.ipynb #a66529fb
 @patch
 def extra_repr(self:QuantMoEExperts):
     return (f'num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, '
@@ -430,7 +434,7 @@ def quant_module(m:nn.Module, name:str='') -> QuantModule:
     if isinstance(m, nn.Embedding): return QuantEmbedding.from_float(m)
     raise TypeError(f"module {name!r}: cquant quantizes nn.Linear, nn.Embedding and QuantMoEExperts modules, not {type(m).__name__}")
 
-# %% ../nbs/11_modules.ipynb #80ce45de
+# %% ../nbs/11_modules.ipynb #3f7dbedd
 def set_quant_compute(model:nn.Module, # a model with quantized modules
                       disabled_formats=None, # formats computed dequantized: a set, 'auto' (ComfyUI's rules for each weight's device), or None (unchanged)
                       full_precision_mm:bool|None=None, # True: every quantized module dequantizes; False: only where flags say; None: unchanged
@@ -446,14 +450,14 @@ def set_quant_compute(model:nn.Module, # a model with quantized modules
         elif disabled_formats is not None: m.disabled_formats = frozenset(disabled_formats)
     return model
 
-# %% ../nbs/11_modules.ipynb #09c7443b
+# %% ../nbs/11_modules.ipynb #7f58749b
 class LoadKeysError(RuntimeError):
     "A state dict whose keys do not match the model: `.missing_keys`, `.unexpected_keys` and the message lists them by module."
     def __init__(self, msg:str, result):
         super().__init__(msg)
         self.missing_keys, self.unexpected_keys = list(result.missing_keys), list(result.unexpected_keys)
 
-# %% ../nbs/11_modules.ipynb #d70efe68
+# %% ../nbs/11_modules.ipynb #cb275e4c
 class LoadKeysWarning(UserWarning):
     "`load_quantized_model(..., strict=False)` loaded a state dict whose keys do not match the model."
 
@@ -481,7 +485,7 @@ def key_report(result, # `load_state_dict`'s result (missing_keys, unexpected_ke
         parts += [f"    {l}" for l in lines[:limit]] + ([f"    ... and {len(lines) - limit} more module(s)"] if len(lines) > limit else [])
     return '\n'.join([f"{title} does not match the model:"] + parts) if parts else ''
 
-# %% ../nbs/11_modules.ipynb #438cdd2a
+# %% ../nbs/11_modules.ipynb #c0f8bdc4
 def load_quantized_model(model:nn.Module, # a model; its Linear/Embedding modules are swapped where `state_dict` has comfy_quant
                          state_dict, # a Comfy state dict (`cq.load_file(path)`, a dict, a Checkpoint)
                          strict:bool=True, # True: mismatched keys raise `LoadKeysError`; False: a `LoadKeysWarning`
@@ -549,7 +553,7 @@ def requantize_options(qt:QuantizedTensor) -> dict:
     "Options that re-create `qt`'s format from a patched float weight: all of them, except a fixed `scale` (recalculated)."
     return {k: v for k, v in qt.options.items() if k != 'scale'}
 
-# %% ../nbs/11_modules.ipynb #b2a843eb
+# %% ../nbs/11_modules.ipynb #445a96eb
 def lora_delta(up:torch.Tensor, # [N, r] (extra trailing dims flattened)
                down:torch.Tensor, # [r, K]
                alpha:float|None=None, # LoRA alpha: the product is scaled by alpha / r (None: 1)
@@ -559,7 +563,7 @@ def lora_delta(up:torch.Tensor, # [N, r] (extra trailing dims flattened)
     up, down = up.float().reshape(up.shape[0], -1), down.float().reshape(down.shape[0], -1)
     return (up @ down) * (strength * (1.0 if alpha is None else float(alpha) / down.shape[0]))
 
-# %% ../nbs/11_modules.ipynb #df441af6
+# %% ../nbs/11_modules.ipynb #6f12b7e2
 def apply_lora(module:QuantModule, # a QuantLinear or QuantEmbedding (quantized or float)
                up:torch.Tensor, down:torch.Tensor, # the LoRA factors
                alpha:float|None=None, strength:float=1.0, # scale: strength * alpha / rank
@@ -584,7 +588,7 @@ def apply_lora(module:QuantModule, # a QuantLinear or QuantEmbedding (quantized 
     module.weight = new
     return module
 
-# %% ../nbs/11_modules.ipynb #0d41ba68
+# %% ../nbs/11_modules.ipynb #a08bf2e3
 def unpatch(module:QuantModule) -> QuantModule:
     "Undo every `apply_lora` on `module`: the original weight tensor is put back, bit for bit."
     if module._lora_backup is not None: module.weight, module._lora_backup = module._lora_backup[0], None
