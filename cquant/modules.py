@@ -24,7 +24,8 @@ __all__ = ['comfy_disabled_formats', 'QuantModule', 'QuantLinear', 'QuantEmbeddi
 # %% ../nbs/11_modules.ipynb #0962e49a
 def comfy_disabled_formats(device=None, # a torch device (default: CPU)
                           ) -> frozenset: # format names computed dequantized on that device
-    "The formats ComfyUI computes dequantized on `device` because it has no native kernel there (each format's `native_compute`)."
+    """The formats ComfyUI computes dequantized on `device` because it has no native kernel there (each format's
+    `native_compute`)."""
     dev = torch.device(device) if device is not None else torch.device('cpu')
     return frozenset(n for n, s in FORMATS.items() if not s.native_on(dev))
 
@@ -92,7 +93,8 @@ def _apply(self:QuantModule, fn, recurse=True):
     if getattr(self, 'experts', None): self.experts = [fn(q) for q in self.experts]
     if self._lora_backup is not None:
         b = self._lora_backup[0]
-        self._lora_backup = (_qparam(fn(b)) if isinstance(b, QuantizedTensor) else nn.Parameter(fn(b.data), b.requires_grad),)
+        self._lora_backup = (_qparam(fn(b)) if isinstance(b, QuantizedTensor)
+                             else nn.Parameter(fn(b.data), b.requires_grad),)
     return self
 
 # %% ../nbs/11_modules.ipynb #5fb9496f
@@ -120,16 +122,19 @@ def _load_extras(self:QuantModule, sd, prefix, spec, K) -> dict:
     for k in self._extra_keys:
         if k not in spec.extra_keys or prefix + k not in sd: continue   # others stay: unexpected keys
         t = sd[prefix + k]
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn,
+            torch.float8_e5m2):
             raise format_error(prefix, k, 'a floating-point tensor', getattr(t, 'dtype', type(t).__name__))
         want = 1 if k == 'input_scale' else K
-        if t.numel() != want: raise format_error(prefix, k, f'{want} value(s)' + (' (one per input feature)' if k != 'input_scale' else ''), f'shape {tuple(t.shape)}')
+        if t.numel() != want: raise format_error(prefix, k, f'{want} value(s)' + (' (one per input feature)'
+            if k != 'input_scale' else ''), f'shape {tuple(t.shape)}')
         out[k] = t
     return out
 
 # %% ../nbs/11_modules.ipynb #45c4af7d
 @patch
-def _load_from_state_dict(self:QuantModule, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+def _load_from_state_dict(self:QuantModule, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                          error_msgs):
     wkey, ckey = prefix + 'weight', prefix + 'comfy_quant'
     self.key = wkey
     load, shape = super(QuantModule, self)._load_from_state_dict, self._logical_shape()
@@ -153,9 +158,11 @@ def _load_from_state_dict(self:QuantModule, state_dict, prefix, local_metadata, 
         consumed |= {prefix + k for k in extras}
         self.weight = _qparam(qt)
         self._fpmm_config = bool(file_value(cfg, FPMM, self._top_level_only))
-        self._explicit = tuple(o.name for o in spec.options if o.stored and file_value(cfg, o.name, self._top_level_only) is not None)
+        self._explicit = tuple(o.name for o in spec.options if o.stored
+                               and file_value(cfg, o.name, self._top_level_only) is not None)
         for k in self._extra_keys: setattr(self, k, extras.get(k))
-    load({k: v for k, v in state_dict.items() if k not in consumed}, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+    load({k: v for k, v in state_dict.items() if k not in consumed}, prefix, local_metadata, strict, missing_keys,
+         unexpected_keys, error_msgs)
     if loaded and wkey in missing_keys: missing_keys.remove(wkey)
 
 # %% ../nbs/11_modules.ipynb #0719f638
@@ -179,10 +186,12 @@ def quantize_(self:QuantModule, fmt, # format name (or FormatSpec)
               **options): # format options, as `cquant.quantize`
     "Quantize this module's float weight in place."
     w = self._parameters.get('weight')
-    if isinstance(w, QuantizedTensor): raise ValueError(f"{self.key or type(self).__name__}: the weight is already quantized ({w.format})")
+    if isinstance(w, QuantizedTensor): raise ValueError(f"{self.key or type(self).__name__}: the weight is already "
+                                                        f"quantized ({w.format})")
     spec = get_format(fmt, caller=f'{type(self).__name__}.quantize_')
     self._check_format(spec, '', f'{self.key or "weight"} format')
-    self.weight = _qparam(quantize(w.detach(), spec, stochastic_rounding=stochastic_rounding, name=self.key or 'weight', **options))
+    self.weight = _qparam(quantize(w.detach(), spec, stochastic_rounding=stochastic_rounding, name=self.key
+                                   or 'weight', **options))
     self._fpmm_config, self._explicit = bool(full_precision_matrix_mult), ()
     return self
 
@@ -226,7 +235,8 @@ class QuantEmbedding(QuantModule):
     "An Embedding whose table may be quantized (fp8 or int8, per-row scales, rotation); a lookup decodes only its rows."
     _fact, _top_level_only, _default_scale = 'embedding', True, True
 
-    def __init__(self, num_embeddings:int, embedding_dim:int, padding_idx:int|None=None, max_norm=None, norm_type:float=2.0,
+    def __init__(self, num_embeddings:int, embedding_dim:int, padding_idx:int|None=None, max_norm=None,
+                 norm_type:float=2.0,
                  scale_grad_by_freq:bool=False, sparse:bool=False, device=None, dtype=None):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -245,7 +255,8 @@ class QuantEmbedding(QuantModule):
     @classmethod
     def from_float(cls, emb:nn.Embedding, fmt=None, **options) -> QuantEmbedding:
         "A QuantEmbedding sharing `emb`'s table; quantized to `fmt` (with `options`) when given."
-        m = cls(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, emb.max_norm, emb.norm_type, emb.scale_grad_by_freq,
+        m = cls(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, emb.max_norm, emb.norm_type,
+                emb.scale_grad_by_freq,
                 emb.sparse, device='meta', dtype=emb.weight.dtype)
         m.weight = emb.weight
         return m if fmt is None else m.quantize_(fmt, **options)
@@ -257,7 +268,8 @@ def forward(self:QuantEmbedding, idx:torch.Tensor, out_dtype:torch.dtype|None=No
     if not isinstance(w, QuantizedTensor):
         out = F.embedding(idx, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
         return out if out_dtype is None else out.to(out_dtype)
-    if self.max_norm is not None: raise NotImplementedError("QuantEmbedding: max_norm renormalizes rows in place, which a quantized table cannot do")
+    if self.max_norm is not None: raise NotImplementedError("QuantEmbedding: max_norm renormalizes rows in place, "
+                                                            "which a quantized table cannot do")
     dtype = out_dtype or w.dtype
     if hasattr(w.layout, 'dequantize_rows'): return dequantize_rows(w, idx).to(dtype)   # ComfyUI: the layout's gather, then a cast
     return dequantize_rows(w, idx, dtype)
@@ -282,7 +294,8 @@ class QuantMoEExperts(QuantModule):
         if self.weight.device.type != 'meta':
             with torch.no_grad():
                 for e in range(num_experts): nn.init.kaiming_uniform_(self.weight[e], a=math.sqrt(5))
-                if self.bias is not None: self.bias.uniform_(-1 / math.sqrt(max(in_features, 1)), 1 / math.sqrt(max(in_features, 1)))
+                if self.bias is not None: self.bias.uniform_(-1 / math.sqrt(max(in_features, 1)),
+                    1 / math.sqrt(max(in_features, 1)))
 
     def _num_experts(self): return self.num_experts
     def _logical_shape(self): return (self.out_features, self.in_features)
@@ -300,7 +313,8 @@ class QuantMoEExperts(QuantModule):
 # %% ../nbs/11_modules.ipynb #cee38c07
 @patch
 def expert_linear(self:QuantMoEExperts, x:torch.Tensor, i:int) -> torch.Tensor:
-    "`x @ W_i^T + b_i`: expert i's format linear for 2-D x, else (full precision, or x not 2-D) ComfyUI's dequantized `F.linear`."
+    """`x @ W_i^T + b_i`: expert i's format linear for 2-D x, else (full precision, or x not 2-D) ComfyUI's dequantized
+    `F.linear`."""
     b = None if self.bias is None else self.bias[i].to(x.dtype)
     if self.experts is None: return F.linear(x, self.weight[i].to(x.dtype), b)
     qt = self.experts[i]
@@ -315,14 +329,17 @@ def forward(self:QuantMoEExperts, x:torch.Tensor, # [E, ..., K] (slice e for exp
     "Each slice `x[e]` through expert e, or each row of x through the expert `expert_ids` names."
     E, K, N = self.num_experts, self.in_features, self.out_features
     if expert_ids is None:
-        if x.shape[0] != E: raise ValueError(f"QuantMoEExperts: x needs a leading expert dim of {E}, got shape {tuple(x.shape)}")
+        if x.shape[0] != E: raise ValueError(f"QuantMoEExperts: x needs a leading expert dim of {E}, got shape "
+                                             f"{tuple(x.shape)}")
         return torch.stack([self.expert_linear(x[e], e) for e in range(E)])
     ids, x2 = expert_ids.reshape(-1).to(x.device), x.reshape(-1, K)
-    if ids.shape[0] != x2.shape[0]: raise ValueError(f"QuantMoEExperts: {ids.shape[0]} expert ids for {x2.shape[0]} rows")
+    if ids.shape[0] != x2.shape[0]: raise ValueError(f"QuantMoEExperts: {ids.shape[0]} expert ids for {x2.shape[0]} "
+                                                     f"rows")
     out = x2.new_empty(x2.shape[0], N)
     if ids.numel():
         lo, hi = torch.aminmax(ids)
-        if int(lo) < 0 or int(hi) >= E: raise IndexError(f"QuantMoEExperts: expert ids must be in [0, {E}), got {int(lo)}..{int(hi)}")
+        if int(lo) < 0 or int(hi) >= E: raise IndexError(f"QuantMoEExperts: expert ids must be in [0, {E}), got "
+                                                         f"{int(lo)}..{int(hi)}")
         for e in torch.unique(ids).tolist():
             sel = (ids == e).nonzero().squeeze(1)
             out[sel] = self.expert_linear(x2[sel], e)
@@ -330,7 +347,8 @@ def forward(self:QuantMoEExperts, x:torch.Tensor, # [E, ..., K] (slice e for exp
 
 # %% ../nbs/11_modules.ipynb #fe08ae30
 @patch
-def _load_from_state_dict(self:QuantMoEExperts, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+def _load_from_state_dict(self:QuantMoEExperts, state_dict, prefix, local_metadata, strict, missing_keys,
+                          unexpected_keys, error_msgs):
     wkey, ckey = prefix + 'weight', prefix + 'comfy_quant'
     self.key = wkey
     load = nn.Module._load_from_state_dict.__get__(self)
@@ -344,23 +362,27 @@ def _load_from_state_dict(self:QuantMoEExperts, state_dict, prefix, local_metada
     spec = get_format(cfg['format'], prefix)
     for k in ('input_scale', 'pre_quant_scale'):
         if prefix + k in state_dict:
-            raise format_error(prefix, k, 'no input_scale or pre_quant_scale on an MoE expert bank (its activations are '
-                               'quantized per expert, dynamically)', f'{prefix + k} of shape {tuple(state_dict[prefix + k].shape)}')
+            raise format_error(prefix, k, 'no input_scale or pre_quant_scale on an MoE expert bank (its '
+                               'activations are quantized per expert, dynamically)',
+                               f'{prefix + k} of shape {tuple(state_dict[prefix + k].shape)}')
     n = file_value(cfg, 'num_experts')
-    if n is not None and n != E: raise format_error(prefix, 'comfy_quant["num_experts"]', f'{E} (the module has {E} experts)', repr(n))
+    if n is not None and n != E: raise format_error(prefix, 'comfy_quant["num_experts"]',
+                                                    f'{E} (the module has {E} experts)', repr(n))
     consumed = {ckey} | {prefix + k for k in spec.weight_keys if prefix + k in state_dict}
     loaded = wkey in state_dict
     if loaded:
         tensors = {k: state_dict[prefix + k] for k in spec.weight_keys if prefix + k in state_dict}
         dtype = self.dtype
         if self.experts is not None: device = self.experts[0].device
-        else: device = next((t.device for t in (self.weight, self.bias) if t is not None and t.device.type != 'meta'), None)
+        else: device = next((t.device for t in (self.weight, self.bias) if t is not None and t.device.type != 'meta'),
+                            None)
         experts, flat, shared = split_bank(tensors, cfg, E, (N, K), dtype, prefix)
         if device is not None: experts = [q if q.device == device else q.to(device) for q in experts]
         self.weight, self.experts, self._flat, self._shared = None, experts, flat, shared
         self._fpmm_config = bool(file_value(cfg, FPMM))
         self._explicit = tuple(o.name for o in spec.options if o.stored and file_value(cfg, o.name) is not None)
-    load({k: v for k, v in state_dict.items() if k not in consumed}, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+    load({k: v for k, v in state_dict.items() if k not in consumed}, prefix, local_metadata, strict, missing_keys,
+         unexpected_keys, error_msgs)
     if loaded and wkey in missing_keys: missing_keys.remove(wkey)
 
 # %% ../nbs/11_modules.ipynb #1ca4b4ee
@@ -380,12 +402,14 @@ def quantize_(self:QuantMoEExperts, fmt, *, stochastic_rounding:int=0, full_prec
               shared_scale:bool=False, # one scale for the whole bank (FP8, tensor-wise INT8) instead of one per expert
               **options):
     "Quantize the float bank in place: per expert, or (flattened banks, `shared_scale`) as one `[E*N, K]` tensor."
-    if self.experts is not None: raise ValueError(f"{self.key or 'QuantMoEExperts'}: the bank is already quantized ({self.format})")
+    if self.experts is not None: raise ValueError(f"{self.key or 'QuantMoEExperts'}: the bank is already quantized "
+                                                  f"({self.format})")
     spec, W, name = get_format(fmt, caller='QuantMoEExperts.quantize_'), self.weight.detach(), self.key or 'weight'
     E, N, K = W.shape
     flat = spec.bank_is_flat(options)
     if shared_scale and (not spec.row_gather or flat):
-        raise format_error('', f'{name} option shared_scale', f'a tensor-wise format of {flagged_formats("row_gather")}', f'{spec.name} {options}')
+        raise format_error('', f'{name} option shared_scale',
+                           f'a tensor-wise format of {flagged_formats("row_gather")}', f'{spec.name} {options}')
     if flat or shared_scale:     # rows quantize independently: the bank as one [E*N, K] tensor (one codebook, one shared scale)
         qt = quantize(W.reshape(E * N, K), spec, stochastic_rounding=stochastic_rounding, name=name, **options)
         experts, _, shared = split_bank(qt.state_dict(''), qt.config, E, (N, K), W.dtype)
@@ -419,7 +443,8 @@ def submodule(model:nn.Module, name:str):
 def is_linear(m:nn.Module) -> bool:
     "Whether `m` is a linear layer: an `nn.Linear` or a class named Linear with its attributes (ComfyUI's ops)."
     if isinstance(m, nn.Linear): return True
-    return type(m).__name__ == 'Linear' and all(hasattr(m, a) for a in ('in_features', 'out_features', 'weight', 'forward'))
+    return type(m).__name__ == 'Linear' and all(hasattr(m, a)
+                                                for a in ('in_features', 'out_features', 'weight', 'forward'))
 
 # %% ../nbs/11_modules.ipynb #3c47ec7f
 def quantized_names(sd) -> list:
@@ -432,7 +457,8 @@ def quant_module(m:nn.Module, name:str='') -> QuantModule:
     if isinstance(m, QuantModule): return m
     if isinstance(m, nn.Linear): return QuantLinear.from_float(m)
     if isinstance(m, nn.Embedding): return QuantEmbedding.from_float(m)
-    raise TypeError(f"module {name!r}: cquant quantizes nn.Linear, nn.Embedding and QuantMoEExperts modules, not {type(m).__name__}")
+    raise TypeError(f"module {name!r}: cquant quantizes nn.Linear, nn.Embedding and QuantMoEExperts modules, not "
+                    f"{type(m).__name__}")
 
 # %% ../nbs/11_modules.ipynb #3f7dbedd
 def set_quant_compute(model:nn.Module, # a model with quantized modules
@@ -444,7 +470,8 @@ def set_quant_compute(model:nn.Module, # a model with quantized modules
         if not isinstance(m, QuantModule): continue
         if full_precision_mm is not None: m.full_precision_mm = bool(full_precision_mm)
         if isinstance(disabled_formats, str):
-            if disabled_formats != 'auto': raise ValueError(f"disabled_formats: expected a set of formats, 'auto' or None, got {disabled_formats!r}")
+            if disabled_formats != 'auto': raise ValueError(f"disabled_formats: expected a set of formats, 'auto' or "
+                                                            f"None, got {disabled_formats!r}")
             w = m.experts[0] if getattr(m, 'experts', None) else m._parameters.get('weight')
             m.disabled_formats = comfy_disabled_formats(None if w is None else w.device)
         elif disabled_formats is not None: m.disabled_formats = frozenset(disabled_formats)
@@ -452,7 +479,8 @@ def set_quant_compute(model:nn.Module, # a model with quantized modules
 
 # %% ../nbs/11_modules.ipynb #7f58749b
 class LoadKeysError(RuntimeError):
-    "A state dict whose keys do not match the model: `.missing_keys`, `.unexpected_keys` and the message lists them by module."
+    """A state dict whose keys do not match the model: `.missing_keys`, `.unexpected_keys` and the message lists them by
+    module."""
     def __init__(self, msg:str, result):
         super().__init__(msg)
         self.missing_keys, self.unexpected_keys = list(result.missing_keys), list(result.unexpected_keys)
@@ -482,7 +510,8 @@ def key_report(result, # `load_state_dict`'s result (missing_keys, unexpected_ke
         if not keys: continue
         lines = _by_module(keys)
         parts.append(f"  {len(keys)} {what} key(s) in {len(lines)} module(s) ({why}):")
-        parts += [f"    {l}" for l in lines[:limit]] + ([f"    ... and {len(lines) - limit} more module(s)"] if len(lines) > limit else [])
+        parts += [f"    {l}" for l in lines[:limit]] + ([f"    ... and {len(lines) - limit} more module(s)"]
+                                                        if len(lines) > limit else [])
     return '\n'.join([f"{title} does not match the model:"] + parts) if parts else ''
 
 # %% ../nbs/11_modules.ipynb #c0f8bdc4
@@ -493,19 +522,22 @@ def load_quantized_model(model:nn.Module, # a model; its Linear/Embedding module
                          disabled_formats=None, # see `set_quant_compute`
                          full_precision_mm:bool|None=None, # see `set_quant_compute`
                         ) -> nn.Module: # `model`, loaded; `model.load_result` holds missing_keys and unexpected_keys
-    "Load a Comfy quantized state dict into `model`, swapping each module that has a `comfy_quant` for its quantized version."
+    """Load a Comfy quantized state dict into `model`, swapping each module that has a `comfy_quant` for its quantized
+    version."""
     sd = dict(state_dict)
     for name in quantized_names(sd):
         m = submodule(model, name)
         if m is None: continue                                    # its keys are reported as unexpected
         q = quant_module(m, name)
         if q is not m:
-            if not name: raise TypeError("load_quantized_model: the root module itself has a comfy_quant; load it through a parent module")
+            if not name: raise TypeError("load_quantized_model: the root module itself has a comfy_quant; load it "
+                                         "through a parent module")
             swap_module(model, name, q)
     set_quant_compute(model, disabled_formats, full_precision_mm)
     model.load_result = res = model.load_state_dict(sd, strict=False, assign=assign)
     msg = key_report(res, f'load_quantized_model: the state dict for {type(model).__name__}')
-    if msg and strict: raise LoadKeysError(msg + '\n(strict=False loads it anyway, with a warning; the lists are then on model.load_result)', res)
+    if msg and strict: raise LoadKeysError(msg + '\n(strict=False loads it anyway, with a warning; the lists are then '
+                                                 'on model.load_result)', res)
     if msg: warnings.warn(msg, LoadKeysWarning, stacklevel=2)
     return model
 
@@ -516,10 +548,13 @@ def plan_entry(d, # a format name, (format, options), a comfy_quant dict, a Deci
     "The one normaliser of a plan entry, for every consumer of plans (quantize_model, calibrate, the explorer)."
     label = getattr(d, 'label', None) if not isinstance(d, (str, tuple, dict, type(None))) else None
     if d is None or isinstance(d, str): fmt, opts, cfg = d, {}, {}
-    elif isinstance(d, tuple) and len(d) in (1, 2): fmt, opts, cfg = d[0], dict((d[1] if len(d) == 2 else None) or {}), {}
+    elif isinstance(d, tuple) and len(d) in (1, 2): fmt, opts, cfg = d[0], dict((d[1] if len(d) == 2 else None)
+        or {}), {}
     elif isinstance(d, dict): fmt, opts, cfg = d.get('format'), {}, d
-    elif hasattr(d, 'format'): fmt, opts, cfg = d.format, dict(getattr(d, 'options', None) or {}), dict(getattr(d, 'config', None) or {})
-    else: raise TypeError(f"{caller}: plan entry: expected a format name, (format, options), a comfy_quant dict or a Decision, got {d!r}")
+    elif hasattr(d, 'format'): fmt, opts, cfg = d.format, dict(getattr(d, 'options', None)
+        or {}), dict(getattr(d, 'config', None) or {})
+    else: raise TypeError(f"{caller}: plan entry: expected a format name, (format, options), a comfy_quant dict or a "
+                          f"Decision, got {d!r}")
     if fmt is None: return None, {}, False, label or 'float'
     spec = get_format(fmt, caller=f'{caller}: plan entry')
     if not opts and cfg: opts = {k: v for k, v in {**nested_params(cfg), **cfg}.items() if k in spec.option_names}
@@ -535,7 +570,8 @@ def uniform_plan(model:nn.Module, # a float model
     opts = spec.resolve(None, **{k: v for k, v in options.items() if k not in ('shared_scale', 'stochastic_rounding')})
     plan = {}
     for name, m in model.named_modules():
-        if not name or any(s in name for s in skip) or not isinstance(m, (nn.Linear, nn.Embedding, QuantModule)): continue
+        if not name or any(s in name for s in skip) or not isinstance(m, (nn.Linear, nn.Embedding,
+            QuantModule)): continue
         if isinstance(m, (nn.Embedding, QuantEmbedding)) and not spec.embedding: continue
         w = m.weight if getattr(m, 'weight', None) is not None else m.expert_weight(0)
         try: spec.layout.check_shape(tuple(w.shape[-2:]), opts, name + '.')
@@ -545,12 +581,14 @@ def uniform_plan(model:nn.Module, # a float model
 
 # %% ../nbs/11_modules.ipynb #781f45f3
 def string_to_seed(key:str) -> int:
-    "A deterministic non-zero seed from a state-dict key: CRC-32 of its UTF-8 bytes (ComfyUI's `string_to_seed` for ASCII keys)."
+    """A deterministic non-zero seed from a state-dict key: CRC-32 of its UTF-8 bytes (ComfyUI's `string_to_seed` for
+    ASCII keys)."""
     return zlib.crc32(key.encode('utf-8')) or 1
 
 # %% ../nbs/11_modules.ipynb #9b85ece9
 def requantize_options(qt:QuantizedTensor) -> dict:
-    "Options that re-create `qt`'s format from a patched float weight: all of them, except a fixed `scale` (recalculated)."
+    """Options that re-create `qt`'s format from a patched float weight: all of them, except a fixed `scale`
+    (recalculated)."""
     return {k: v for k, v in qt.options.items() if k != 'scale'}
 
 # %% ../nbs/11_modules.ipynb #445a96eb
@@ -570,19 +608,23 @@ def apply_lora(module:QuantModule, # a QuantLinear or QuantEmbedding (quantized 
                seed:int|None=None, # stochastic-rounding seed; None: from `key` (0: round to nearest)
                key:str|None=None, # the weight's state-dict key (default: the one the module recorded)
               ) -> QuantModule:
-    "Patch `module`: dequantize, add the LoRA delta in float32, requantize (same format/options, seeded stochastic rounding)."
+    """Patch `module`: dequantize, add the LoRA delta in float32, requantize (same format/options, seeded stochastic
+    rounding)."""
     if isinstance(module, QuantMoEExperts) or not isinstance(module, QuantModule):
         raise TypeError(f"apply_lora: expected a QuantLinear or QuantEmbedding, got {type(module).__name__}")
     w = module.weight
     delta = lora_delta(up, down, alpha, strength)
-    if tuple(delta.shape) != tuple(w.shape): raise ValueError(f"apply_lora: the delta is {tuple(delta.shape)}, the weight {tuple(w.shape)}")
+    if tuple(delta.shape) != tuple(w.shape): raise ValueError(f"apply_lora: the delta is {tuple(delta.shape)}, the "
+        f"weight {tuple(w.shape)}")
     if isinstance(w, QuantizedTensor):
         key = key or module.key
         if seed is None:
-            if key is None: raise ValueError("apply_lora: pass key= (the weight's state-dict key) or seed=; this module has no key yet")
+            if key is None: raise ValueError("apply_lora: pass key= (the weight's state-dict key) or seed=; this "
+                                             "module has no key yet")
             seed = string_to_seed(key)
         patched = w.dequantize(torch.float32).add_(delta.to(w.device))
-        new = _qparam(quantize(patched, w.format, stochastic_rounding=int(seed), name=key or 'weight', **requantize_options(w)).to(w.dtype))
+        new = _qparam(quantize(patched, w.format, stochastic_rounding=int(seed), name=key or 'weight',
+                               **requantize_options(w)).to(w.dtype))
     else: new = nn.Parameter((w.detach().float() + delta.to(w.device)).to(w.dtype), requires_grad=w.requires_grad)
     if module._lora_backup is None: module._lora_backup = (w,)
     module.weight = new

@@ -16,12 +16,15 @@ __all__ = ['default_variants', 'format_table', 'rows_markdown', 'plot_format_sqn
 
 # %% ../nbs/09_format_quality.ipynb #1557cb6f
 def default_variants() -> list: # [(label, format, options)]
-    "One variant per registered format with default options, plus each format's `study_variants` (int8 per-row and ConvRot 16, 64, 256)."
-    return [v for name, spec in FORMATS.items() for v in [(name, name, {})] + [(l, name, dict(o)) for l, o in spec.study_variants]]
+    """One variant per registered format with default options, plus each format's `study_variants` (int8 per-row and
+    ConvRot 16, 64, 256)."""
+    return [v for name, spec in FORMATS.items() for v in [(name, name, {})] + [(l, name, dict(o))
+        for l, o in spec.study_variants]]
 
 # %% ../nbs/09_format_quality.ipynb #9042b75b
 def _variants(formats, options:dict) -> list:
-    "Normalise `formats` (None, names or (label, format, options) triples) and spread `options` to the formats that declare them."
+    """Normalise `formats` (None, names or (label, format, options) triples) and spread `options` to the formats that
+    declare them."""
     if formats is None: formats = default_variants()
     out = []
     for f in formats:
@@ -52,7 +55,8 @@ def format_table(w, # a 2-D weight, or {layer name: 2-D weight}
                  formats=None, # None (every registered format + int8 variants), format names, or (label, format, options) triples
                  **options, # quantize options, given to each format that declares them (e.g. per_row=True)
                 ) -> list: # one dict per variant
-    "Quality and storage cost of each format on `w`: SQNR (aggregate, mean, min and per layer), relative error, bits per weight."
+    """Quality and storage cost of each format on `w`: SQNR (aggregate, mean, min and per layer), relative error, bits
+    per weight."""
     layers = w if isinstance(w, dict) else {'weight': w}
     variants = _variants(formats, options)
     if formats is None: variants = _fitting(variants, [tuple(t.shape) for t in layers.values()])
