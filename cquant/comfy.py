@@ -12,7 +12,7 @@ from .tensor import (QuantFormatError, QuantizedTensor, check_comfy_quant, decod
                            get_format, load_quantized, module_prefix)
 
 # %% auto #0
-__all__ = ['FPMM', 'read_comfy_quant', 'comfy_config', 'select_rows', 'dequantize_rows', 'split_bank', 'expert_tensors']
+__all__ = ['read_comfy_quant', 'comfy_config']
 
 # %% ../nbs/09a_comfy.ipynb #b6ad8e69
 def nested_params(cfg:dict) -> dict: return cfg['params'] if isinstance(cfg.get('params'), dict) else {}
@@ -22,9 +22,10 @@ def file_value(cfg:dict, name:str, top_level_only:bool=False):
     "An option as a loader reads it: top level, else the nested `params` object (not for embeddings), else None."
     return cfg[name] if name in cfg else (None if top_level_only else nested_params(cfg).get(name))
 
-# %% ../nbs/09a_comfy.ipynb #fcf8f0f6
+# %% ../nbs/09a_comfy.ipynb #1dbbb6ef
 FPMM = 'full_precision_matrix_mult'
 
+# %% ../nbs/09a_comfy.ipynb #3aba8bf9
 def read_comfy_quant(sd:dict, # a state dict (or any mapping of tensors)
                      prefix:str='', # the module prefix, e.g. 'blocks.0.attn.qkv.' (the trailing dot may be left out)
                     ) -> dict: # the decoded JSON object (it has a 'format')
@@ -33,6 +34,7 @@ def read_comfy_quant(sd:dict, # a state dict (or any mapping of tensors)
     key = prefix + 'comfy_quant'
     return check_comfy_quant(decode_json(sd[key], key), prefix)
 
+# %% ../nbs/09a_comfy.ipynb #8529f479
 def comfy_config(qt:QuantizedTensor, # the quantized weight
                  explicit:tuple=(), # stored options the source file spelled out (kept even at their default)
                  full_precision:bool=False, # write `full_precision_matrix_mult: true`
@@ -55,7 +57,7 @@ def flagged_formats(fact:str) -> list:
     "The registered formats whose `FormatSpec` sets `fact` (for messages)."
     return [n for n, s in FORMATS.items() if getattr(s, fact)]
 
-# %% ../nbs/09a_comfy.ipynb #6078f674
+# %% ../nbs/09a_comfy.ipynb #7834aa76
 _SHARED_KEYS = ('weight_codebook',)                                   # never per row, whatever their length
 _ROW_DIM = {'weight_correction': 1}                                   # stored transposed: [K/G, N]
 
@@ -64,15 +66,18 @@ def _is_per_row(k:str, t:torch.Tensor, n:int) -> bool:
     d = row_dim(k)
     return k == 'weight' or (k not in _SHARED_KEYS and t.dim() > d and t.shape[d] == n)
 
+# %% ../nbs/09a_comfy.ipynb #eb2a697f
 def select_rows(tensors:dict, # file tensors of one module: {'weight': ..., 'weight_scale': ...}
                 rows, # an index tensor or a slice over storage rows
                 n_rows:int|None=None, # storage rows (default: tensors['weight'].shape[0])
                ) -> dict: # the same keys: per-row tensors indexed, shared ones unchanged
-    "The file tensors of storage `rows`: `weight` and every tensor with one entry per row, indexed; shared tensors kept."
+    """The file tensors of storage `rows`: `weight` and every tensor with one entry per row, indexed; shared tensors
+    kept."""
     n = tensors['weight'].shape[0] if n_rows is None else n_rows
     pick = lambda k, t: (t[rows] if row_dim(k) == 0 else t[:, rows]) if _is_per_row(k, t, n) else t
     return {k: pick(k, t) for k, t in tensors.items()}
 
+# %% ../nbs/09a_comfy.ipynb #de054f15
 def dequantize_rows(qt:QuantizedTensor, # a 2-D [V, D] table in a row-separable format
                     idx:torch.Tensor, # integer indices, any shape
                     dtype:torch.dtype|None=None, # output dtype (default: qt's logical dtype)
@@ -81,24 +86,30 @@ def dequantize_rows(qt:QuantizedTensor, # a 2-D [V, D] table in a row-separable 
     dtype = dtype or qt.dtype
     if hasattr(qt.layout, 'dequantize_rows'): return qt.layout.dequantize_rows(qt.qdata, qt.params, idx, dtype)
     if not qt._spec.row_gather or qt.dim() != 2 or qt._transposed:
-        raise format_error('', 'weight', f'a 2-D weight in a row-separable format {flagged_formats("row_gather")}', f'{qt.format} of shape {tuple(qt.shape)}')
-    if idx.is_floating_point() or idx.is_complex(): raise TypeError(f"dequantize_rows: indices must be integers, got {idx.dtype}")
+        raise format_error('', 'weight', f'a 2-D weight in a row-separable format {flagged_formats("row_gather")}',
+                           f'{qt.format} of shape {tuple(qt.shape)}')
+    if idx.is_floating_point() or idx.is_complex(): raise TypeError(f"dequantize_rows: indices must be integers, got "
+        f"{idx.dtype}")
     V, D = qt.shape
     flat = idx.reshape(-1).to(device=qt.qdata.device, dtype=torch.long)
     if flat.numel() == 0: return torch.empty(*idx.shape, D, dtype=dtype, device=qt.qdata.device)
     lo, hi = torch.aminmax(flat)
-    if int(lo) < 0 or int(hi) >= V: raise IndexError(f"dequantize_rows: index out of range for a table of {V} rows (got {int(lo)}..{int(hi)})")
+    if int(lo) < 0 or int(hi) >= V: raise IndexError(f"dequantize_rows: index out of range for a table of {V} rows "
+                                                     f"(got {int(lo)}..{int(hi)})")
     uniq, inv = torch.unique(flat, return_inverse=True)
-    sub = load_quantized(select_rows(qt.layout.tensors(qt.qdata, qt.params), uniq, V), '', (len(uniq), D), dtype, qt.config)
+    sub = load_quantized(select_rows(qt.layout.tensors(qt.qdata, qt.params), uniq, V), '', (len(uniq), D), dtype,
+                         qt.config)
     return sub.dequantize()[inv].reshape(*idx.shape, D)
 
-# %% ../nbs/09a_comfy.ipynb #bc4cdadc
+# %% ../nbs/09a_comfy.ipynb #3fb66e22
 _FLATTEN_KEYS = ('weight', 'weight_scale', 'weight_s_rel', 'weight_s_channel')
 
 def _is_flat(spec, config:dict, tensors:dict) -> bool:
-    "ComfyUI's rule (the format's `flat_banks`): grouped formats and per-row INT8 keep the bank as rows; a 2-D weight already is."
+    """ComfyUI's rule (the format's `flat_banks`): grouped formats and per-row INT8 keep the bank as rows; a 2-D weight
+    already is."""
     return tensors['weight'].dim() == 2 or spec.bank_is_flat(config, tensors)
 
+# %% ../nbs/09a_comfy.ipynb #aa098a97
 def split_bank(tensors:dict, # the bank's file tensors, keys relative to the module ('weight', 'weight_scale', ...)
                config:dict, # its comfy_quant
                num_experts:int, # E
@@ -114,28 +125,36 @@ def split_bank(tensors:dict, # the bank's file tensors, keys relative to the mod
         except QuantFormatError as e: raise QuantFormatError(f"{e} (expert {i} of {num_experts})") from None
     return experts, flat, shared
 
+# %% ../nbs/09a_comfy.ipynb #4fd05e60
 def expert_tensors(tensors:dict, # the bank's file tensors, keys relative to the module ('weight', 'weight_scale', ...)
                    config:dict, # its comfy_quant
                    num_experts:int, # E
                    prefix:str='', # module prefix for error messages
                   ) -> tuple: # (take: i -> expert i's file tensors, stored flat?, names of shared tensors)
-    "How a bank splits into experts: checks E against the leading dim (or the E*rows of a flat bank); `take(i)` gives expert i's tensors."
+    """How a bank splits into experts: checks E against the leading dim (or the E*rows of a flat bank); `take(i)` gives
+    expert i's tensors."""
     spec, E = get_format(config['format'], prefix), num_experts
     w = tensors['weight']
     flat = _is_flat(spec, config, tensors)
     if flat:
         if w.dim() == 3:
-            if w.shape[0] != E: raise format_error(prefix, 'weight', f'a bank of {E} experts, [{E}, ...] or [{E}*rows, ...]', f'shape {tuple(w.shape)}')
-            tensors = {k: t.reshape(E * t.shape[1], *t.shape[2:]) if k in _FLATTEN_KEYS and t.dim() > 1 and t.shape[0] == E
-                          else t.transpose(0, 1).reshape(t.shape[1], E * t.shape[2]) if row_dim(k) == 1 and t.dim() == 3 and t.shape[0] == E
+            if w.shape[0] != E: raise format_error(prefix, 'weight',
+                f'a bank of {E} experts, [{E}, ...] or [{E}*rows, ...]', f'shape {tuple(w.shape)}')
+            tensors = {k: t.reshape(E * t.shape[1], *t.shape[2:]) if k in _FLATTEN_KEYS and t.dim() > 1
+                       and t.shape[0] == E
+                          else t.transpose(0, 1).reshape(t.shape[1], E * t.shape[2]) if row_dim(k) == 1
+                          and t.dim() == 3 and t.shape[0] == E
                           else t for k, t in tensors.items()}
             w = tensors['weight']
-        if w.dim() != 2 or w.shape[0] % E: raise format_error(prefix, 'weight', f'a flattened bank of {E} experts, [{E}*rows, cols]', f'shape {tuple(w.shape)}')
+        if w.dim() != 2 or w.shape[0] % E: raise format_error(prefix, 'weight',
+            f'a flattened bank of {E} experts, [{E}*rows, cols]', f'shape {tuple(w.shape)}')
         R, r = w.shape[0], w.shape[0] // E
         per = {k: _is_per_row(k, t, R) for k, t in tensors.items()}
         take = lambda i: select_rows(tensors, slice(i * r, (i + 1) * r), R)
     else:
-        if w.dim() < 2 or w.shape[0] != E: raise format_error(prefix, 'weight', f'a bank with leading expert dim {E}', f'shape {tuple(w.shape)}')
-        per = {k: k == 'weight' or (k not in _SHARED_KEYS and t.dim() >= 1 and t.shape[0] == E) for k, t in tensors.items()}
+        if w.dim() < 2 or w.shape[0] != E: raise format_error(prefix, 'weight', f'a bank with leading expert dim {E}',
+            f'shape {tuple(w.shape)}')
+        per = {k: k == 'weight' or (k not in _SHARED_KEYS and t.dim() >= 1 and t.shape[0] == E)
+               for k, t in tensors.items()}
         take = lambda i: {k: t[i] if per[k] else t for k, t in tensors.items()}
     return take, flat, {k for k, p in per.items() if not p}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io, itertools, math, os, time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from fastcore.basics import patch
 import torch
 import torch.nn.functional as F
 from .formats import FORMATS
@@ -20,13 +21,11 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .policy import Policy
 
 # %% auto #0
-__all__ = ['fit_options', 'accepts', 'option_domain', 'normalize_options', 'error_numbers', 'sample_rows', 'storage_bytes',
-           'variant_label', 'Analysis', 'analyze', 'BlockGrid', 'typical_block', 'block_grid', 'plot_values',
-           'plot_errors', 'block_error', 'plot_error_map', 'kitchen_numbers', 'format_variants', 'Comparison',
-           'compare_formats', 'plot_sqnr_bars', 'plot_convrot', 'LayerRef', 'weight_layers', 'layer_sqnr',
-           'plot_layer_sqnr', 'default_layer', 'fewest_bits_format', 'Explorer', 'explore']
+__all__ = ['Analysis', 'analyze', 'BlockGrid', 'block_grid', 'plot_values', 'plot_errors', 'plot_error_map', 'format_variants',
+           'Comparison', 'compare_formats', 'plot_sqnr_bars', 'plot_convrot', 'weight_layers', 'layer_sqnr',
+           'plot_layer_sqnr', 'fewest_bits_format', 'Explorer', 'explore']
 
-# %% ../nbs/14_explore.ipynb #f5e3c071
+# %% ../nbs/14_explore.ipynb #5c441481
 def _kind(o) -> str|None:
     "How option `o` becomes a control: 'choice', 'bool', 'int' (a size the shape rules check) or None (not exposed)."
     want = o.type if isinstance(o.type, tuple) else (o.type,)
@@ -35,23 +34,28 @@ def _kind(o) -> str|None:
     if want == (int,): return 'int'
     return None
 
+# %% ../nbs/14_explore.ipynb #518abefb
 def _divisors(n:int) -> list:
     "Sorted positive divisors of `n`."
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
+# %% ../nbs/14_explore.ipynb #e2ee8a76
 def _candidates(o, K:int) -> list|None:
     k = _kind(o)
     if k == 'choice': return list(o.choices)
     if k == 'bool': return [False, True]
-    if k == 'int': return sorted(set(_divisors(K)) | ({o.default} if isinstance(o.default, int) and o.default > 0 else set()))
+    if k == 'int': return sorted(set(_divisors(K)) | ({o.default} if isinstance(o.default, int) and o.default > 0
+                                                      else set()))
     return None
 
+# %% ../nbs/14_explore.ipynb #597578ea
 def _dist(v, cur) -> float:
     "Distance between int option values: log-ratio, the larger of two equally far values slightly farther."
     if not (isinstance(v, int) and isinstance(cur, int)) or v <= 0 or cur <= 0: return abs(v - cur) if isinstance(v, int) and isinstance(cur, int) else math.inf
     return abs(math.log2(v / cur)) + (1e-3 if v > cur else 0.0)
 
+# %% ../nbs/14_explore.ipynb #eba41d3a
 def fit_options(fmt, # format name or `FormatSpec`
                 shape:tuple, # logical weight shape (N, K)
                 **opts, # options as given (others take their defaults)
@@ -68,6 +72,7 @@ def fit_options(fmt, # format name or `FormatSpec`
         if spec.fits(shape, **trial): return trial
     return None
 
+# %% ../nbs/14_explore.ipynb #d52744be
 _TRIALS: dict = {}
 
 def accepts(fmt, # format name or `FormatSpec`
@@ -85,6 +90,7 @@ def accepts(fmt, # format name or `FormatSpec`
         except ValueError: _TRIALS[key] = False
     return _TRIALS[key]
 
+# %% ../nbs/14_explore.ipynb #dac7e84e
 def option_domain(fmt, # format name or `FormatSpec`
                   name:str, # option name
                   shape:tuple, # logical weight shape (N, K)
@@ -103,6 +109,7 @@ def option_domain(fmt, # format name or `FormatSpec`
     fitted = [(v, fit_options(spec, shape, **{**opts, name: v})) for v in cands]
     return [v for v, o in fitted if o is not None and accepts(spec, shape, **o)]
 
+# %% ../nbs/14_explore.ipynb #fd14bb29
 def normalize_options(fmt, # format name or `FormatSpec`
                       shape:tuple, # logical weight shape (N, K)
                       **opts, # options as given
@@ -119,8 +126,8 @@ def normalize_options(fmt, # format name or `FormatSpec`
                 if spec.fits(shape, **{**out, o.name: v}): out[o.name] = v; break
     return out
 
-# %% ../nbs/14_explore.ipynb #dad0b1a2
-from .numerics import energy_db
+# %% ../nbs/14_explore.ipynb #60fd6601
+from cquant.numerics import energy_db
 
 def error_numbers(ref:torch.Tensor, # reference
                   approx:torch.Tensor, # reconstruction, same shape
@@ -132,12 +139,15 @@ def error_numbers(ref:torch.Tensor, # reference
     rel = math.nan if math.isnan(s) or math.isnan(n) else 0.0 if n == 0 else math.sqrt(n / s) if s > 0 else math.inf
     return dict(sqnr_db=energy_db(s, n), rel_error=rel, max_abs_error=float(e.abs().max()) if e.numel() else 0.0)
 
+# %% ../nbs/14_explore.ipynb #c7c2d838
 def _as_2d(w) -> torch.Tensor:
     if isinstance(w, QuantizedTensor): w = w.dequantize(torch.float32)
-    if not isinstance(w, torch.Tensor) or not w.is_floating_point(): raise TypeError(f"expected a floating-point tensor, found {type(w).__name__}")
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point(): raise TypeError(f"expected a floating-point "
+        f"tensor, found {type(w).__name__}")
     w = w.detach()
     return w.reshape(1, -1) if w.dim() == 1 else w.reshape(w.shape[0], -1) if w.dim() > 2 else w
 
+# %% ../nbs/14_explore.ipynb #baf89470
 def sample_rows(w:torch.Tensor, # 2-D weight
                 max_elems:int|None=2**20, # analyse at most about this many values (None: all)
                ) -> torch.Tensor|None: # sorted row indices, or None when every row is used
@@ -150,14 +160,17 @@ def sample_rows(w:torch.Tensor, # 2-D weight
     top = torch.maximum(mx.float(), mn.float().neg()).argmax()
     return torch.unique(torch.cat([idx, top[None]]))
 
+# %% ../nbs/14_explore.ipynb #2b385fde
 def _nbytes(tensors:dict) -> int: return sum(v.numel() * v.element_size() for v in tensors.values())
 
+# %% ../nbs/14_explore.ipynb #92d05d03
 def storage_bytes(w:torch.Tensor, # the full 2-D weight
                   fmt, # format name or `FormatSpec`
                   quantizer=None, # optional fn(rows) -> {key: tensor} (default: cquant's file entries)
                   **opts, # format options
                  ) -> int: # bytes of every file entry of the quantized weight (not comfy_quant)
-    "Bytes a format stores for all of `w`, from two small slabs of rows (exact: sizes are linear in rows past the padding)."
+    """Bytes a format stores for all of `w`, from two small slabs of rows (exact: sizes are linear in rows past the
+    padding)."""
     spec = get_format(fmt)
     q = quantizer or (lambda x: quantize(x, spec, **opts).state_dict(''))
     N = w.shape[0]
@@ -166,17 +179,20 @@ def storage_bytes(w:torch.Tensor, # the full 2-D weight
     b1, b2 = _nbytes(q(w[:n1])), _nbytes(q(w[:n1 + 128]))
     return b1 + (b2 - b1) * ((N - n1) // 128)
 
-# %% ../nbs/14_explore.ipynb #3b7123bd
+# %% ../nbs/14_explore.ipynb #cbb80ae8
 def _rotation(opts:dict) -> int|None:
-    "The ConvRot group the options rotate by (the SPEC's option names: `convrot_groupsize`, switched by `convrot`), or None."
+    """The ConvRot group the options rotate by (the SPEC's option names: `convrot_groupsize`, switched by `convrot`), or
+    None."""
     g = opts.get('convrot_groupsize')
     return g if isinstance(g, int) and not isinstance(g, bool) and opts.get('convrot', True) else None
 
+# %% ../nbs/14_explore.ipynb #4215b264
 def _block(spec:FormatSpec, opts:dict) -> int|None:
     "The block along K that the format scales by: the `group_size` option, else the registry's `group_size`."
     g = opts.get('group_size', spec.group_size)
     return g if isinstance(g, int) and not isinstance(g, bool) and g > 0 else None
 
+# %% ../nbs/14_explore.ipynb #6e30f0b5
 def _short_opts(spec:FormatSpec, opts:dict) -> dict:
     "The options that differ from their defaults (and are not tensors)."
     out = {}
@@ -186,6 +202,7 @@ def _short_opts(spec:FormatSpec, opts:dict) -> dict:
         elif v != o.default: out[o.name] = v
     return out
 
+# %% ../nbs/14_explore.ipynb #52c5a500
 def variant_label(fmt, opts:dict) -> str:
     "A short label: the format name and its non-default options, e.g. `int8_tensorwise[convrot,convrot_groupsize=64]`."
     spec = get_format(fmt)
@@ -193,6 +210,7 @@ def variant_label(fmt, opts:dict) -> str:
     parts = [k if v is True else f"{k}={v}" for k, v in d.items()]
     return spec.name + (f"[{','.join(parts)}]" if parts else '')
 
+# %% ../nbs/14_explore.ipynb #651de0e6
 @dataclass
 class Analysis:
     "One weight (or its sampled rows) through one format: reference, reconstruction, quantized tensor and numbers."
@@ -225,16 +243,23 @@ class Analysis:
     def row_index(self, i:int) -> int:
         "The row of the full weight that analysed row `i` is."
         return int(self.rows[i]) if self.sampled else int(i)
-    def position(self, row:int) -> int:
-        "The analysed row nearest to row `row` of the full weight (its index into `w`)."
-        if not self.sampled: return min(max(int(row), 0), len(self.w) - 1)
-        i = int(torch.searchsorted(self.rows, int(row)))
-        return min((j for j in (i - 1, i) if 0 <= j < len(self.rows)), key=lambda j: abs(int(self.rows[j]) - int(row)))
-    def __repr__(self):
-        n = self.numbers
-        return (f"Analysis({self.name!r} {self.shape} -> {self.label}: SQNR {n['sqnr_db']:.2f} dB, "
-                f"{n['bits_per_weight']:.3f} bits/weight{', ' + self.note if self.note else ''})")
 
+# %% ../nbs/14_explore.ipynb #d89392c9
+@patch
+def position(self:Analysis, row:int) -> int:
+    "The analysed row nearest to row `row` of the full weight (its index into `w`)."
+    if not self.sampled: return min(max(int(row), 0), len(self.w) - 1)
+    i = int(torch.searchsorted(self.rows, int(row)))
+    return min((j for j in (i - 1, i) if 0 <= j < len(self.rows)), key=lambda j: abs(int(self.rows[j]) - int(row)))
+
+# %% ../nbs/14_explore.ipynb #a0439133
+@patch
+def __repr__(self:Analysis):
+    n = self.numbers
+    return (f"Analysis({self.name!r} {self.shape} -> {self.label}: SQNR {n['sqnr_db']:.2f} dB, "
+            f"{n['bits_per_weight']:.3f} bits/weight{', ' + self.note if self.note else ''})")
+
+# %% ../nbs/14_explore.ipynb #110a1398
 def analyze(w, # 2-D float weight (a QuantizedTensor is dequantized first)
             fmt, # format name or `FormatSpec`
             name:str='weight', # layer name for titles and errors
@@ -248,7 +273,8 @@ def analyze(w, # 2-D float weight (a QuantizedTensor is dequantized first)
     spec = get_format(fmt)
     shape = tuple(w.shape)
     o = fit_options(spec, shape, **opts)
-    if o is None: spec.layout.check_shape(shape, spec.resolve(None, **opts), f'{name} ')   # raises the format's own error
+    if o is None: spec.layout.check_shape(shape, spec.resolve(None, **opts),
+                                          f'{name} ')   # raises the format's own error
     idx = sample_rows(w, max_elems)
     ws = w if idx is None else w[idx]
     best = math.inf
@@ -264,7 +290,7 @@ def analyze(w, # 2-D float weight (a QuantizedTensor is dequantized first)
                      quantize_s=best, rows_analysed=len(ws), rows_total=shape[0], sampled=idx is not None)
     return a
 
-# %% ../nbs/14_explore.ipynb #57e9b235
+# %% ../nbs/14_explore.ipynb #a7f244cf
 @dataclass
 class BlockGrid:
     "The representable values of one block at its scale, and the block's own values before and after quantization."
@@ -277,6 +303,7 @@ class BlockGrid:
     x: torch.Tensor                # the block's values (in `basis`)
     xq: torch.Tensor               # their reconstruction (in `basis`)
 
+# %% ../nbs/14_explore.ipynb #a9908221
 def _dedupe(v:torch.Tensor, tol:float) -> torch.Tensor:
     v, _ = v.sort()
     if v.numel() < 2: return v
@@ -284,6 +311,7 @@ def _dedupe(v:torch.Tensor, tol:float) -> torch.Tensor:
     keep[1:] = v.diff() > tol
     return v[keep]
 
+# %% ../nbs/14_explore.ipynb #2b38f799
 def typical_block(a:Analysis) -> tuple:
     "(row, block) of a typical block: the analysed row with the median amax, and its block with the median amax."
     am = a.w.float().abs()
@@ -292,6 +320,7 @@ def typical_block(a:Analysis) -> tuple:
     x = F.pad(am[r], (0, -a.shape[1] % B)).reshape(-1, B).amax(1)
     return r, int(x.argsort()[len(x) // 2])
 
+# %% ../nbs/14_explore.ipynb #f3573022
 def block_grid(a:Analysis, # from `analyze`
                row:int|None=None, # analysed row (default: `typical_block`)
                block:int|None=None, # block index along K (default: `typical_block`)
@@ -319,22 +348,25 @@ def block_grid(a:Analysis, # from `analyze`
         rnd = dq[2:M + 2] if a.rotation is None else rotate(dq[2:M + 2], a.rotation)
         v = rnd[:, c0:c1].flatten()
         v = v[torch.isfinite(v)]
-        values = torch.unique(v) if a.rotation is None else _dedupe(v, 1e-4 * float(v.abs().max()) if v.numel() else 0.0)
+        values = torch.unique(v) if a.rotation is None else _dedupe(v, 1e-4 * float(v.abs().max()) if v.numel()
+            else 0.0)
     x, y = a.w[row].float(), a.dq[row]
     if a.rotation: x, y = rotate(x, a.rotation), rotate(y, a.rotation)
     basis = 'weight' if a.rotation is None else f'rotated (ConvRot {a.rotation})'
     return BlockGrid(values, row, block, (c0, c1), basis, exact, x[c0:c1], y[c0:c1])
 
-# %% ../nbs/14_explore.ipynb #542edeaa
-from .tensor import format_color     # the shared palette (one colour per format, everywhere)
+# %% ../nbs/14_explore.ipynb #10ee993b
+from cquant.tensor import format_color     # the shared palette (one colour per format, everywhere)
 
 def _analysis(x, fmt, opts:dict, max_elems) -> Analysis:
     if isinstance(x, Analysis):
-        if fmt is not None or opts: raise ValueError("give either an Analysis or a tensor with fmt and options, not both")
+        if fmt is not None or opts: raise ValueError("give either an Analysis or a tensor with fmt and options, not "
+                                                     "both")
         return x
     if fmt is None: raise ValueError("a tensor needs a format: plot_...(w, fmt, ...) with a registered format name")
     return analyze(x, fmt, max_elems=max_elems, **opts)
 
+# %% ../nbs/14_explore.ipynb #3a407a3a
 def _new_fig(figsize, ax=None):
     import matplotlib.pyplot as plt
     if ax is not None: return ax.figure, ax
@@ -342,14 +374,17 @@ def _new_fig(figsize, ax=None):
     plt.close(fig)
     return fig, ax
 
+# %% ../nbs/14_explore.ipynb #1b1669ab
 def _sampled_note(fig, a:Analysis, own:bool):
-    "Say in `fig`'s suptitle that only some rows were analysed; a plot's own figure gets a layout that keeps that line clear."
+    """Say in `fig`'s suptitle that only some rows were analysed; a plot's own figure gets a layout that keeps that line
+    clear."""
     if not a.sampled or getattr(fig, '_cq_noted', False): return
     if own: fig.set_layout_engine('constrained')
     old = fig.get_suptitle()
     fig.suptitle((old + '  ' if old else '') + f"analysed: {a.note}", x=0.99, ha='right', fontsize=8, color='C3')
     fig._cq_noted = True
 
+# %% ../nbs/14_explore.ipynb #a5fe368a
 def plot_values(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
                 fmt=None, # format name (with a tensor)
                 row:int|None=None, # analysed row of the block whose grid is drawn (default: a typical block)
@@ -373,22 +408,10 @@ def plot_values(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
     A = 1.15 * (A or 1.0)
     counts, edges = np.histogram(vals.flatten().numpy(), bins=bins, range=(-A, A))
     gv = g.values.numpy() if g.values is not None else np.zeros(0)
-    labels = [f'analysed weights within ±{A:.3g}', f'{len(gv)} representable values' if g.values is not None else 'grid: not decodable',
+    labels = [f'analysed weights within ±{A:.3g}', f'{len(gv)} representable values' if g.values is not None
+              else 'grid: not decodable',
               'block values', 'their reconstruction']
-    art, tr = getattr(ax, '_cq_values', None), ax.get_xaxis_transform()
-    if art is None:         # first draw: make the artists (later calls with this Axes only update them)
-        ax.set_yscale('log', nonpositive='clip'); ax.set_ylabel('count')
-        art = ax._cq_values = dict(hist=ax.stairs(counts, edges, fill=True, color='0.75'),
-                                   grid=ax.vlines(gv, 0, 1, transform=tr, colors='C1'),
-                                   x=ax.plot(g.x.numpy(), np.full(len(g.x), 0.06), '|', color='C3', ms=14, mew=1.5, transform=tr)[0],
-                                   xq=ax.plot(g.xq.numpy(), np.full(len(g.xq), 0.16), 'x', color='C0', ms=6, transform=tr)[0])
-        art['legend'] = ax.legend([art[k] for k in ('hist', 'grid', 'x', 'xq')], labels, fontsize=7, loc='upper center', ncol=2,
-                                  framealpha=0.9, borderaxespad=0.3)
-    else:
-        art['hist'].set_data(counts, edges)
-        art['grid'].set_segments([[(x, 0), (x, 1)] for x in gv])
-        art['x'].set_data(g.x.numpy(), np.full(len(g.x), 0.06)); art['xq'].set_data(g.xq.numpy(), np.full(len(g.xq), 0.16))
-        for t, s in zip(art['legend'].get_texts(), labels): t.set_text(s)
+    art = _value_artists(ax, counts, edges, gv, g, labels)
     dense = len(gv) > 64
     art['grid'].set_linewidth(0.3 if dense else 0.7); art['grid'].set_alpha(0.45 if dense else 0.8)
     ax.set_xlim(-A, A)
@@ -402,6 +425,32 @@ def plot_values(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
     fig._cq_grid = g
     return fig
 
+# %% ../nbs/14_explore.ipynb #fc0fb19f
+def _value_artists(ax, counts, edges, gv, g:BlockGrid, labels:list) -> dict:
+    """The histogram, grid lines, block values and legend of `plot_values`: made on the first draw into `ax`, then
+    updated."""
+    import numpy as np
+    art, tr = getattr(ax, '_cq_values', None), ax.get_xaxis_transform()
+    if art is None:         # first draw: make the artists (later calls with this Axes only update them)
+        ax.set_yscale('log', nonpositive='clip'); ax.set_ylabel('count')
+        art = ax._cq_values = dict(hist=ax.stairs(counts, edges, fill=True, color='0.75'),
+                                   grid=ax.vlines(gv, 0, 1, transform=tr, colors='C1'),
+                                   x=ax.plot(g.x.numpy(), np.full(len(g.x), 0.06), '|', color='C3', ms=14, mew=1.5,
+                                             transform=tr)[0],
+                                   xq=ax.plot(g.xq.numpy(), np.full(len(g.xq), 0.16), 'x', color='C0', ms=6,
+                                              transform=tr)[0])
+        art['legend'] = ax.legend([art[k] for k in ('hist', 'grid', 'x', 'xq')], labels, fontsize=7,
+                                  loc='upper center', ncol=2,
+                                  framealpha=0.9, borderaxespad=0.3)
+    else:
+        art['hist'].set_data(counts, edges)
+        art['grid'].set_segments([[(x, 0), (x, 1)] for x in gv])
+        art['x'].set_data(g.x.numpy(), np.full(len(g.x), 0.06)); art['xq'].set_data(g.xq.numpy(),
+            np.full(len(g.xq), 0.16))
+        for t, s in zip(art['legend'].get_texts(), labels): t.set_text(s)
+    return art
+
+# %% ../nbs/14_explore.ipynb #259df3c5
 def plot_errors(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
                 fmt=None, # format name (with a tensor)
                 bins:int=101, # histogram bins
@@ -411,7 +460,8 @@ def plot_errors(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
                 label:str|None=None, # name of the variant in the title (default: format and non-default options)
                 **opts, # format options (with a tensor)
                ): # matplotlib Figure
-    "Histogram (log counts) of the reconstruction error `dq - w` of the analysed rows, titled with SQNR and relative error."
+    """Histogram (log counts) of the reconstruction error `dq - w` of the analysed rows, titled with SQNR and relative
+    error."""
     import numpy as np
     from matplotlib.ticker import MaxNLocator
     a = _analysis(w, fmt, opts, max_elems)
@@ -431,13 +481,14 @@ def plot_errors(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
     _sampled_note(fig, a, own)
     return fig
 
-# %% ../nbs/14_explore.ipynb #563e950d
+# %% ../nbs/14_explore.ipynb #e6a840f7
 def block_error(ref:torch.Tensor, # [n, K] reference
                 approx:torch.Tensor, # [n, K] reconstruction
                 block:int, # block width along K
                 metric:str='rms', # 'rms' (RMS error) or 'sqnr' (dB)
                ) -> torch.Tensor: # [n, ceil(K/block)] float64
-    "RMS error or SQNR of every block of `block` columns of every row (a shorter last block is not padded into the mean)."
+    """RMS error or SQNR of every block of `block` columns of every row (a shorter last block is not padded into the
+    mean)."""
     if metric not in ('rms', 'sqnr'): raise ValueError(f"metric: expected 'rms' or 'sqnr', found {metric!r}")
     r = ref.detach().to(torch.float64); e = approx.detach().to(torch.float64) - r
     K = r.shape[1]; pad = -K % block
@@ -451,6 +502,7 @@ def block_error(ref:torch.Tensor, # [n, K] reference
     db = 10 * torch.log10(s / n)
     return torch.where(n == 0, math.inf, torch.where(s == 0, -math.inf, db))
 
+# %% ../nbs/14_explore.ipynb #8fcea69a
 def plot_error_map(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
                    fmt=None, # format name (with a tensor)
                    block:int|None=None, # block width (default: the format's block, else the ConvRot group or 64)
@@ -495,7 +547,7 @@ def plot_error_map(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
     ax2.grid(alpha=0.3)
     return fig
 
-# %% ../nbs/14_explore.ipynb #78dff371
+# %% ../nbs/14_explore.ipynb #aec4376f
 def _kitchen():
     try:
         import comfy_kitchen as ck
@@ -503,10 +555,12 @@ def _kitchen():
         return ck, KQT
     except ImportError: return None, None
 
+# %% ../nbs/14_explore.ipynb #38b5ad8d
 def kitchen_numbers(a:Analysis, # an analysis (kitchen quantizes the same rows)
                     full:torch.Tensor|None=None, # the full weight, for kitchen's bytes when `a` is sampled
                    ) -> dict: # kitchen_bytes, kitchen_same, kitchen_sqnr_db, kitchen_s (empty if no kitchen or no mapping)
-    "Quantize `a`'s rows with comfy-kitchen's layout for the same format: its bytes, SQNR, time, and bit-identity with cquant."
+    """Quantize `a`'s rows with comfy-kitchen's layout for the same format: its bytes, SQNR, time, and bit-identity with
+    cquant."""
     ck, KQT = _kitchen()
     k = get_format(a.format).kitchen(a.options)
     if ck is None or k is None: return {}
@@ -518,16 +572,20 @@ def kitchen_numbers(a:Analysis, # an analysis (kitchen quantizes the same rows)
         ksd = kq.state_dict('weight')
         ours = a.qt.state_dict('')
         same = set(ksd) == set(ours) and all(same_bits(ours[k].contiguous(), ksd[k].contiguous()) for k in ours)
-        kb = _nbytes(ksd) if not a.sampled or full is None else storage_bytes(full, a.format, quantizer=lambda x: q(x).state_dict('weight'))
+        kb = _nbytes(ksd) if not a.sampled or full is None else storage_bytes(full, a.format,
+            quantizer=lambda x: q(x).state_dict('weight'))
         kdq = kq.dequantize().float()
-        return dict(kitchen_bytes=kb, kitchen_same=same, kitchen_sqnr_db=error_numbers(a.w, kdq)['sqnr_db'], kitchen_s=secs)
+        return dict(kitchen_bytes=kb, kitchen_same=same, kitchen_sqnr_db=error_numbers(a.w, kdq)['sqnr_db'],
+                    kitchen_s=secs)
     except Exception as e:
         return dict(kitchen_error=f"{type(e).__name__}: {str(e)[:120]}")
 
+# %% ../nbs/14_explore.ipynb #021bca05
 def format_variants(shape:tuple, # logical weight shape (N, K)
                     expand:bool=False, # also one variant per boolean option switched from its default
                    ) -> tuple: # ([(label, format, options)], {format: why it does not fit})
-    "Every registered format with options fitted to `shape` (and, with `expand`, each boolean option flipped, where the encoder accepts it)."
+    """Every registered format with options fitted to `shape` (and, with `expand`, each boolean option flipped, where
+    the encoder accepts it)."""
     out, skipped = [], {}
     for name, spec in FORMATS.items():
         base = fit_options(spec, shape)
@@ -535,7 +593,8 @@ def format_variants(shape:tuple, # logical weight shape (N, K)
             try: spec.layout.check_shape(tuple(shape), spec.resolve(None), ''); skipped[name] = 'does not fit'
             except ValueError as e: skipped[name] = str(e)
             continue
-        todo = [base] + ([{**base, o.name: not o.default} for o in spec.options if _kind(o) == 'bool' and isinstance(o.default, bool)] if expand else [])
+        todo = [base] + ([{**base, o.name: not o.default} for o in spec.options if _kind(o) == 'bool'
+                          and isinstance(o.default, bool)] if expand else [])
         for o in todo:
             o = fit_options(spec, shape, **o)
             if o is None or not accepts(spec, shape, **o): continue
@@ -543,6 +602,7 @@ def format_variants(shape:tuple, # logical weight shape (N, K)
             if v not in out: out.append(v)
     return out, skipped
 
+# %% ../nbs/14_explore.ipynb #916592b1
 class Comparison(list):
     "Rows of `compare_formats` (a list of dicts) that print as a table."
     skipped: dict = {}
@@ -550,7 +610,8 @@ class Comparison(list):
         "The rows as a text (or markdown) table."
         kit = any('kitchen_bytes' in r for r in self)
         cols = [('variant', 'label', '{}'), ('SQNR dB', 'sqnr_db', '{:.2f}'), ('rel. error', 'rel_error', '{:.4f}'),
-                ('max error', 'max_abs_error', '{:.3g}'), ('bits/w', 'bits_per_weight', '{:.3f}'), ('bytes', 'bytes', '{:,}'),
+                ('max error', 'max_abs_error', '{:.3g}'), ('bits/w', 'bits_per_weight', '{:.3f}'),
+                ('bytes', 'bytes', '{:,}'),
                 ('quantize ms', 'quantize_s', '{:.1f}')]
         if kit: cols += [('kitchen bytes', 'kitchen_bytes', '{:,}'), ('kitchen SQNR dB', 'kitchen_sqnr_db', '{:.2f}'),
                          ('same bytes', 'kitchen_same', '{}'), ('kitchen ms', 'kitchen_s', '{:.1f}')]
@@ -571,6 +632,7 @@ class Comparison(list):
     def __str__(self): return self.table()
     def _repr_markdown_(self): return self.table(markdown=True)
 
+# %% ../nbs/14_explore.ipynb #10f19cac
 def compare_formats(w, # 2-D float weight
                     formats=None, # None: every registered format; or names / (label, format, options) triples
                     expand:bool=False, # with formats=None: also each boolean option flipped (see `format_variants`)
@@ -579,7 +641,8 @@ def compare_formats(w, # 2-D float weight
                     repeat:int=1, # best-of quantize timing
                     name:str='weight', # tensor name for errors
                    ) -> Comparison: # one dict per variant; prints as a table
-    "The same tensor through every format: SQNR, relative/max error, bits per weight, bytes, quantize time (and kitchen's)."
+    """The same tensor through every format: SQNR, relative/max error, bits per weight, bytes, quantize time (and
+    kitchen's)."""
     w = _as_2d(w)
     if formats is None: variants, skipped = format_variants(tuple(w.shape), expand)
     else:
@@ -598,6 +661,7 @@ def compare_formats(w, # 2-D float weight
     rows.skipped = skipped
     return rows
 
+# %% ../nbs/14_explore.ipynb #59fe0077
 def plot_sqnr_bars(rows:list, # rows of `compare_formats`
                    title:str='SQNR per format', # figure title
                    ax=None, # draw into this Axes
@@ -608,20 +672,22 @@ def plot_sqnr_bars(rows:list, # rows of `compare_formats`
     vals = [r['sqnr_db'] if math.isfinite(r['sqnr_db']) else math.nan for r in rows]
     bars = ax.bar(range(len(rows)), vals, color=[format_color(r['format']) for r in rows])
     for b, r in zip(bars, rows):
-        ax.annotate(f"{r['bits_per_weight']:.2f} b/w", (b.get_x() + b.get_width() / 2, b.get_height() if math.isfinite(b.get_height()) else 0),
+        ax.annotate(f"{r['bits_per_weight']:.2f} b/w", (b.get_x() + b.get_width() / 2, b.get_height()
+                                                        if math.isfinite(b.get_height()) else 0),
                     xytext=(0, 2), textcoords='offset points', ha='center', fontsize=7)
     ax.set_xticks(range(len(rows)), [r['label'] for r in rows], rotation=30, ha='right', fontsize=8)
     ax.set_ylabel('SQNR (dB)'); ax.set_title(title, fontsize=10); ax.grid(axis='y', alpha=0.3)
     fig.tight_layout()
     return fig
 
-# %% ../nbs/14_explore.ipynb #a52ff4a7
+# %% ../nbs/14_explore.ipynb #f4aac7ec
 def _int_rows(x:torch.Tensor, bits:int) -> torch.Tensor:
     "Symmetric per-row int quantize-dequantize (scale = row amax / qmax), for illustration."
     qmax = 2 ** (bits - 1) - 1
     s = x.abs().amax(1, keepdim=True).clamp_min(1e-30) / qmax
     return (x / s).round().clamp(-qmax, qmax) * s
 
+# %% ../nbs/14_explore.ipynb #813525fc
 def plot_convrot(w, # 2-D float weight
                  group:int|None=None, # ConvRot group (default: the largest power of 4 <= 256 dividing K)
                  channel:int|None=None, # the outlier input channel (default: the column with the largest magnitude)
@@ -649,13 +715,15 @@ def plot_convrot(w, # 2-D float weight
     a0.plot(wr[row].abs().numpy(), color='C0', lw=0.7, label=f'after ConvRot {group}')
     a0.set_yscale('log'); a0.set_xlabel('input channel'); a0.set_ylabel('|value|')
     sd = float(w.std())
-    a0.set_title(f"row {row}: channel {col} is {float(w[row, col].abs()) / sd:.0f} σ; row max {float(w[row].abs().max()):.3g} → {float(wr[row].abs().max()):.3g}", fontsize=9)
+    a0.set_title(f"row {row}: channel {col} is {float(w[row, col].abs()) / sd:.0f} σ; row max "
+                 f"{float(w[row].abs().max()):.3g} → {float(wr[row].abs().max()):.3g}", fontsize=9)
     a0.legend(fontsize=7)
     ub, ua = w[row] / w[row].abs().max(), wr[row] / wr[row].abs().max()
     lv_b = len(torch.unique((ub * qmax).round())); lv_a = len(torch.unique((ua * qmax).round()))
     a1.hist(ub.numpy(), bins=101, range=(-1, 1), color='C3', alpha=0.6, label=f'before: {lv_b} levels used')
     a1.hist(ua.numpy(), bins=101, range=(-1, 1), color='C0', alpha=0.6, label=f'after: {lv_a} levels used')
-    a1.vlines((torch.arange(-qmax, qmax + 1) / qmax).numpy(), 0, 1, transform=a1.get_xaxis_transform(), colors='0.4', lw=0.4)
+    a1.vlines((torch.arange(-qmax, qmax + 1) / qmax).numpy(), 0, 1, transform=a1.get_xaxis_transform(), colors='0.4',
+              lw=0.4)
     a1.set_yscale('log'); a1.set_xlabel('value / row max'); a1.legend(fontsize=7)
     a1.set_title(f"row {row} vs the int{bits} levels (grey)", fontsize=9)
     a2.plot(db_b.numpy(), color='C3', lw=0.8, label=f'before (mean {float(db_b[torch.isfinite(db_b)].mean()):.1f} dB)')
@@ -666,13 +734,14 @@ def plot_convrot(w, # 2-D float weight
     fig.tight_layout()
     return fig
 
-# %% ../nbs/14_explore.ipynb #9a6a133d
+# %% ../nbs/14_explore.ipynb #1a9e623f
 def _checkpoint(source):
     if isinstance(source, Checkpoint): return source
     if isinstance(source, (str, os.PathLike)): return open_checkpoint(source)
     if isinstance(source, Mapping): return Checkpoint.from_state_dict(source)
     raise TypeError(f"expected a path, a state dict or a Checkpoint, found {type(source).__name__}")
 
+# %% ../nbs/14_explore.ipynb #80f4a8ae
 @dataclass(frozen=True)
 class LayerRef:
     "A 2-D weight of a checkpoint, not read yet."
@@ -682,6 +751,7 @@ class LayerRef:
     nbytes: int                    # bytes stored for it (weight and scale entries)
     read: object                   # read() -> the weight as fp32 (quantized ones decoded)
 
+# %% ../nbs/14_explore.ipynb #54642f1c
 def weight_layers(source, # a path, state dict or `Checkpoint`
                  ) -> dict: # {layer: LayerRef}
     "The 2-D weights of a checkpoint, float or quantized, each with a function that reads it (quantized ones decoded)."
@@ -696,15 +766,20 @@ def weight_layers(source, # a path, state dict or `Checkpoint`
             nb = sum(ck.info(k).nbytes for s, k in e.keys.items() if s in e.spec.weight_keys)
             out[label] = LayerRef(tuple(e.shape), e.format, i.dtype, nb,
                                   lambda n=name: ck.quantized(n, dtype=torch.float32).dequantize(torch.float32))
-        elif len(i.shape) == 2 and i.dtype.is_floating_point and i.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        elif len(i.shape) == 2 and i.dtype.is_floating_point and i.dtype not in (torch.float8_e4m3fn,
+            torch.float8_e5m2):
             out[label] = LayerRef(tuple(i.shape), None, i.dtype, i.nbytes, lambda k=key: ck[k].float())
     return out
 
+# %% ../nbs/14_explore.ipynb #458188aa
 def _layer_row(name, ref:LayerRef, fmt, label, opts, n:dict) -> dict:
     spec = get_format(fmt) if fmt else None
-    return dict(layer=name, shape=ref.shape, format=fmt, label=label, options=_short_opts(spec, spec.resolve(None, **opts)) if spec else {},
-                sqnr_db=n['sqnr_db'], rel_error=n['rel_error'], bits_per_weight=n['bits_per_weight'], numel=math.prod(ref.shape))
+    return dict(layer=name, shape=ref.shape, format=fmt, label=label,
+                options=_short_opts(spec, spec.resolve(None, **opts)) if spec else {},
+                sqnr_db=n['sqnr_db'], rel_error=n['rel_error'], bits_per_weight=n['bits_per_weight'],
+                numel=math.prod(ref.shape))
 
+# %% ../nbs/14_explore.ipynb #21c74eff
 def layer_sqnr(source, # a path, state dict or `Checkpoint` (float weights with a plan; quantized ones with a reference)
                plan=None, # a format name, {layer: format | (format, options) | decision | None}, a policy plan, or a policy
                reference=None, # the float weights (path, state dict, Checkpoint) when `source` is quantized
@@ -713,8 +788,10 @@ def layer_sqnr(source, # a path, state dict or `Checkpoint` (float weights with 
     """Per-layer SQNR and bits per weight of a checkpoint's float weights under a plan, or of a quantized checkpoint
     against its float `reference`. Float layers get infinite SQNR; with a plan, already-quantized layers are skipped."""
     layers = weight_layers(source)
-    if plan is not None and not isinstance(plan, (str, Mapping)) and callable(getattr(plan, 'plan', None)): plan = plan.plan(source)
-    if plan is None and reference is None: raise ValueError("give a plan (to quantize float weights) or a reference (to judge a quantized checkpoint)")
+    if plan is not None and not isinstance(plan, (str, Mapping)) and callable(getattr(plan, 'plan',
+        None)): plan = plan.plan(source)
+    if plan is None and reference is None: raise ValueError("give a plan (to quantize float weights) or a reference "
+                                                            "(to judge a quantized checkpoint)")
     refs = weight_layers(reference) if reference is not None else {}
     rows = []
     for name, ref in layers.items():
@@ -728,7 +805,8 @@ def layer_sqnr(source, # a path, state dict or `Checkpoint` (float weights with 
             rows.append(_layer_row(name, ref, ref.format, ref.format, {}, n)); continue
         if ref.format is not None: continue
         if isinstance(plan, str): fmt, opts, label = plan, {}, plan
-        elif name in plan or name + '.weight' in plan: fmt, opts, _, label = plan_entry(plan[name] if name in plan else plan[name + '.weight'], 'layer_sqnr')
+        elif name in plan or name + '.weight' in plan: fmt, opts, _, label = plan_entry(plan[name] if name in plan
+            else plan[name + '.weight'], 'layer_sqnr')
         else: continue
         if fmt is not None and fit_options(fmt, ref.shape, **opts) is None: fmt, label = None, 'float (does not fit)'
         if fmt is None: rows.append(_layer_row(name, ref, None, label, {}, exact)); continue
@@ -736,20 +814,23 @@ def layer_sqnr(source, # a path, state dict or `Checkpoint` (float weights with 
         rows.append(_layer_row(name, ref, fmt, label, a.options, a.numbers))
     return rows
 
+# %% ../nbs/14_explore.ipynb #fa3d8132
 def plot_layer_sqnr(rows:list, # rows of `layer_sqnr`
                     title:str='SQNR per layer', # figure title
                     by:str='format', # colour by 'format', or by 'label' (a policy's labels: INT8, INT8 ConvRot, W4A4, ...)
                     ax=None, # draw into this Axes
                     figsize:tuple|None=None, # size of a new figure (default: widens with the layer count)
                    ): # matplotlib Figure
-    "One bar per layer coloured by format (or label); float layers as grey marks at the top; mean bits per weight in the legend."
+    """One bar per layer coloured by format (or label); float layers as grey marks at the top; mean bits per weight in
+    the legend."""
     from matplotlib.patches import Patch
     if by not in ('format', 'label'): raise ValueError(f"by: expected 'format' or 'label', found {by!r}")
     fig, ax = _new_fig(figsize or (max(6, 0.22 * len(rows) + 2), 4.2), ax)
     key = lambda r: 'float' if r['format'] is None else r['format'] if by == 'format' else r['label']
     keys = list(dict.fromkeys(key(r) for r in rows))
     quant_keys = [k for k in keys if k != 'float']
-    color = {k: ('0.6' if k == 'float' else format_color(k) if by == 'format' else f"C{quant_keys.index(k) % 10}") for k in keys}
+    color = {k: ('0.6' if k == 'float' else format_color(k) if by == 'format' else f"C{quant_keys.index(k) % 10}")
+             for k in keys}
     finite = [r['sqnr_db'] for r in rows if math.isfinite(r['sqnr_db'])]
     top = (max(finite) if finite else 10) * 1.08
     vals = [r['sqnr_db'] if math.isfinite(r['sqnr_db']) else math.nan for r in rows]
@@ -759,7 +840,8 @@ def plot_layer_sqnr(rows:list, # rows of `layer_sqnr`
     layer_ticks(ax, [r['layer'] for r in rows])
     ax.set_ylim(0, top * 1.04); ax.set_ylabel('SQNR (dB)'); ax.grid(axis='y', alpha=0.3)
     def bits(k):
-        b = [(r['bits_per_weight'], r['numel']) for r in rows if key(r) == k and r['format'] is not None and math.isfinite(r['bits_per_weight'])]
+        b = [(r['bits_per_weight'], r['numel']) for r in rows if key(r) == k and r['format'] is not None
+             and math.isfinite(r['bits_per_weight'])]
         return f" ({sum(x * n for x, n in b) / sum(n for _, n in b):.2f} b/w)" if b else ' (kept float, ▼)' if k == 'float' else ''
     ax.legend(handles=[Patch(color=color[k], label=k + bits(k)) for k in keys], fontsize=7, ncol=min(5, len(keys)),
               loc='lower left', bbox_to_anchor=(0, 1.0), frameon=False)
@@ -767,27 +849,32 @@ def plot_layer_sqnr(rows:list, # rows of `layer_sqnr`
     fig.tight_layout()
     return fig
 
-# %% ../nbs/14_explore.ipynb #e728e761
+# %% ../nbs/14_explore.ipynb #dfb43cd5
 def _tensor_layers(source) -> dict:
     "{layer: (shape, format or None, read())} for a tensor or any checkpoint source."
     if isinstance(source, torch.Tensor):
         w = _as_2d(source)
-        return {'weight': LayerRef(tuple(w.shape), source.format if isinstance(source, QuantizedTensor) else None, source.dtype,
+        return {'weight': LayerRef(tuple(w.shape), source.format if isinstance(source, QuantizedTensor) else None,
+                                   source.dtype,
                                    w.numel() * w.element_size(), lambda: w)}
     return weight_layers(source)
 
+# %% ../nbs/14_explore.ipynb #88a6e253
 def default_layer(layers:dict, # {layer: LayerRef}, as `weight_layers` gives
                  ) -> str: # a layer name
-    "The first layer a conservative policy would quantize (embeddings, norms and heads stay float: `cquant.policy`), else the first."
+    """The first layer a conservative policy would quantize (embeddings, norms and heads stay float: `cquant.policy`),
+    else the first."""
     plan = Policy(mode='int8', preset='auto-conservative').plan({n: r.shape for n, r in layers.items()})
     return next((n for n in layers if plan[n].format is not None), next(iter(layers)))
 
+# %% ../nbs/14_explore.ipynb #8df9ce95
 _BITS: dict = {}
 
 def fewest_bits_format(shape:tuple, # logical weight shape (N, K)
                        names=None, # candidate format names (default: every registered format)
                       ) -> str|None: # the format name; None if none fits
-    "Of the formats that fit `shape`, the one storing the fewest bits per weight (on 128 random rows as wide; ties: registry order)."
+    """Of the formats that fit `shape`, the one storing the fewest bits per weight (on 128 random rows as wide; ties:
+    registry order)."""
     best = None
     for name in FORMATS if names is None else names:
         o = normalize_options(name, shape)
@@ -800,9 +887,10 @@ def fewest_bits_format(shape:tuple, # logical weight shape (N, K)
         if best is None or _BITS[key] < best[0]: best = (_BITS[key], name)
     return None if best is None else best[1]
 
-# %% ../nbs/14_explore.ipynb #c0ffee14
+# %% ../nbs/14_explore.ipynb #c2958a8d
 class Explorer:
-    "An ipywidgets explorer of one layer through one format: display `widget` (or the explorer); `set` drives a control."
+    """An ipywidgets explorer of one layer through one format: display `widget` (or the explorer); `set` drives a
+    control."""
     def __init__(self, source, # tensor, state dict, checkpoint path or `Checkpoint`
                  layer:str|None=None, # initial layer (default: `default_layer`)
                  format:str|None=None, # initial format (default: `fewest_bits_format`)
@@ -811,7 +899,6 @@ class Explorer:
                  height:int=600, # pixels
                  **options, # initial format options
                 ):
-        import ipywidgets as W
         self.layers = _tensor_layers(source)
         if not self.layers: raise ValueError("no 2-D floating-point weights to explore")
         self.max_elems, self.size = max_elems, (int(width), int(height))
@@ -820,42 +907,14 @@ class Explorer:
         self._hold, self._cache, self._weights, self._bytes = 0, {}, {}, {}
         layer = layer or default_layer(self.layers)
         if layer not in self.layers: raise KeyError(f"no layer {layer!r}; layers: {list(self.layers)[:10]}...")
-        u, style = (width - 20) // 3, {'description_width': '130px'}     # one column of controls; one label width for all
-        self._col = lambda n=1, less=0: W.Layout(width=f'{n * u - less}px')
-        self._style = style
-        c = self.controls = {}
-        c['layer'] = W.Dropdown(options=[(f"{n}  {'x'.join(map(str, r.shape))}" + (f"  [{r.format}]" if r.format else ''), n) for n, r in self.layers.items()],
-                                value=layer, description='layer', style=style, layout=self._col(2))
-        c['format'] = W.Dropdown(description='format', style=style, layout=self._col())
-        c['row'] = W.IntSlider(description='row', min=0, max=0, step=1, readout=False, continuous_update=False, style=style,
-                               layout=self._col(2, 100))
-        c['block'] = W.IntSlider(description='block', min=0, max=0, continuous_update=False, style=style, layout=self._col())
-        self.row_text = W.BoundedIntText(min=0, max=0, tooltip='an exact row (the nearest analysed row is shown)',
-                                         layout=W.Layout(width='96px'))
-        self.row_text.observe(self._typed_row, names='value')
-        self.image = W.Image(format='png', layout=W.Layout(width=f'{width}px'))
-        self._option_box = W.HBox(layout=W.Layout(flex_flow='row wrap', width=f'{width}px'))
-        self._note, self._html = W.HTML(), W.HTML()
-        self.widget = W.VBox([W.HBox([c['layer'], c['format']]), self._option_box, W.HBox([c['row'], self.row_text, c['block']]),
-                              self._note, self._html, self.image])
+        self._make_widgets(layer, width)
         self._fig, self._ax = self._new_figure()
-        for n in ('layer', 'format', 'row', 'block'): self._watch(n, c[n])
+        for n in ('layer', 'format', 'row', 'block'): self._watch(n, self.controls[n])
         with self._held():
             self._set_formats(format)
             self._build_options(options)
             self._reset_view()
         self._update()
-
-    # -- plumbing
-    def _held(self):
-        ex = self
-        class _Hold:
-            def __enter__(s): ex._hold += 1
-            def __exit__(s, *a): ex._hold -= 1
-        return _Hold()
-
-    def _watch(self, name, widget):
-        widget.observe(lambda ch, n=name: self._changed(n, ch), names='value')
 
     @property
     def layer(self) -> str: return self.controls['layer'].value
@@ -863,221 +922,298 @@ class Explorer:
     def format(self) -> str: return self.controls['format'].value
     @property
     def shape(self) -> tuple: return self.layers[self.layer].shape
-    @property
-    def options(self) -> dict:
-        "The current option values (from the option controls)."
+
+# %% ../nbs/14_explore.ipynb #c3a14b06
+@patch
+def _make_widgets(self:Explorer, layer:str, width:int):
+    "The controls, the exact-row box, the image and the `widget` box that lays them out."
+    import ipywidgets as W
+    u, style = (width - 20) // 3, {'description_width': '130px'}     # one column of controls; one label width for all
+    self._col = lambda n=1, less=0: W.Layout(width=f'{n * u - less}px')
+    self._style = style
+    c = self.controls = {}
+    c['layer'] = W.Dropdown(options=[(f"{n}  {'x'.join(map(str, r.shape))}" + (f"  [{r.format}]" if r.format else ''),
+                                      n) for n, r in self.layers.items()],
+                            value=layer, description='layer', style=style, layout=self._col(2))
+    c['format'] = W.Dropdown(description='format', style=style, layout=self._col())
+    c['row'] = W.IntSlider(description='row', min=0, max=0, step=1, readout=False, continuous_update=False, style=style,
+                           layout=self._col(2, 100))
+    c['block'] = W.IntSlider(description='block', min=0, max=0, continuous_update=False, style=style,
+                             layout=self._col())
+    self.row_text = W.BoundedIntText(min=0, max=0, tooltip='an exact row (the nearest analysed row is shown)',
+                                     layout=W.Layout(width='96px'))
+    self.row_text.observe(self._typed_row, names='value')
+    self.image = W.Image(format='png', layout=W.Layout(width=f'{width}px'))
+    self._option_box = W.HBox(layout=W.Layout(flex_flow='row wrap', width=f'{width}px'))
+    self._note, self._html = W.HTML(), W.HTML()
+    self.widget = W.VBox([W.HBox([c['layer'], c['format']]), self._option_box,
+                          W.HBox([c['row'], self.row_text, c['block']]),
+                          self._note, self._html, self.image])
+
+# %% ../nbs/14_explore.ipynb #1f7b997b
+@patch
+def _held(self:Explorer):
+    ex = self
+    class _Hold:
+        def __enter__(s): ex._hold += 1
+        def __exit__(s, *a): ex._hold -= 1
+    return _Hold()
+
+# %% ../nbs/14_explore.ipynb #84542d85
+@patch
+def _watch(self:Explorer, name, widget):
+    widget.observe(lambda ch, n=name: self._changed(n, ch), names='value')
+
+# %% ../nbs/14_explore.ipynb #a0173f92
+@patch(as_prop=True)
+def options(self:Explorer) -> dict:
+    "The current option values (from the option controls)."
+    spec = get_format(self.format)
+    return {o.name: self.controls[o.name].value for o in spec.options if o.name in self.controls}
+
+# %% ../nbs/14_explore.ipynb #676aaf72
+@patch
+def _weight(self:Explorer, layer):
+    if layer not in self._weights:
+        if len(self._weights) >= 2: self._weights.pop(next(iter(self._weights)))
+        self._weights[layer] = self.layers[layer].read()
+    return self._weights[layer]
+
+# %% ../nbs/14_explore.ipynb #0decbcc6
+@patch
+def _set_formats(self:Explorer, prefer=None):
+    fits, why = [], {}
+    for name, spec in FORMATS.items():
+        if normalize_options(spec, self.shape) is not None: fits.append(name)
+        else:
+            try: spec.layout.check_shape(self.shape, spec.resolve(None), ''); why[name] = 'does not fit'
+            except ValueError as e: why[name] = str(e)
+    if not fits: raise ValueError(f"no registered format fits shape {self.shape}")
+    cur = prefer or self.controls['format'].value
+    self.controls['format'].options = fits
+    self.controls['format'].value = cur if cur in fits else fewest_bits_format(self.shape, fits)
+    self._why = why
+
+# %% ../nbs/14_explore.ipynb #1f74acbb
+@patch
+def _build_options(self:Explorer, given:dict|None=None):
+    import ipywidgets as W
+    spec = get_format(self.format)
+    for n in [n for n in self.controls if n not in ('layer', 'format', 'row', 'block')]: del self.controls[n]
+    opts = normalize_options(spec, self.shape, **{k: v for k, v in (given or {}).items() if k in spec.option_names})
+    if opts is None: raise ValueError(f"{spec.name} with options {given} does not fit shape {self.shape}")
+    boxes = []
+    for o in spec.options:
+        dom = option_domain(spec, o.name, self.shape, **opts)
+        if not dom: continue
+        val = opts[o.name] if opts[o.name] in dom else dom[0]
+        wdg = W.Dropdown(options=[(str(v), v) for v in dom], value=val, description=o.name, disabled=len(dom) == 1,
+                         tooltip=o.doc, style=self._style, layout=self._col())
+        self.controls[o.name] = wdg
+        self._watch(o.name, wdg)
+        boxes.append(wdg)
+    self._option_box.children = boxes
+
+# %% ../nbs/14_explore.ipynb #951acef4
+@patch
+def _refresh_options(self:Explorer):
+    "After an option change: recompute every option's values (an int's may depend on a switch) and snap."
+    spec = get_format(self.format)
+    opts = normalize_options(spec, self.shape, **self.options) or spec.resolve(None)
+    for o in spec.options:
+        wdg = self.controls.get(o.name)
+        if wdg is None: continue
+        dom = option_domain(spec, o.name, self.shape, **opts) or [opts[o.name]]
+        if [v for _, v in wdg.options] != dom: wdg.options = [(str(v), v) for v in dom]
+        wdg.value = opts[o.name] if opts[o.name] in dom else dom[0]
+        wdg.disabled = len(dom) == 1
+
+# %% ../nbs/14_explore.ipynb #c1d39b30
+@patch
+def _reset_view(self:Explorer, keep_row:bool=False):
+    "Row and block controls for the current analysis; the row control counts rows of the full weight."
+    a = self._analyze()
+    c = self.controls
+    nb = -(-self.shape[1] // (a.block or self.shape[1]))
+    r, b = typical_block(a)
+    for w in (c['row'], self.row_text): w.max = self.shape[0] - 1
+    c['row'].value = self.row_text.value = a.row_index(a.position(c['row'].value) if keep_row else r)
+    c['block'].max = nb - 1
+    c['block'].value = b if not keep_row else min(c['block'].value, nb - 1)
+    c['block'].disabled = nb == 1
+    c['row'].description = 'row (sampled)' if a.sampled else 'row'
+
+# %% ../nbs/14_explore.ipynb #eec10a95
+@patch
+def _typed_row(self:Explorer, change):
+    "The exact row box drives the row control (whose callback moves both to the nearest analysed row)."
+    if not self._hold: self.controls['row'].value = change.new
+
+# %% ../nbs/14_explore.ipynb #1760cd24
+@patch
+def _changed(self:Explorer, name, change):
+    if self._hold: return
+    self.calls[name] = self.calls.get(name, 0) + 1
+    try:
+        with self._held():
+            if name == 'layer':
+                self._set_formats()
+                self._build_options(self.options if self.format in FORMATS else None)
+                self._reset_view()
+            elif name == 'format':
+                self._build_options()
+                self._reset_view()
+            elif name == 'row':      # a sampled layer: move to the nearest analysed row; the box follows
+                a = self._analyze()
+                self.controls['row'].value = self.row_text.value = a.row_index(a.position(self.controls['row'].value))
+            elif name != 'block':
+                self._refresh_options()
+                self._reset_view(keep_row=True)
+    except Exception as e:   # a control change must never break the widget: show the problem
+        self.error = f"{type(e).__name__}: {e}"
+    self._update()
+
+# %% ../nbs/14_explore.ipynb #8074f778
+@patch
+def _analyze(self:Explorer) -> Analysis:
+    key = (self.layer, self.format, tuple(sorted((k, repr(v)) for k, v in self.options.items())), self.max_elems)
+    if key not in self._cache:
+        if len(self._cache) >= 16: self._cache.pop(next(iter(self._cache)))
         spec = get_format(self.format)
-        return {o.name: self.controls[o.name].value for o in spec.options if o.name in self.controls}
+        opts = normalize_options(spec, self.shape, **self.options)
+        bkey = (self.layer, self.format, tuple(sorted((k, repr(v)) for k, v in opts.items())))
+        a = analyze(self._weight(self.layer), spec, name=self.layer, max_elems=self.max_elems,
+                    nbytes=self._bytes.get(bkey), **opts)
+        self._bytes[bkey] = a.numbers['bytes']
+        self._cache[key] = a
+    return self._cache[key]
 
-    def _weight(self, layer):
-        if layer not in self._weights:
-            if len(self._weights) >= 2: self._weights.pop(next(iter(self._weights)))
-            self._weights[layer] = self.layers[layer].read()
-        return self._weights[layer]
+# %% ../nbs/14_explore.ipynb #15abd50f
+@patch
+def _update(self:Explorer):
+    "The callback's work: analysis (cached), the block's grid, the numbers, and the figure redrawn into `image`."
+    t0 = time.perf_counter()
+    try:
+        a = self.analysis = self._analyze()
+        self.grid = block_grid(a, a.position(self.controls['row'].value), self.controls['block'].value)
+        self.numbers = dict(a.numbers, row=a.row_index(self.grid.row), block=self.grid.block,
+                            grid_values=None if self.grid.values is None else len(self.grid.values), error=self.error)
+        t1 = time.perf_counter()
+        self._render(a)
+        self.numbers['draw_s'] = time.perf_counter() - t1
+    except Exception as e:
+        self.error = f"{type(e).__name__}: {e}"
+        self.numbers = dict(layer=self.layer, format=self.format, error=self.error)
+        self.analysis = self.grid = self._drawn = None
+    self.image.layout.display = 'none' if self.analysis is None else None
+    self.updates += 1
+    self._show()
+    self.numbers['update_s'] = time.perf_counter() - t0
+    self.error = None
 
-    # -- control (re)configuration, always under _held()
-    def _set_formats(self, prefer=None):
-        fits, why = [], {}
-        for name, spec in FORMATS.items():
-            if normalize_options(spec, self.shape) is not None: fits.append(name)
-            else:
-                try: spec.layout.check_shape(self.shape, spec.resolve(None), ''); why[name] = 'does not fit'
-                except ValueError as e: why[name] = str(e)
-        if not fits: raise ValueError(f"no registered format fits shape {self.shape}")
-        cur = prefer or self.controls['format'].value
-        self.controls['format'].options = fits
-        self.controls['format'].value = cur if cur in fits else fewest_bits_format(self.shape, fits)
-        self._why = why
+# %% ../nbs/14_explore.ipynb #b5ef84eb
+@patch
+def _new_figure(self:Explorer):
+    "The figure and its five axes (values, errors, error map, per row, colour bar of both), at the widget's pixel size."
+    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    w, h = self.size
+    fig = Figure(figsize=(w / 100, h / 100), dpi=100)
+    FigureCanvasAgg(fig)
+    outer = fig.add_gridspec(2, 1, height_ratios=[1, 1.1], left=0.07, right=0.93, bottom=0.08, top=0.88, hspace=0.42)
+    top = outer[0].subgridspec(1, 2, width_ratios=[1.3, 1], wspace=0.2)
+    bottom = outer[1].subgridspec(1, 3, width_ratios=[2.3, 0.6, 0.05], wspace=0.06)
+    ax = dict(values=fig.add_subplot(top[0]), errors=fig.add_subplot(top[1]), map=fig.add_subplot(bottom[0]))
+    ax['rows'] = fig.add_subplot(bottom[1], sharey=ax['map'])
+    ax['cbar'] = fig.add_subplot(bottom[2])
+    for k in ('values', 'errors'): ax[k].tick_params(labelsize=8)
+    fig._cq_noted = True          # the suptitle says when rows are sampled
+    return fig, ax
 
-    def _build_options(self, given:dict|None=None):
-        import ipywidgets as W
-        spec = get_format(self.format)
-        for n in [n for n in self.controls if n not in ('layer', 'format', 'row', 'block')]: del self.controls[n]
-        opts = normalize_options(spec, self.shape, **{k: v for k, v in (given or {}).items() if k in spec.option_names})
-        if opts is None: raise ValueError(f"{spec.name} with options {given} does not fit shape {self.shape}")
-        boxes = []
-        for o in spec.options:
-            dom = option_domain(spec, o.name, self.shape, **opts)
-            if not dom: continue
-            val = opts[o.name] if opts[o.name] in dom else dom[0]
-            wdg = W.Dropdown(options=[(str(v), v) for v in dom], value=val, description=o.name, disabled=len(dom) == 1,
-                             tooltip=o.doc, style=self._style, layout=self._col())
-            self.controls[o.name] = wdg
-            self._watch(o.name, wdg)
-            boxes.append(wdg)
-        self._option_box.children = boxes
+# %% ../nbs/14_explore.ipynb #4bb6b807
+@patch
+def _render(self:Explorer, a:Analysis):
+    """Redraw the values panel; the other panels only for a new analysis (then the rest is drawn once and kept as a
+    background the values panel is drawn over). The PNG goes to `image`."""
+    import numpy as np
+    from PIL import Image
+    fig, ax = self._fig, self._ax
+    v = ax['values']
+    plot_values(a, grid=self.grid, ax=v, label=a.format)      # updated in place; options are in the suptitle
+    v.title.set_fontsize(9)
+    if a is not self._drawn:
+        for k in ('map', 'cbar', 'rows'): ax[k].cla()
+        plot_errors(a, ax=ax['errors'], label=a.format)       # updated in place
+        plot_error_map(a, axes=(ax['map'], ax['rows'], ax['cbar']), label=a.format)
+        ax['rows'].tick_params(labelleft=False)
+        for k in ('map', 'cbar'): ax[k].tick_params(labelsize=8)
+        for k in ('errors', 'map', 'rows'): ax[k].title.set_fontsize(9)
+        n = a.numbers
+        fig.suptitle(f"{a.name} {'x'.join(map(str, a.shape))} → {a.label}: SQNR {n['sqnr_db']:.2f} dB, "
+                     f"{n['bits_per_weight']:.3f} bits/weight" + (f"  ({a.note})" if a.sampled else ''), fontsize=10)
+        v.set_visible(False)
+        fig.canvas.draw()
+        self._background = fig.canvas.copy_from_bbox(fig.bbox)
+        v.set_visible(True)
+        self._drawn = a
+    else: fig.canvas.restore_region(self._background)
+    fig.draw_artist(v)
+    buf = io.BytesIO()
+    Image.fromarray(np.asarray(fig.canvas.buffer_rgba())[..., :3]).save(buf, format='png', compress_level=1)
+    self.image.value = buf.getvalue()
 
-    def _refresh_options(self):
-        "After an option change: recompute every option's values (an int's may depend on a switch) and snap."
-        spec = get_format(self.format)
-        opts = normalize_options(spec, self.shape, **self.options) or spec.resolve(None)
-        for o in spec.options:
-            wdg = self.controls.get(o.name)
-            if wdg is None: continue
-            dom = option_domain(spec, o.name, self.shape, **opts) or [opts[o.name]]
-            if [v for _, v in wdg.options] != dom: wdg.options = [(str(v), v) for v in dom]
-            wdg.value = opts[o.name] if opts[o.name] in dom else dom[0]
-            wdg.disabled = len(dom) == 1
+# %% ../nbs/14_explore.ipynb #bb632c7b
+@patch(as_prop=True)
+def figure(self:Explorer):
+    "The figure `image` shows (the current selection; redrawn in place on every change)."
+    return self._fig
 
-    def _reset_view(self, keep_row:bool=False):
-        "Row and block controls for the current analysis; the row control counts rows of the full weight."
-        a = self._analyze()
-        c = self.controls
-        nb = -(-self.shape[1] // (a.block or self.shape[1]))
-        r, b = typical_block(a)
-        for w in (c['row'], self.row_text): w.max = self.shape[0] - 1
-        c['row'].value = self.row_text.value = a.row_index(a.position(c['row'].value) if keep_row else r)
-        c['block'].max = nb - 1
-        c['block'].value = b if not keep_row else min(c['block'].value, nb - 1)
-        c['block'].disabled = nb == 1
-        c['row'].description = 'row (sampled)' if a.sampled else 'row'
+# %% ../nbs/14_explore.ipynb #f18b4f77
+@patch
+def _show(self:Explorer):
+    n = self.numbers
+    why = '; '.join(f"<b>{k}</b>: {v}" for k, v in getattr(self, '_why', {}).items())
+    note = []
+    if n.get('error'): note.append(f"<span style='color:#c00'>{n['error']}</span>")
+    if n.get('sampled'): note.append(f"large layer: analysed on {n['rows_analysed']} of {n['rows_total']} rows "
+                                     f"(evenly spaced, plus the row with the largest value); the row control moves to "
+                                     f"the nearest analysed row")
+    if why: note.append(f"not offered for this shape: {why}")
+    self._note.value = '<br>'.join(note)
+    if 'sqnr_db' in n:
+        cells = [('SQNR', f"{n['sqnr_db']:.2f} dB"), ('rel. error', f"{n['rel_error']:.4f}"),
+                 ('max error', f"{n['max_abs_error']:.4g}"),
+                 ('bytes', f"{n['bytes']:,}"), ('bits/weight', f"{n['bits_per_weight']:.3f}"),
+                 ('quantize', f"{n['quantize_s'] * 1e3:.0f} ms"),
+                 ('grid', f"{n['grid_values']} values" if n['grid_values'] else '–')]
+        self._html.value = ('<table style="font-family:monospace"><tr>' + ''.join(f'<th style="padding:0 10px">{k}</th>' for k, _ in cells)
+                            + '</tr><tr>' + ''.join(f'<td style="padding:0 10px">{v}</td>'
+                                                    for _, v in cells) + '</tr></table>')
+    else: self._html.value = ''
 
-    # -- the callbacks
-    def _typed_row(self, change):
-        "The exact row box drives the row control (whose callback moves both to the nearest analysed row)."
-        if not self._hold: self.controls['row'].value = change.new
+# %% ../nbs/14_explore.ipynb #774abf1b
+@patch
+def set(self:Explorer, name:str, # 'layer', 'format', 'row', 'block' or an option name
+        value, # the new value (must be one the control offers)
+       ) -> dict: # the updated `numbers`
+    "Change a control as a user would; its callback recomputes `numbers` and redraws the image."
+    if name not in self.controls: raise KeyError(f"no control {name!r}; controls: {list(self.controls)}")
+    self.controls[name].value = value
+    return self.numbers
 
-    def _changed(self, name, change):
-        if self._hold: return
-        self.calls[name] = self.calls.get(name, 0) + 1
-        try:
-            with self._held():
-                if name == 'layer':
-                    self._set_formats()
-                    self._build_options(self.options if self.format in FORMATS else None)
-                    self._reset_view()
-                elif name == 'format':
-                    self._build_options()
-                    self._reset_view()
-                elif name == 'row':      # a sampled layer: move to the nearest analysed row; the box follows
-                    a = self._analyze()
-                    self.controls['row'].value = self.row_text.value = a.row_index(a.position(self.controls['row'].value))
-                elif name != 'block':
-                    self._refresh_options()
-                    self._reset_view(keep_row=True)
-        except Exception as e:   # a control change must never break the widget: show the problem
-            self.error = f"{type(e).__name__}: {e}"
-        self._update()
+# %% ../nbs/14_explore.ipynb #8ef3e836
+@patch
+def _ipython_display_(self:Explorer):
+    from IPython.display import display
+    display(self.widget)
 
-    def _analyze(self) -> Analysis:
-        key = (self.layer, self.format, tuple(sorted((k, repr(v)) for k, v in self.options.items())), self.max_elems)
-        if key not in self._cache:
-            if len(self._cache) >= 16: self._cache.pop(next(iter(self._cache)))
-            spec = get_format(self.format)
-            opts = normalize_options(spec, self.shape, **self.options)
-            bkey = (self.layer, self.format, tuple(sorted((k, repr(v)) for k, v in opts.items())))
-            a = analyze(self._weight(self.layer), spec, name=self.layer, max_elems=self.max_elems, nbytes=self._bytes.get(bkey), **opts)
-            self._bytes[bkey] = a.numbers['bytes']
-            self._cache[key] = a
-        return self._cache[key]
+# %% ../nbs/14_explore.ipynb #3221ecb6
+@patch
+def __repr__(self:Explorer):
+    n = self.numbers
+    return f"Explorer({self.layer!r} -> {n.get('label', self.format)}: SQNR {n.get('sqnr_db', math.nan):.2f} dB, {len(self.layers)} layers)"
 
-    def _update(self):
-        "The callback's work: analysis (cached), the block's grid, the numbers, and the figure redrawn into `image`."
-        t0 = time.perf_counter()
-        try:
-            a = self.analysis = self._analyze()
-            self.grid = block_grid(a, a.position(self.controls['row'].value), self.controls['block'].value)
-            self.numbers = dict(a.numbers, row=a.row_index(self.grid.row), block=self.grid.block,
-                                grid_values=None if self.grid.values is None else len(self.grid.values), error=self.error)
-            t1 = time.perf_counter()
-            self._render(a)
-            self.numbers['draw_s'] = time.perf_counter() - t1
-        except Exception as e:
-            self.error = f"{type(e).__name__}: {e}"
-            self.numbers = dict(layer=self.layer, format=self.format, error=self.error)
-            self.analysis = self.grid = self._drawn = None
-        self.image.layout.display = 'none' if self.analysis is None else None
-        self.updates += 1
-        self._show()
-        self.numbers['update_s'] = time.perf_counter() - t0
-        self.error = None
-
-    # -- the figure: made once, redrawn in place
-    def _new_figure(self):
-        "The figure and its five axes (values, errors, error map, per row, colour bar of both), at the widget's pixel size."
-        from matplotlib.figure import Figure
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        w, h = self.size
-        fig = Figure(figsize=(w / 100, h / 100), dpi=100)
-        FigureCanvasAgg(fig)
-        outer = fig.add_gridspec(2, 1, height_ratios=[1, 1.1], left=0.07, right=0.93, bottom=0.08, top=0.88, hspace=0.42)
-        top = outer[0].subgridspec(1, 2, width_ratios=[1.3, 1], wspace=0.2)
-        bottom = outer[1].subgridspec(1, 3, width_ratios=[2.3, 0.6, 0.05], wspace=0.06)
-        ax = dict(values=fig.add_subplot(top[0]), errors=fig.add_subplot(top[1]), map=fig.add_subplot(bottom[0]))
-        ax['rows'] = fig.add_subplot(bottom[1], sharey=ax['map'])
-        ax['cbar'] = fig.add_subplot(bottom[2])
-        for k in ('values', 'errors'): ax[k].tick_params(labelsize=8)
-        fig._cq_noted = True          # the suptitle says when rows are sampled
-        return fig, ax
-
-    def _render(self, a:Analysis):
-        """Redraw the values panel; the other panels only for a new analysis (then the rest is drawn once and kept as a
-        background the values panel is drawn over). The PNG goes to `image`."""
-        import numpy as np
-        from PIL import Image
-        fig, ax = self._fig, self._ax
-        v = ax['values']
-        plot_values(a, grid=self.grid, ax=v, label=a.format)      # updated in place; options are in the suptitle
-        v.title.set_fontsize(9)
-        if a is not self._drawn:
-            for k in ('map', 'cbar', 'rows'): ax[k].cla()
-            plot_errors(a, ax=ax['errors'], label=a.format)       # updated in place
-            plot_error_map(a, axes=(ax['map'], ax['rows'], ax['cbar']), label=a.format)
-            ax['rows'].tick_params(labelleft=False)
-            for k in ('map', 'cbar'): ax[k].tick_params(labelsize=8)
-            for k in ('errors', 'map', 'rows'): ax[k].title.set_fontsize(9)
-            n = a.numbers
-            fig.suptitle(f"{a.name} {'x'.join(map(str, a.shape))} → {a.label}: SQNR {n['sqnr_db']:.2f} dB, "
-                         f"{n['bits_per_weight']:.3f} bits/weight" + (f"  ({a.note})" if a.sampled else ''), fontsize=10)
-            v.set_visible(False)
-            fig.canvas.draw()
-            self._background = fig.canvas.copy_from_bbox(fig.bbox)
-            v.set_visible(True)
-            self._drawn = a
-        else: fig.canvas.restore_region(self._background)
-        fig.draw_artist(v)
-        buf = io.BytesIO()
-        Image.fromarray(np.asarray(fig.canvas.buffer_rgba())[..., :3]).save(buf, format='png', compress_level=1)
-        self.image.value = buf.getvalue()
-
-    @property
-    def figure(self):
-        "The figure `image` shows (the current selection; redrawn in place on every change)."
-        return self._fig
-
-    def _show(self):
-        n = self.numbers
-        why = '; '.join(f"<b>{k}</b>: {v}" for k, v in getattr(self, '_why', {}).items())
-        note = []
-        if n.get('error'): note.append(f"<span style='color:#c00'>{n['error']}</span>")
-        if n.get('sampled'): note.append(f"large layer: analysed on {n['rows_analysed']} of {n['rows_total']} rows (evenly spaced, plus the row with the largest value); the row control moves to the nearest analysed row")
-        if why: note.append(f"not offered for this shape: {why}")
-        self._note.value = '<br>'.join(note)
-        if 'sqnr_db' in n:
-            cells = [('SQNR', f"{n['sqnr_db']:.2f} dB"), ('rel. error', f"{n['rel_error']:.4f}"), ('max error', f"{n['max_abs_error']:.4g}"),
-                     ('bytes', f"{n['bytes']:,}"), ('bits/weight', f"{n['bits_per_weight']:.3f}"), ('quantize', f"{n['quantize_s'] * 1e3:.0f} ms"),
-                     ('grid', f"{n['grid_values']} values" if n['grid_values'] else '–')]
-            self._html.value = ('<table style="font-family:monospace"><tr>' + ''.join(f'<th style="padding:0 10px">{k}</th>' for k, _ in cells)
-                                + '</tr><tr>' + ''.join(f'<td style="padding:0 10px">{v}</td>' for _, v in cells) + '</tr></table>')
-        else: self._html.value = ''
-
-    # -- public driving
-    def set(self, name:str, # 'layer', 'format', 'row', 'block' or an option name
-            value, # the new value (must be one the control offers)
-           ) -> dict: # the updated `numbers`
-        "Change a control as a user would; its callback recomputes `numbers` and redraws the image."
-        if name not in self.controls: raise KeyError(f"no control {name!r}; controls: {list(self.controls)}")
-        self.controls[name].value = value
-        return self.numbers
-
-    def _ipython_display_(self):
-        from IPython.display import display
-        display(self.widget)
-
-    def __repr__(self):
-        n = self.numbers
-        return f"Explorer({self.layer!r} -> {n.get('label', self.format)}: SQNR {n.get('sqnr_db', math.nan):.2f} dB, {len(self.layers)} layers)"
-
+# %% ../nbs/14_explore.ipynb #a9d0956f
 def explore(source, # a tensor, a state dict, a checkpoint path or a `Checkpoint`
             layer:str|None=None, # initial layer (default: `default_layer`)
             format:str|None=None, # initial format (default: `fewest_bits_format`)

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from .modules import QuantMoEExperts
 
 # %% auto #0
-__all__ = ['MOE_DIT', 'DiT', 'dit_model', 'dit_state_dict', 'dit_batches', 'bank_from_linears', 'BankMoE', 'moe_dit_model']
+__all__ = ['DiT', 'dit_model', 'dit_state_dict', 'dit_batches', 'BankMoE', 'moe_dit_model']
 
-# %% ../nbs/11a_models.ipynb #b77f3b6b
+# %% ../nbs/11a_models.ipynb #e370645e
 class _Attention(nn.Module):
     def __init__(self, dim, heads):
         super().__init__()
@@ -25,12 +25,14 @@ class _Attention(nn.Module):
         q, k, v = self.qkv(x).reshape(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
         return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, C))
 
+# %% ../nbs/11a_models.ipynb #cff70d88
 class _Mlp(nn.Module):
     def __init__(self, dim, hidden):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
     def forward(self, x): return self.fc2(F.gelu(self.fc1(x), approximate='tanh'))
 
+# %% ../nbs/11a_models.ipynb #a6df7290
 class _Block(nn.Module):
     def __init__(self, dim, heads, hidden):
         super().__init__()
@@ -44,12 +46,14 @@ class _Block(nn.Module):
         x = x + g1 * self.attn(self.norm1(x) * (1 + sc1) + sh1)
         return x + g2 * self.mlp(self.norm2(x) * (1 + sc2) + sh2)
 
+# %% ../nbs/11a_models.ipynb #686e741c
 class _Expert(nn.Module):
     def __init__(self, dim, hidden):
         super().__init__()
         self.w1, self.w2 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False)
     def forward(self, x): return self.w2(F.gelu(self.w1(x), approximate='tanh'))
 
+# %% ../nbs/11a_models.ipynb #937896a5
 class _MoE(nn.Module):
     def __init__(self, dim, experts, hidden):
         super().__init__()
@@ -64,6 +68,7 @@ class _MoE(nn.Module):
             if bool(sel.any()): out[sel] = ex(h[sel]) * p[sel, None]
         return x + out.reshape(x.shape)
 
+# %% ../nbs/11a_models.ipynb #4af548aa
 class _TimeEmbed(nn.Module):
     def __init__(self, freq_dim, dim):
         super().__init__()
@@ -75,6 +80,7 @@ class _TimeEmbed(nn.Module):
         a = t.float()[:, None] * f[None]
         return self.mlp(torch.cat([a.cos(), a.sin()], -1).to(self.mlp[0].weight.dtype))
 
+# %% ../nbs/11a_models.ipynb #3d9c8b5d
 class _Final(nn.Module):
     def __init__(self, dim, out):
         super().__init__()
@@ -85,6 +91,7 @@ class _Final(nn.Module):
         shift, scale = self.adaLN_modulation(c)[:, None].chunk(2, dim=-1)
         return self.linear(self.norm_final(x) * (1 + scale) + shift)
 
+# %% ../nbs/11a_models.ipynb #e9e36e6c
 class DiT(nn.Module):
     "A small DiT-shaped transformer on patch tokens: adaLN blocks, an MoE block, timestep and class embedders."
     def __init__(self, dim=256, depth=4, heads=4, mlp_ratio=4, in_ch=16, experts=4, classes=10, freq_dim=256):
@@ -101,12 +108,13 @@ class DiT(nn.Module):
         for b in self.blocks: h = b(h, c)
         return self.final_layer(self.moe(h), c)
 
-# %% ../nbs/11a_models.ipynb #55f03f3c
+# %% ../nbs/11a_models.ipynb #faaf6d73
 def _student_t(shape, df:int, g:torch.Generator) -> torch.Tensor:
     "Student-t samples with integer `df`, unit-ish scale, from generator `g` (normal / sqrt(chi2/df))."
     chi2 = torch.randn((df,) + tuple(shape), generator=g).square().sum(0)
     return torch.randn(shape, generator=g) / (chi2 / df).sqrt()
 
+# %% ../nbs/11a_models.ipynb #80eabcd9
 @torch.no_grad()
 def _add_outliers(model:DiT, g:torch.Generator):
     u = lambda: float(torch.rand((), generator=g))
@@ -125,6 +133,7 @@ def _add_outliers(model:DiT, g:torch.Generator):
             ch = torch.randperm(dim, generator=g)[:3]
             bias[chunk * dim + ch] += (3 + 6 * u()) * torch.sign(torch.randn(3, generator=g))
 
+# %% ../nbs/11a_models.ipynb #ac0dd55c
 def dit_model(seed:int=0, # everything (weights, outliers) is drawn from this seed
               dtype:torch.dtype=torch.float32, # parameter dtype
               outliers:bool=True, # inject the outlier columns, rows, heavy tails and activation channels
@@ -137,10 +146,12 @@ def dit_model(seed:int=0, # everything (weights, outliers) is drawn from this se
         if outliers: _add_outliers(model, torch.Generator().manual_seed(seed + 1))
     return model.to(dtype).eval()
 
+# %% ../nbs/11a_models.ipynb #87347752
 def dit_state_dict(seed:int=0, dtype:torch.dtype=torch.float32, **kw) -> dict:
     "The state dict of `dit_model(seed, dtype, **kw)` (plain tensors, owning their storage)."
     return {k: v.detach().clone() for k, v in dit_model(seed, dtype, **kw).state_dict().items()}
 
+# %% ../nbs/11a_models.ipynb #7ad80ae1
 def dit_batches(n:int=2, # number of batches
                 batch:int=2, # samples per batch
                 tokens:int=64, # patch tokens per sample
@@ -153,18 +164,21 @@ def dit_batches(n:int=2, # number of batches
     return [(torch.randn(batch, tokens, in_ch, generator=g).to(dtype), torch.rand(batch, generator=g) * 1000,
              torch.randint(0, classes, (batch,), generator=g)) for _ in range(n)]
 
-# %% ../nbs/11a_models.ipynb #6f20f9f1
+# %% ../nbs/11a_models.ipynb #21acd9d6
 def bank_from_linears(linears) -> QuantMoEExperts:
     "A float `QuantMoEExperts` stacking the weights (and biases) of E same-shaped `nn.Linear`s."
     linears = list(linears)
     w0 = linears[0].weight
-    bank = QuantMoEExperts(len(linears), w0.shape[1], w0.shape[0], linears[0].bias is not None, device='meta', dtype=w0.dtype)
+    bank = QuantMoEExperts(len(linears), w0.shape[1], w0.shape[0], linears[0].bias is not None, device='meta',
+                           dtype=w0.dtype)
     bank.weight = nn.Parameter(torch.stack([l.weight.detach() for l in linears]))
     if bank.bias is not None: bank.bias = nn.Parameter(torch.stack([l.bias.detach() for l in linears]))
     return bank
 
+# %% ../nbs/11a_models.ipynb #edb37aa1
 class BankMoE(nn.Module):
-    "Top-1 routed expert MLPs on two banks, `up` [E, hidden, dim] and `down` [E, dim, hidden]: `x + p * down(gelu(up(x)))`."
+    """Top-1 routed expert MLPs on two banks, `up` [E, hidden, dim] and `down` [E, dim, hidden]: `x + p *
+    down(gelu(up(x)))`."""
     def __init__(self, gate:nn.Linear, up:QuantMoEExperts, down:QuantMoEExperts):
         super().__init__()
         self.gate, self.up, self.down = gate, up, down
@@ -180,8 +194,10 @@ class BankMoE(nn.Module):
         y = self.down(F.gelu(self.up(h, idx), approximate='tanh'), idx) * p[:, None]
         return x + y.reshape(x.shape)
 
+# %% ../nbs/11a_models.ipynb #fe68be26
 MOE_DIT = dict(dim=128, depth=2, heads=2, mlp_ratio=2, experts=4, classes=64, freq_dim=128)
 
+# %% ../nbs/11a_models.ipynb #b786391f
 def moe_dit_model(seed:int=0, # weights and outliers are drawn from this seed
                   dtype:torch.dtype=torch.float32, # parameter dtype
                   **kw, # sizes overriding `MOE_DIT`

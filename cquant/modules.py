@@ -10,6 +10,7 @@ import math, warnings, zlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from fastcore.basics import patch
 from .formats import FORMATS
 from .tensor import (QuantFormatError, QuantizedTensor, decode_json, encode_json, format_error, get_format,
                            load_quantized, quantize)
@@ -17,32 +18,27 @@ from .comfy import (FPMM, comfy_config, dequantize_rows, file_value, flagged_for
                           nested_params, read_comfy_quant, row_dim, split_bank)
 
 # %% auto #0
-__all__ = ['comfy_disabled_formats', 'QuantModule', 'QuantLinear', 'QuantEmbedding', 'QuantMoEExperts', 'quantized_names',
-           'quant_module', 'set_quant_compute', 'LoadKeysError', 'LoadKeysWarning', 'key_report',
-           'load_quantized_model', 'plan_entry', 'uniform_plan', 'string_to_seed', 'requantize_options', 'lora_delta',
-           'apply_lora', 'unpatch']
+__all__ = ['comfy_disabled_formats', 'QuantModule', 'QuantLinear', 'QuantEmbedding', 'QuantMoEExperts', 'set_quant_compute',
+           'LoadKeysError', 'LoadKeysWarning', 'load_quantized_model', 'lora_delta', 'apply_lora', 'unpatch']
 
-# %% ../nbs/11_modules.ipynb #b2dfec52
+# %% ../nbs/11_modules.ipynb #0962e49a
 def comfy_disabled_formats(device=None, # a torch device (default: CPU)
                           ) -> frozenset: # format names computed dequantized on that device
-    "The formats ComfyUI computes dequantized on `device` because it has no native kernel there (each format's `native_compute`)."
+    """The formats ComfyUI computes dequantized on `device` because it has no native kernel there (each format's
+    `native_compute`)."""
     dev = torch.device(device) if device is not None else torch.device('cpu')
     return frozenset(n for n, s in FORMATS.items() if not s.native_on(dev))
 
-# %% ../nbs/11_modules.ipynb #bae16160
+# %% ../nbs/11_modules.ipynb #ec572030
 def _qparam(qt:QuantizedTensor) -> nn.Parameter: return nn.Parameter(qt, requires_grad=False)
 
+# %% ../nbs/11_modules.ipynb #dce6b645
 class QuantModule(nn.Module):
     "Base of the quantized modules: loading/saving Comfy state dicts, compute flags, device moves."
     _extra_keys: tuple = ()            # activation tensors the module loads (Linear: input_scale, pre_quant_scale)
     _fact: str|None = None             # the FormatSpec flag a format needs here (None: every registered format)
     _top_level_only: bool = False      # options only from the top level of comfy_quant (embeddings)
     _default_scale: bool = False       # a missing scale tensor defaults to a scalar 1.0 (embeddings)
-
-    def _check_format(self, spec, prefix:str, key:str):
-        "Raise unless this module accepts format `spec` (its `_fact` flag)."
-        if self._fact is None or getattr(spec, self._fact): return
-        raise format_error(prefix, key, f'one of {flagged_formats(self._fact)} for {type(self).__name__}', repr(spec.name))
 
     def _init_quant(self):
         self.full_precision_mm = False          # user switch: always dequantize and compute in float
@@ -62,113 +58,144 @@ class QuantModule(nn.Module):
         w = self._quantized_weight()
         return None if w is None else w.format
 
-    @property
-    def runs_full_precision(self) -> bool:
-        "Whether forward dequantizes: `full_precision_mm`, the file's `full_precision_matrix_mult`, or a disabled format."
-        return bool(self.full_precision_mm or self._fpmm_config or self.format in self.disabled_formats)
-
     def _num_experts(self): return None
     def _config_weight(self): return self._quantized_weight()
 
-    @property
-    def quant_config(self) -> dict|None:
-        "The `comfy_quant` dict this module writes (None while the weight is float)."
-        w = self._config_weight()
-        return None if w is None else comfy_config(w, self._explicit, self._fpmm_config, self._num_experts())
+# %% ../nbs/11_modules.ipynb #e9a56882
+@patch
+def _check_format(self:QuantModule, spec, prefix:str, key:str):
+    "Raise unless this module accepts format `spec` (its `_fact` flag)."
+    if self._fact is None or getattr(spec, self._fact): return
+    raise format_error(prefix, key, f'one of {flagged_formats(self._fact)} for {type(self).__name__}', repr(spec.name))
 
-    def _apply(self, fn, recurse=True):
-        hidden = {n: p for n, p in self._parameters.items() if isinstance(p, QuantizedTensor)}
-        for n in hidden: self._parameters[n] = None
-        try: super()._apply(fn, recurse)
-        finally:
-            for n, p in hidden.items(): self._parameters[n] = p
-        for n, p in hidden.items(): self._parameters[n] = _qparam(fn(p))
-        if getattr(self, 'experts', None): self.experts = [fn(q) for q in self.experts]
-        if self._lora_backup is not None:
-            b = self._lora_backup[0]
-            self._lora_backup = (_qparam(fn(b)) if isinstance(b, QuantizedTensor) else nn.Parameter(fn(b.data), b.requires_grad),)
-        return self
+# %% ../nbs/11_modules.ipynb #90f447de
+@patch(as_prop=True)
+def runs_full_precision(self:QuantModule) -> bool:
+    "Whether forward dequantizes: `full_precision_mm`, the file's `full_precision_matrix_mult`, or a disabled format."
+    return bool(self.full_precision_mm or self._fpmm_config or self.format in self.disabled_formats)
 
-    def _float_weight(self, shape):
-        "The weight as a float Parameter again (loading a float state dict into a quantized module)."
-        w = self._parameters.get('weight')
-        if isinstance(w, QuantizedTensor): self.weight = nn.Parameter(torch.empty(shape, dtype=w.dtype, device=w.device))
-        self._fpmm_config, self._explicit = False, ()
-        for k in self._extra_keys: setattr(self, k, None)
+# %% ../nbs/11_modules.ipynb #233d2b44
+@patch(as_prop=True)
+def quant_config(self:QuantModule) -> dict|None:
+    "The `comfy_quant` dict this module writes (None while the weight is float)."
+    w = self._config_weight()
+    return None if w is None else comfy_config(w, self._explicit, self._fpmm_config, self._num_experts())
 
-    def _target(self) -> tuple:
-        "(dtype, device) of a loaded weight: the module's compute dtype, and its device unless that is meta."
-        w = self._parameters.get('weight')
-        if w is None: w = getattr(self, 'bias', None)
-        if w is None: return torch.get_default_dtype(), None
-        return w.dtype, (None if w.device.type == 'meta' else w.device)
+# %% ../nbs/11_modules.ipynb #b289f59a
+@patch
+def _apply(self:QuantModule, fn, recurse=True):
+    hidden = {n: p for n, p in self._parameters.items() if isinstance(p, QuantizedTensor)}
+    for n in hidden: self._parameters[n] = None
+    try: super(QuantModule, self)._apply(fn, recurse)
+    finally:
+        for n, p in hidden.items(): self._parameters[n] = p
+    for n, p in hidden.items(): self._parameters[n] = _qparam(fn(p))
+    if getattr(self, 'experts', None): self.experts = [fn(q) for q in self.experts]
+    if self._lora_backup is not None:
+        b = self._lora_backup[0]
+        self._lora_backup = (_qparam(fn(b)) if isinstance(b, QuantizedTensor)
+                             else nn.Parameter(fn(b.data), b.requires_grad),)
+    return self
 
-    def _load_extras(self, sd, prefix, spec, K) -> dict:
-        out = {}
-        for k in self._extra_keys:
-            if k not in spec.extra_keys or prefix + k not in sd: continue   # others stay: unexpected keys
-            t = sd[prefix + k]
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                raise format_error(prefix, k, 'a floating-point tensor', getattr(t, 'dtype', type(t).__name__))
-            want = 1 if k == 'input_scale' else K
-            if t.numel() != want: raise format_error(prefix, k, f'{want} value(s)' + (' (one per input feature)' if k != 'input_scale' else ''), f'shape {tuple(t.shape)}')
-            out[k] = t
-        return out
+# %% ../nbs/11_modules.ipynb #5fb9496f
+@patch
+def _float_weight(self:QuantModule, shape):
+    "The weight as a float Parameter again (loading a float state dict into a quantized module)."
+    w = self._parameters.get('weight')
+    if isinstance(w, QuantizedTensor): self.weight = nn.Parameter(torch.empty(shape, dtype=w.dtype, device=w.device))
+    self._fpmm_config, self._explicit = False, ()
+    for k in self._extra_keys: setattr(self, k, None)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        wkey, ckey = prefix + 'weight', prefix + 'comfy_quant'
-        self.key = wkey
-        load, shape = super()._load_from_state_dict, self._logical_shape()
-        if ckey not in state_dict:
-            self._float_weight(shape)
-            return load(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        cfg = read_comfy_quant(state_dict, prefix)
-        spec = get_format(cfg['format'], prefix)
-        self._check_format(spec, prefix, 'comfy_quant["format"]')
-        consumed = {ckey} | {prefix + k for k in spec.weight_keys if prefix + k in state_dict}
-        loaded = wkey in state_dict
-        if loaded:
-            conf = {k: v for k, v in cfg.items() if k != 'params'} if self._top_level_only else cfg
-            tensors = {prefix + k: state_dict[prefix + k] for k in spec.weight_keys if prefix + k in state_dict}
-            if self._default_scale:
-                for k in spec.keys: tensors.setdefault(prefix + k, torch.ones((), dtype=torch.float32))
-            dtype, device = self._target()
-            qt = load_quantized(tensors, prefix, shape, dtype, conf)
-            if device is not None and qt.device != device: qt = qt.to(device)
-            extras = self._load_extras(state_dict, prefix, spec, shape[-1])
-            consumed |= {prefix + k for k in extras}
-            self.weight = _qparam(qt)
-            self._fpmm_config = bool(file_value(cfg, FPMM, self._top_level_only))
-            self._explicit = tuple(o.name for o in spec.options if o.stored and file_value(cfg, o.name, self._top_level_only) is not None)
-            for k in self._extra_keys: setattr(self, k, extras.get(k))
-        load({k: v for k, v in state_dict.items() if k not in consumed}, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        if loaded and wkey in missing_keys: missing_keys.remove(wkey)
+# %% ../nbs/11_modules.ipynb #3fc20902
+@patch
+def _target(self:QuantModule) -> tuple:
+    "(dtype, device) of a loaded weight: the module's compute dtype, and its device unless that is meta."
+    w = self._parameters.get('weight')
+    if w is None: w = getattr(self, 'bias', None)
+    if w is None: return torch.get_default_dtype(), None
+    return w.dtype, (None if w.device.type == 'meta' else w.device)
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        w = self._quantized_weight()
-        if w is None: return super()._save_to_state_dict(destination, prefix, keep_vars)
-        d = (lambda t: t) if keep_vars else (lambda t: t.detach())
-        if getattr(self, 'bias', None) is not None: destination[prefix + 'bias'] = d(self.bias)
-        destination.update(w.state_dict(prefix))
-        destination[prefix + 'comfy_quant'] = encode_json(self.quant_config)
-        for k in self._extra_keys:
-            v = getattr(self, k, None)
-            if v is not None: destination[prefix + k] = d(v)
+# %% ../nbs/11_modules.ipynb #436a9b19
+@patch
+def _load_extras(self:QuantModule, sd, prefix, spec, K) -> dict:
+    out = {}
+    for k in self._extra_keys:
+        if k not in spec.extra_keys or prefix + k not in sd: continue   # others stay: unexpected keys
+        t = sd[prefix + k]
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn,
+            torch.float8_e5m2):
+            raise format_error(prefix, k, 'a floating-point tensor', getattr(t, 'dtype', type(t).__name__))
+        want = 1 if k == 'input_scale' else K
+        if t.numel() != want: raise format_error(prefix, k, f'{want} value(s)' + (' (one per input feature)'
+            if k != 'input_scale' else ''), f'shape {tuple(t.shape)}')
+        out[k] = t
+    return out
 
-    def quantize_(self, fmt, # format name (or FormatSpec)
-                  *, stochastic_rounding:int=0, # 0: round to nearest; else a seed
-                  full_precision_matrix_mult:bool=False, # write (and honour) the file flag
-                  **options): # format options, as `cquant.quantize`
-        "Quantize this module's float weight in place."
-        w = self._parameters.get('weight')
-        if isinstance(w, QuantizedTensor): raise ValueError(f"{self.key or type(self).__name__}: the weight is already quantized ({w.format})")
-        spec = get_format(fmt, caller=f'{type(self).__name__}.quantize_')
-        self._check_format(spec, '', f'{self.key or "weight"} format')
-        self.weight = _qparam(quantize(w.detach(), spec, stochastic_rounding=stochastic_rounding, name=self.key or 'weight', **options))
-        self._fpmm_config, self._explicit = bool(full_precision_matrix_mult), ()
-        return self
+# %% ../nbs/11_modules.ipynb #45c4af7d
+@patch
+def _load_from_state_dict(self:QuantModule, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                          error_msgs):
+    wkey, ckey = prefix + 'weight', prefix + 'comfy_quant'
+    self.key = wkey
+    load, shape = super(QuantModule, self)._load_from_state_dict, self._logical_shape()
+    if ckey not in state_dict:
+        self._float_weight(shape)
+        return load(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+    cfg = read_comfy_quant(state_dict, prefix)
+    spec = get_format(cfg['format'], prefix)
+    self._check_format(spec, prefix, 'comfy_quant["format"]')
+    consumed = {ckey} | {prefix + k for k in spec.weight_keys if prefix + k in state_dict}
+    loaded = wkey in state_dict
+    if loaded:
+        conf = {k: v for k, v in cfg.items() if k != 'params'} if self._top_level_only else cfg
+        tensors = {prefix + k: state_dict[prefix + k] for k in spec.weight_keys if prefix + k in state_dict}
+        if self._default_scale:
+            for k in spec.keys: tensors.setdefault(prefix + k, torch.ones((), dtype=torch.float32))
+        dtype, device = self._target()
+        qt = load_quantized(tensors, prefix, shape, dtype, conf)
+        if device is not None and qt.device != device: qt = qt.to(device)
+        extras = self._load_extras(state_dict, prefix, spec, shape[-1])
+        consumed |= {prefix + k for k in extras}
+        self.weight = _qparam(qt)
+        self._fpmm_config = bool(file_value(cfg, FPMM, self._top_level_only))
+        self._explicit = tuple(o.name for o in spec.options if o.stored
+                               and file_value(cfg, o.name, self._top_level_only) is not None)
+        for k in self._extra_keys: setattr(self, k, extras.get(k))
+    load({k: v for k, v in state_dict.items() if k not in consumed}, prefix, local_metadata, strict, missing_keys,
+         unexpected_keys, error_msgs)
+    if loaded and wkey in missing_keys: missing_keys.remove(wkey)
 
-# %% ../nbs/11_modules.ipynb #83ddfff8
+# %% ../nbs/11_modules.ipynb #0719f638
+@patch
+def _save_to_state_dict(self:QuantModule, destination, prefix, keep_vars):
+    w = self._quantized_weight()
+    if w is None: return super(QuantModule, self)._save_to_state_dict(destination, prefix, keep_vars)
+    d = (lambda t: t) if keep_vars else (lambda t: t.detach())
+    if getattr(self, 'bias', None) is not None: destination[prefix + 'bias'] = d(self.bias)
+    destination.update(w.state_dict(prefix))
+    destination[prefix + 'comfy_quant'] = encode_json(self.quant_config)
+    for k in self._extra_keys:
+        v = getattr(self, k, None)
+        if v is not None: destination[prefix + k] = d(v)
+
+# %% ../nbs/11_modules.ipynb #f7154e55
+@patch
+def quantize_(self:QuantModule, fmt, # format name (or FormatSpec)
+              *, stochastic_rounding:int=0, # 0: round to nearest; else a seed
+              full_precision_matrix_mult:bool=False, # write (and honour) the file flag
+              **options): # format options, as `cquant.quantize`
+    "Quantize this module's float weight in place."
+    w = self._parameters.get('weight')
+    if isinstance(w, QuantizedTensor): raise ValueError(f"{self.key or type(self).__name__}: the weight is already "
+                                                        f"quantized ({w.format})")
+    spec = get_format(fmt, caller=f'{type(self).__name__}.quantize_')
+    self._check_format(spec, '', f'{self.key or "weight"} format')
+    self.weight = _qparam(quantize(w.detach(), spec, stochastic_rounding=stochastic_rounding, name=self.key
+                                   or 'weight', **options))
+    self._fpmm_config, self._explicit = bool(full_precision_matrix_mult), ()
+    return self
+
+# %% ../nbs/11_modules.ipynb #fcbe6370
 class QuantLinear(QuantModule):
     "A Linear whose weight may be a `QuantizedTensor`: ComfyUI's `MixedPrecisionOps.Linear` for any torch model."
     _extra_keys = ('input_scale', 'pre_quant_scale')
@@ -203,12 +230,13 @@ class QuantLinear(QuantModule):
     def extra_repr(self):
         return f'in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, format={self.format}'
 
-# %% ../nbs/11_modules.ipynb #6dd18e13
+# %% ../nbs/11_modules.ipynb #568dbb71
 class QuantEmbedding(QuantModule):
     "An Embedding whose table may be quantized (fp8 or int8, per-row scales, rotation); a lookup decodes only its rows."
     _fact, _top_level_only, _default_scale = 'embedding', True, True
 
-    def __init__(self, num_embeddings:int, embedding_dim:int, padding_idx:int|None=None, max_norm=None, norm_type:float=2.0,
+    def __init__(self, num_embeddings:int, embedding_dim:int, padding_idx:int|None=None, max_norm=None,
+                 norm_type:float=2.0,
                  scale_grad_by_freq:bool=False, sparse:bool=False, device=None, dtype=None):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -227,26 +255,32 @@ class QuantEmbedding(QuantModule):
     @classmethod
     def from_float(cls, emb:nn.Embedding, fmt=None, **options) -> QuantEmbedding:
         "A QuantEmbedding sharing `emb`'s table; quantized to `fmt` (with `options`) when given."
-        m = cls(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, emb.max_norm, emb.norm_type, emb.scale_grad_by_freq,
+        m = cls(emb.num_embeddings, emb.embedding_dim, emb.padding_idx, emb.max_norm, emb.norm_type,
+                emb.scale_grad_by_freq,
                 emb.sparse, device='meta', dtype=emb.weight.dtype)
         m.weight = emb.weight
         return m if fmt is None else m.quantize_(fmt, **options)
 
-    def forward(self, idx:torch.Tensor, out_dtype:torch.dtype|None=None) -> torch.Tensor:
-        w = self.weight
-        if not isinstance(w, QuantizedTensor):
-            out = F.embedding(idx, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
-            return out if out_dtype is None else out.to(out_dtype)
-        if self.max_norm is not None: raise NotImplementedError("QuantEmbedding: max_norm renormalizes rows in place, which a quantized table cannot do")
-        dtype = out_dtype or w.dtype
-        if hasattr(w.layout, 'dequantize_rows'): return dequantize_rows(w, idx).to(dtype)   # ComfyUI: the layout's gather, then a cast
-        return dequantize_rows(w, idx, dtype)
+# %% ../nbs/11_modules.ipynb #2733b140
+@patch
+def forward(self:QuantEmbedding, idx:torch.Tensor, out_dtype:torch.dtype|None=None) -> torch.Tensor:
+    w = self.weight
+    if not isinstance(w, QuantizedTensor):
+        out = F.embedding(idx, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
+        return out if out_dtype is None else out.to(out_dtype)
+    if self.max_norm is not None: raise NotImplementedError("QuantEmbedding: max_norm renormalizes rows in place, "
+                                                            "which a quantized table cannot do")
+    dtype = out_dtype or w.dtype
+    if hasattr(w.layout, 'dequantize_rows'): return dequantize_rows(w, idx).to(dtype)   # ComfyUI: the layout's gather, then a cast
+    return dequantize_rows(w, idx, dtype)
 
-    def extra_repr(self):
-        pad = f', padding_idx={self.padding_idx}' if self.padding_idx is not None else ''
-        return f'{self.num_embeddings}, {self.embedding_dim}{pad}, format={self.format}'
+# %% ../nbs/11_modules.ipynb #9cf9b8ad
+@patch
+def extra_repr(self:QuantEmbedding):
+    pad = f', padding_idx={self.padding_idx}' if self.padding_idx is not None else ''
+    return f'{self.num_embeddings}, {self.embedding_dim}{pad}, format={self.format}'
 
-# %% ../nbs/11_modules.ipynb #1916f844
+# %% ../nbs/11_modules.ipynb #8b963f08
 class QuantMoEExperts(QuantModule):
     "A bank of E expert linears `[E, N, K]` (ComfyUI's `MoEExperts`), float or quantized per expert."
 
@@ -260,7 +294,8 @@ class QuantMoEExperts(QuantModule):
         if self.weight.device.type != 'meta':
             with torch.no_grad():
                 for e in range(num_experts): nn.init.kaiming_uniform_(self.weight[e], a=math.sqrt(5))
-                if self.bias is not None: self.bias.uniform_(-1 / math.sqrt(max(in_features, 1)), 1 / math.sqrt(max(in_features, 1)))
+                if self.bias is not None: self.bias.uniform_(-1 / math.sqrt(max(in_features, 1)),
+                    1 / math.sqrt(max(in_features, 1)))
 
     def _num_experts(self): return self.num_experts
     def _logical_shape(self): return (self.out_features, self.in_features)
@@ -275,99 +310,122 @@ class QuantMoEExperts(QuantModule):
         "Expert i's weight: a float `[N, K]` view, or its own `QuantizedTensor`."
         return self.experts[i] if self.experts is not None else self.weight[i]
 
-    def expert_linear(self, x:torch.Tensor, i:int) -> torch.Tensor:
-        "`x @ W_i^T + b_i`: expert i's format linear for 2-D x, else (full precision, or x not 2-D) ComfyUI's dequantized `F.linear`."
-        b = None if self.bias is None else self.bias[i].to(x.dtype)
-        if self.experts is None: return F.linear(x, self.weight[i].to(x.dtype), b)
-        qt = self.experts[i]
-        if self.runs_full_precision or x.dim() != 2: return F.linear(x, qt.dequantize().to(x.dtype), b)
-        return qt.linear(x, b)
+# %% ../nbs/11_modules.ipynb #cee38c07
+@patch
+def expert_linear(self:QuantMoEExperts, x:torch.Tensor, i:int) -> torch.Tensor:
+    """`x @ W_i^T + b_i`: expert i's format linear for 2-D x, else (full precision, or x not 2-D) ComfyUI's dequantized
+    `F.linear`."""
+    b = None if self.bias is None else self.bias[i].to(x.dtype)
+    if self.experts is None: return F.linear(x, self.weight[i].to(x.dtype), b)
+    qt = self.experts[i]
+    if self.runs_full_precision or x.dim() != 2: return F.linear(x, qt.dequantize().to(x.dtype), b)
+    return qt.linear(x, b)
 
-    def forward(self, x:torch.Tensor, # [E, ..., K] (slice e for expert e), or [..., K] routed by `expert_ids`
-                expert_ids:torch.Tensor|None=None, # [...] the expert of each row of x
-               ) -> torch.Tensor: # [E, ..., N] or [..., N]
-        "Each slice `x[e]` through expert e, or each row of x through the expert `expert_ids` names."
-        E, K, N = self.num_experts, self.in_features, self.out_features
-        if expert_ids is None:
-            if x.shape[0] != E: raise ValueError(f"QuantMoEExperts: x needs a leading expert dim of {E}, got shape {tuple(x.shape)}")
-            return torch.stack([self.expert_linear(x[e], e) for e in range(E)])
-        ids, x2 = expert_ids.reshape(-1).to(x.device), x.reshape(-1, K)
-        if ids.shape[0] != x2.shape[0]: raise ValueError(f"QuantMoEExperts: {ids.shape[0]} expert ids for {x2.shape[0]} rows")
-        out = x2.new_empty(x2.shape[0], N)
-        if ids.numel():
-            lo, hi = torch.aminmax(ids)
-            if int(lo) < 0 or int(hi) >= E: raise IndexError(f"QuantMoEExperts: expert ids must be in [0, {E}), got {int(lo)}..{int(hi)}")
-            for e in torch.unique(ids).tolist():
-                sel = (ids == e).nonzero().squeeze(1)
-                out[sel] = self.expert_linear(x2[sel], e)
-        return out.reshape(*x.shape[:-1], N)
+# %% ../nbs/11_modules.ipynb #3ec56ca8
+@patch
+def forward(self:QuantMoEExperts, x:torch.Tensor, # [E, ..., K] (slice e for expert e), or [..., K] routed by `expert_ids`
+            expert_ids:torch.Tensor|None=None, # [...] the expert of each row of x
+           ) -> torch.Tensor: # [E, ..., N] or [..., N]
+    "Each slice `x[e]` through expert e, or each row of x through the expert `expert_ids` names."
+    E, K, N = self.num_experts, self.in_features, self.out_features
+    if expert_ids is None:
+        if x.shape[0] != E: raise ValueError(f"QuantMoEExperts: x needs a leading expert dim of {E}, got shape "
+                                             f"{tuple(x.shape)}")
+        return torch.stack([self.expert_linear(x[e], e) for e in range(E)])
+    ids, x2 = expert_ids.reshape(-1).to(x.device), x.reshape(-1, K)
+    if ids.shape[0] != x2.shape[0]: raise ValueError(f"QuantMoEExperts: {ids.shape[0]} expert ids for {x2.shape[0]} "
+                                                     f"rows")
+    out = x2.new_empty(x2.shape[0], N)
+    if ids.numel():
+        lo, hi = torch.aminmax(ids)
+        if int(lo) < 0 or int(hi) >= E: raise IndexError(f"QuantMoEExperts: expert ids must be in [0, {E}), got "
+                                                         f"{int(lo)}..{int(hi)}")
+        for e in torch.unique(ids).tolist():
+            sel = (ids == e).nonzero().squeeze(1)
+            out[sel] = self.expert_linear(x2[sel], e)
+    return out.reshape(*x.shape[:-1], N)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        wkey, ckey = prefix + 'weight', prefix + 'comfy_quant'
-        self.key = wkey
-        load = nn.Module._load_from_state_dict.__get__(self)
-        E, (N, K) = self.num_experts, self._logical_shape()
-        if ckey not in state_dict:
-            if self.experts is not None:
-                self.weight = nn.Parameter(torch.empty(E, N, K, dtype=self.experts[0].dtype, device=self.experts[0].device))
-                self.experts, self._fpmm_config, self._explicit = None, False, ()
-            return load(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        cfg = read_comfy_quant(state_dict, prefix)
-        spec = get_format(cfg['format'], prefix)
-        for k in ('input_scale', 'pre_quant_scale'):
-            if prefix + k in state_dict:
-                raise format_error(prefix, k, 'no input_scale or pre_quant_scale on an MoE expert bank (its activations are '
-                                   'quantized per expert, dynamically)', f'{prefix + k} of shape {tuple(state_dict[prefix + k].shape)}')
-        n = file_value(cfg, 'num_experts')
-        if n is not None and n != E: raise format_error(prefix, 'comfy_quant["num_experts"]', f'{E} (the module has {E} experts)', repr(n))
-        consumed = {ckey} | {prefix + k for k in spec.weight_keys if prefix + k in state_dict}
-        loaded = wkey in state_dict
-        if loaded:
-            tensors = {k: state_dict[prefix + k] for k in spec.weight_keys if prefix + k in state_dict}
-            dtype = self.dtype
-            if self.experts is not None: device = self.experts[0].device
-            else: device = next((t.device for t in (self.weight, self.bias) if t is not None and t.device.type != 'meta'), None)
-            experts, flat, shared = split_bank(tensors, cfg, E, (N, K), dtype, prefix)
-            if device is not None: experts = [q if q.device == device else q.to(device) for q in experts]
-            self.weight, self.experts, self._flat, self._shared = None, experts, flat, shared
-            self._fpmm_config = bool(file_value(cfg, FPMM))
-            self._explicit = tuple(o.name for o in spec.options if o.stored and file_value(cfg, o.name) is not None)
-        load({k: v for k, v in state_dict.items() if k not in consumed}, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        if loaded and wkey in missing_keys: missing_keys.remove(wkey)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        if self.experts is None: return nn.Module._save_to_state_dict(self, destination, prefix, keep_vars)
-        if self.bias is not None: destination[prefix + 'bias'] = self.bias if keep_vars else self.bias.detach()
-        per = [q.state_dict('') for q in self.experts]
-        for k in per[0]:
-            ts = [p[k] for p in per]
-            destination[prefix + k] = ts[0] if k in self._shared else torch.cat(ts, row_dim(k)) if self._flat else torch.stack(ts)
-        destination[prefix + 'comfy_quant'] = encode_json(self.quant_config)
-
-    def quantize_(self, fmt, *, stochastic_rounding:int=0, full_precision_matrix_mult:bool=False,
-                  shared_scale:bool=False, # one scale for the whole bank (FP8, tensor-wise INT8) instead of one per expert
-                  **options):
-        "Quantize the float bank in place: per expert, or (flattened banks, `shared_scale`) as one `[E*N, K]` tensor."
-        if self.experts is not None: raise ValueError(f"{self.key or 'QuantMoEExperts'}: the bank is already quantized ({self.format})")
-        spec, W, name = get_format(fmt, caller='QuantMoEExperts.quantize_'), self.weight.detach(), self.key or 'weight'
-        E, N, K = W.shape
-        flat = spec.bank_is_flat(options)
-        if shared_scale and (not spec.row_gather or flat):
-            raise format_error('', f'{name} option shared_scale', f'a tensor-wise format of {flagged_formats("row_gather")}', f'{spec.name} {options}')
-        if flat or shared_scale:     # rows quantize independently: the bank as one [E*N, K] tensor (one codebook, one shared scale)
-            qt = quantize(W.reshape(E * N, K), spec, stochastic_rounding=stochastic_rounding, name=name, **options)
-            experts, _, shared = split_bank(qt.state_dict(''), qt.config, E, (N, K), W.dtype)
-        else:
-            experts = [quantize(W[e], spec, stochastic_rounding=stochastic_rounding + e if stochastic_rounding else 0,
-                                name=f'{name}[{e}]', **options) for e in range(E)]
-            shared = set()
+# %% ../nbs/11_modules.ipynb #fe08ae30
+@patch
+def _load_from_state_dict(self:QuantMoEExperts, state_dict, prefix, local_metadata, strict, missing_keys,
+                          unexpected_keys, error_msgs):
+    wkey, ckey = prefix + 'weight', prefix + 'comfy_quant'
+    self.key = wkey
+    load = nn.Module._load_from_state_dict.__get__(self)
+    E, (N, K) = self.num_experts, self._logical_shape()
+    if ckey not in state_dict:
+        if self.experts is not None:
+            self.weight = nn.Parameter(torch.empty(E, N, K, dtype=self.experts[0].dtype, device=self.experts[0].device))
+            self.experts, self._fpmm_config, self._explicit = None, False, ()
+        return load(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+    cfg = read_comfy_quant(state_dict, prefix)
+    spec = get_format(cfg['format'], prefix)
+    for k in ('input_scale', 'pre_quant_scale'):
+        if prefix + k in state_dict:
+            raise format_error(prefix, k, 'no input_scale or pre_quant_scale on an MoE expert bank (its '
+                               'activations are quantized per expert, dynamically)',
+                               f'{prefix + k} of shape {tuple(state_dict[prefix + k].shape)}')
+    n = file_value(cfg, 'num_experts')
+    if n is not None and n != E: raise format_error(prefix, 'comfy_quant["num_experts"]',
+                                                    f'{E} (the module has {E} experts)', repr(n))
+    consumed = {ckey} | {prefix + k for k in spec.weight_keys if prefix + k in state_dict}
+    loaded = wkey in state_dict
+    if loaded:
+        tensors = {k: state_dict[prefix + k] for k in spec.weight_keys if prefix + k in state_dict}
+        dtype = self.dtype
+        if self.experts is not None: device = self.experts[0].device
+        else: device = next((t.device for t in (self.weight, self.bias) if t is not None and t.device.type != 'meta'),
+                            None)
+        experts, flat, shared = split_bank(tensors, cfg, E, (N, K), dtype, prefix)
+        if device is not None: experts = [q if q.device == device else q.to(device) for q in experts]
         self.weight, self.experts, self._flat, self._shared = None, experts, flat, shared
-        self._fpmm_config, self._explicit = bool(full_precision_matrix_mult), ()
-        return self
+        self._fpmm_config = bool(file_value(cfg, FPMM))
+        self._explicit = tuple(o.name for o in spec.options if o.stored and file_value(cfg, o.name) is not None)
+    load({k: v for k, v in state_dict.items() if k not in consumed}, prefix, local_metadata, strict, missing_keys,
+         unexpected_keys, error_msgs)
+    if loaded and wkey in missing_keys: missing_keys.remove(wkey)
 
-    def extra_repr(self):
-        return (f'num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, '
-                f'bias={self.bias is not None}, format={self.format}')
+# %% ../nbs/11_modules.ipynb #1ca4b4ee
+@patch
+def _save_to_state_dict(self:QuantMoEExperts, destination, prefix, keep_vars):
+    if self.experts is None: return nn.Module._save_to_state_dict(self, destination, prefix, keep_vars)
+    if self.bias is not None: destination[prefix + 'bias'] = self.bias if keep_vars else self.bias.detach()
+    per = [q.state_dict('') for q in self.experts]
+    for k in per[0]:
+        ts = [p[k] for p in per]
+        destination[prefix + k] = ts[0] if k in self._shared else torch.cat(ts, row_dim(k)) if self._flat else torch.stack(ts)
+    destination[prefix + 'comfy_quant'] = encode_json(self.quant_config)
+
+# %% ../nbs/11_modules.ipynb #a317de5b
+@patch
+def quantize_(self:QuantMoEExperts, fmt, *, stochastic_rounding:int=0, full_precision_matrix_mult:bool=False,
+              shared_scale:bool=False, # one scale for the whole bank (FP8, tensor-wise INT8) instead of one per expert
+              **options):
+    "Quantize the float bank in place: per expert, or (flattened banks, `shared_scale`) as one `[E*N, K]` tensor."
+    if self.experts is not None: raise ValueError(f"{self.key or 'QuantMoEExperts'}: the bank is already quantized "
+                                                  f"({self.format})")
+    spec, W, name = get_format(fmt, caller='QuantMoEExperts.quantize_'), self.weight.detach(), self.key or 'weight'
+    E, N, K = W.shape
+    flat = spec.bank_is_flat(options)
+    if shared_scale and (not spec.row_gather or flat):
+        raise format_error('', f'{name} option shared_scale',
+                           f'a tensor-wise format of {flagged_formats("row_gather")}', f'{spec.name} {options}')
+    if flat or shared_scale:     # rows quantize independently: the bank as one [E*N, K] tensor (one codebook, one shared scale)
+        qt = quantize(W.reshape(E * N, K), spec, stochastic_rounding=stochastic_rounding, name=name, **options)
+        experts, _, shared = split_bank(qt.state_dict(''), qt.config, E, (N, K), W.dtype)
+    else:
+        experts = [quantize(W[e], spec, stochastic_rounding=stochastic_rounding + e if stochastic_rounding else 0,
+                            name=f'{name}[{e}]', **options) for e in range(E)]
+        shared = set()
+    self.weight, self.experts, self._flat, self._shared = None, experts, flat, shared
+    self._fpmm_config, self._explicit = bool(full_precision_matrix_mult), ()
+    return self
+
+# %% ../nbs/11_modules.ipynb #a66529fb
+@patch
+def extra_repr(self:QuantMoEExperts):
+    return (f'num_experts={self.num_experts}, in_features={self.in_features}, out_features={self.out_features}, '
+            f'bias={self.bias is not None}, format={self.format}')
 
 # %% ../nbs/11_modules.ipynb #b6ebad8d
 def swap_module(model:nn.Module, name:str, new:nn.Module):
@@ -385,20 +443,24 @@ def submodule(model:nn.Module, name:str):
 def is_linear(m:nn.Module) -> bool:
     "Whether `m` is a linear layer: an `nn.Linear` or a class named Linear with its attributes (ComfyUI's ops)."
     if isinstance(m, nn.Linear): return True
-    return type(m).__name__ == 'Linear' and all(hasattr(m, a) for a in ('in_features', 'out_features', 'weight', 'forward'))
+    return type(m).__name__ == 'Linear' and all(hasattr(m, a)
+                                                for a in ('in_features', 'out_features', 'weight', 'forward'))
 
-# %% ../nbs/11_modules.ipynb #24a275fc
+# %% ../nbs/11_modules.ipynb #3c47ec7f
 def quantized_names(sd) -> list:
     "The modules (prefixes without the dot) that have a `comfy_quant` in state dict `sd`."
     return sorted({k[:-len('comfy_quant')].rstrip('.') for k in sd if k == 'comfy_quant' or k.endswith('.comfy_quant')})
 
+# %% ../nbs/11_modules.ipynb #144010df
 def quant_module(m:nn.Module, name:str='') -> QuantModule:
     "The quantized counterpart of `m`, sharing its parameters (`m` itself if it is one already)."
     if isinstance(m, QuantModule): return m
     if isinstance(m, nn.Linear): return QuantLinear.from_float(m)
     if isinstance(m, nn.Embedding): return QuantEmbedding.from_float(m)
-    raise TypeError(f"module {name!r}: cquant quantizes nn.Linear, nn.Embedding and QuantMoEExperts modules, not {type(m).__name__}")
+    raise TypeError(f"module {name!r}: cquant quantizes nn.Linear, nn.Embedding and QuantMoEExperts modules, not "
+                    f"{type(m).__name__}")
 
+# %% ../nbs/11_modules.ipynb #3f7dbedd
 def set_quant_compute(model:nn.Module, # a model with quantized modules
                       disabled_formats=None, # formats computed dequantized: a set, 'auto' (ComfyUI's rules for each weight's device), or None (unchanged)
                       full_precision_mm:bool|None=None, # True: every quantized module dequantizes; False: only where flags say; None: unchanged
@@ -408,21 +470,26 @@ def set_quant_compute(model:nn.Module, # a model with quantized modules
         if not isinstance(m, QuantModule): continue
         if full_precision_mm is not None: m.full_precision_mm = bool(full_precision_mm)
         if isinstance(disabled_formats, str):
-            if disabled_formats != 'auto': raise ValueError(f"disabled_formats: expected a set of formats, 'auto' or None, got {disabled_formats!r}")
+            if disabled_formats != 'auto': raise ValueError(f"disabled_formats: expected a set of formats, 'auto' or "
+                                                            f"None, got {disabled_formats!r}")
             w = m.experts[0] if getattr(m, 'experts', None) else m._parameters.get('weight')
             m.disabled_formats = comfy_disabled_formats(None if w is None else w.device)
         elif disabled_formats is not None: m.disabled_formats = frozenset(disabled_formats)
     return model
 
+# %% ../nbs/11_modules.ipynb #7f58749b
 class LoadKeysError(RuntimeError):
-    "A state dict whose keys do not match the model: `.missing_keys`, `.unexpected_keys` and the message lists them by module."
+    """A state dict whose keys do not match the model: `.missing_keys`, `.unexpected_keys` and the message lists them by
+    module."""
     def __init__(self, msg:str, result):
         super().__init__(msg)
         self.missing_keys, self.unexpected_keys = list(result.missing_keys), list(result.unexpected_keys)
 
+# %% ../nbs/11_modules.ipynb #cb275e4c
 class LoadKeysWarning(UserWarning):
     "`load_quantized_model(..., strict=False)` loaded a state dict whose keys do not match the model."
 
+# %% ../nbs/11_modules.ipynb #b35b1b21
 def _by_module(keys) -> list:
     "'module: key, key' lines, one per module, sorted ('(root)' for top-level keys)."
     groups = {}
@@ -431,6 +498,7 @@ def _by_module(keys) -> list:
         groups.setdefault(mod or '(root)', []).append(leaf)
     return [f'{m}: {", ".join(groups[m])}' for m in sorted(groups)]
 
+# %% ../nbs/11_modules.ipynb #975cee2f
 def key_report(result, # `load_state_dict`'s result (missing_keys, unexpected_keys)
                title:str='the state dict', # what the first line names
                limit:int=20, # modules listed per kind; the rest are counted
@@ -442,9 +510,11 @@ def key_report(result, # `load_state_dict`'s result (missing_keys, unexpected_ke
         if not keys: continue
         lines = _by_module(keys)
         parts.append(f"  {len(keys)} {what} key(s) in {len(lines)} module(s) ({why}):")
-        parts += [f"    {l}" for l in lines[:limit]] + ([f"    ... and {len(lines) - limit} more module(s)"] if len(lines) > limit else [])
+        parts += [f"    {l}" for l in lines[:limit]] + ([f"    ... and {len(lines) - limit} more module(s)"]
+                                                        if len(lines) > limit else [])
     return '\n'.join([f"{title} does not match the model:"] + parts) if parts else ''
 
+# %% ../nbs/11_modules.ipynb #c0f8bdc4
 def load_quantized_model(model:nn.Module, # a model; its Linear/Embedding modules are swapped where `state_dict` has comfy_quant
                          state_dict, # a Comfy state dict (`cq.load_file(path)`, a dict, a Checkpoint)
                          strict:bool=True, # True: mismatched keys raise `LoadKeysError`; False: a `LoadKeysWarning`
@@ -452,37 +522,45 @@ def load_quantized_model(model:nn.Module, # a model; its Linear/Embedding module
                          disabled_formats=None, # see `set_quant_compute`
                          full_precision_mm:bool|None=None, # see `set_quant_compute`
                         ) -> nn.Module: # `model`, loaded; `model.load_result` holds missing_keys and unexpected_keys
-    "Load a Comfy quantized state dict into `model`, swapping each module that has a `comfy_quant` for its quantized version."
+    """Load a Comfy quantized state dict into `model`, swapping each module that has a `comfy_quant` for its quantized
+    version."""
     sd = dict(state_dict)
     for name in quantized_names(sd):
         m = submodule(model, name)
         if m is None: continue                                    # its keys are reported as unexpected
         q = quant_module(m, name)
         if q is not m:
-            if not name: raise TypeError("load_quantized_model: the root module itself has a comfy_quant; load it through a parent module")
+            if not name: raise TypeError("load_quantized_model: the root module itself has a comfy_quant; load it "
+                                         "through a parent module")
             swap_module(model, name, q)
     set_quant_compute(model, disabled_formats, full_precision_mm)
     model.load_result = res = model.load_state_dict(sd, strict=False, assign=assign)
     msg = key_report(res, f'load_quantized_model: the state dict for {type(model).__name__}')
-    if msg and strict: raise LoadKeysError(msg + '\n(strict=False loads it anyway, with a warning; the lists are then on model.load_result)', res)
+    if msg and strict: raise LoadKeysError(msg + '\n(strict=False loads it anyway, with a warning; the lists are then '
+                                                 'on model.load_result)', res)
     if msg: warnings.warn(msg, LoadKeysWarning, stacklevel=2)
     return model
 
+# %% ../nbs/11_modules.ipynb #002a669f
 def plan_entry(d, # a format name, (format, options), a comfy_quant dict, a Decision (.format/.options/.config/.label) or None
                caller:str='quantize_model', # named in errors
               ) -> tuple: # (format name or None, options, full precision, label)
     "The one normaliser of a plan entry, for every consumer of plans (quantize_model, calibrate, the explorer)."
     label = getattr(d, 'label', None) if not isinstance(d, (str, tuple, dict, type(None))) else None
     if d is None or isinstance(d, str): fmt, opts, cfg = d, {}, {}
-    elif isinstance(d, tuple) and len(d) in (1, 2): fmt, opts, cfg = d[0], dict((d[1] if len(d) == 2 else None) or {}), {}
+    elif isinstance(d, tuple) and len(d) in (1, 2): fmt, opts, cfg = d[0], dict((d[1] if len(d) == 2 else None)
+        or {}), {}
     elif isinstance(d, dict): fmt, opts, cfg = d.get('format'), {}, d
-    elif hasattr(d, 'format'): fmt, opts, cfg = d.format, dict(getattr(d, 'options', None) or {}), dict(getattr(d, 'config', None) or {})
-    else: raise TypeError(f"{caller}: plan entry: expected a format name, (format, options), a comfy_quant dict or a Decision, got {d!r}")
+    elif hasattr(d, 'format'): fmt, opts, cfg = d.format, dict(getattr(d, 'options', None)
+        or {}), dict(getattr(d, 'config', None) or {})
+    else: raise TypeError(f"{caller}: plan entry: expected a format name, (format, options), a comfy_quant dict or a "
+                          f"Decision, got {d!r}")
     if fmt is None: return None, {}, False, label or 'float'
     spec = get_format(fmt, caller=f'{caller}: plan entry')
     if not opts and cfg: opts = {k: v for k, v in {**nested_params(cfg), **cfg}.items() if k in spec.option_names}
     return spec.name, opts, bool(opts.pop(FPMM, False) or file_value(cfg, FPMM)), label or spec.name
 
+# %% ../nbs/11_modules.ipynb #c89f6237
 def uniform_plan(model:nn.Module, # a float model
                  fmt:str, # the format
                  skip:tuple=('gate',), # name substrings kept float (MoE routers by default)
@@ -492,7 +570,8 @@ def uniform_plan(model:nn.Module, # a float model
     opts = spec.resolve(None, **{k: v for k, v in options.items() if k not in ('shared_scale', 'stochastic_rounding')})
     plan = {}
     for name, m in model.named_modules():
-        if not name or any(s in name for s in skip) or not isinstance(m, (nn.Linear, nn.Embedding, QuantModule)): continue
+        if not name or any(s in name for s in skip) or not isinstance(m, (nn.Linear, nn.Embedding,
+            QuantModule)): continue
         if isinstance(m, (nn.Embedding, QuantEmbedding)) and not spec.embedding: continue
         w = m.weight if getattr(m, 'weight', None) is not None else m.expert_weight(0)
         try: spec.layout.check_shape(tuple(w.shape[-2:]), opts, name + '.')
@@ -500,15 +579,19 @@ def uniform_plan(model:nn.Module, # a float model
         plan[name] = (spec.name, dict(options))
     return plan
 
-# %% ../nbs/11_modules.ipynb #6d592375
+# %% ../nbs/11_modules.ipynb #781f45f3
 def string_to_seed(key:str) -> int:
-    "A deterministic non-zero seed from a state-dict key: CRC-32 of its UTF-8 bytes (ComfyUI's `string_to_seed` for ASCII keys)."
+    """A deterministic non-zero seed from a state-dict key: CRC-32 of its UTF-8 bytes (ComfyUI's `string_to_seed` for
+    ASCII keys)."""
     return zlib.crc32(key.encode('utf-8')) or 1
 
+# %% ../nbs/11_modules.ipynb #9b85ece9
 def requantize_options(qt:QuantizedTensor) -> dict:
-    "Options that re-create `qt`'s format from a patched float weight: all of them, except a fixed `scale` (recalculated)."
+    """Options that re-create `qt`'s format from a patched float weight: all of them, except a fixed `scale`
+    (recalculated)."""
     return {k: v for k, v in qt.options.items() if k != 'scale'}
 
+# %% ../nbs/11_modules.ipynb #445a96eb
 def lora_delta(up:torch.Tensor, # [N, r] (extra trailing dims flattened)
                down:torch.Tensor, # [r, K]
                alpha:float|None=None, # LoRA alpha: the product is scaled by alpha / r (None: 1)
@@ -518,30 +601,36 @@ def lora_delta(up:torch.Tensor, # [N, r] (extra trailing dims flattened)
     up, down = up.float().reshape(up.shape[0], -1), down.float().reshape(down.shape[0], -1)
     return (up @ down) * (strength * (1.0 if alpha is None else float(alpha) / down.shape[0]))
 
+# %% ../nbs/11_modules.ipynb #6f12b7e2
 def apply_lora(module:QuantModule, # a QuantLinear or QuantEmbedding (quantized or float)
                up:torch.Tensor, down:torch.Tensor, # the LoRA factors
                alpha:float|None=None, strength:float=1.0, # scale: strength * alpha / rank
                seed:int|None=None, # stochastic-rounding seed; None: from `key` (0: round to nearest)
                key:str|None=None, # the weight's state-dict key (default: the one the module recorded)
               ) -> QuantModule:
-    "Patch `module`: dequantize, add the LoRA delta in float32, requantize (same format/options, seeded stochastic rounding)."
+    """Patch `module`: dequantize, add the LoRA delta in float32, requantize (same format/options, seeded stochastic
+    rounding)."""
     if isinstance(module, QuantMoEExperts) or not isinstance(module, QuantModule):
         raise TypeError(f"apply_lora: expected a QuantLinear or QuantEmbedding, got {type(module).__name__}")
     w = module.weight
     delta = lora_delta(up, down, alpha, strength)
-    if tuple(delta.shape) != tuple(w.shape): raise ValueError(f"apply_lora: the delta is {tuple(delta.shape)}, the weight {tuple(w.shape)}")
+    if tuple(delta.shape) != tuple(w.shape): raise ValueError(f"apply_lora: the delta is {tuple(delta.shape)}, the "
+        f"weight {tuple(w.shape)}")
     if isinstance(w, QuantizedTensor):
         key = key or module.key
         if seed is None:
-            if key is None: raise ValueError("apply_lora: pass key= (the weight's state-dict key) or seed=; this module has no key yet")
+            if key is None: raise ValueError("apply_lora: pass key= (the weight's state-dict key) or seed=; this "
+                                             "module has no key yet")
             seed = string_to_seed(key)
         patched = w.dequantize(torch.float32).add_(delta.to(w.device))
-        new = _qparam(quantize(patched, w.format, stochastic_rounding=int(seed), name=key or 'weight', **requantize_options(w)).to(w.dtype))
+        new = _qparam(quantize(patched, w.format, stochastic_rounding=int(seed), name=key or 'weight',
+                               **requantize_options(w)).to(w.dtype))
     else: new = nn.Parameter((w.detach().float() + delta.to(w.device)).to(w.dtype), requires_grad=w.requires_grad)
     if module._lora_backup is None: module._lora_backup = (w,)
     module.weight = new
     return module
 
+# %% ../nbs/11_modules.ipynb #a08bf2e3
 def unpatch(module:QuantModule) -> QuantModule:
     "Undo every `apply_lora` on `module`: the original weight tensor is put back, bit for bit."
     if module._lora_backup is not None: module.weight, module._lora_backup = module._lora_backup[0], None

@@ -14,13 +14,17 @@ from .tensor import quantize, get_format
 # %% auto #0
 __all__ = ['default_variants', 'format_table', 'rows_markdown', 'plot_format_sqnr']
 
-# %% ../nbs/09_format_quality.ipynb #6a067286
+# %% ../nbs/09_format_quality.ipynb #1557cb6f
 def default_variants() -> list: # [(label, format, options)]
-    "One variant per registered format with default options, plus each format's `study_variants` (int8 per-row and ConvRot 16, 64, 256)."
-    return [v for name, spec in FORMATS.items() for v in [(name, name, {})] + [(l, name, dict(o)) for l, o in spec.study_variants]]
+    """One variant per registered format with default options, plus each format's `study_variants` (int8 per-row and
+    ConvRot 16, 64, 256)."""
+    return [v for name, spec in FORMATS.items() for v in [(name, name, {})] + [(l, name, dict(o))
+        for l, o in spec.study_variants]]
 
+# %% ../nbs/09_format_quality.ipynb #9042b75b
 def _variants(formats, options:dict) -> list:
-    "Normalise `formats` (None, names or (label, format, options) triples) and spread `options` to the formats that declare them."
+    """Normalise `formats` (None, names or (label, format, options) triples) and spread `options` to the formats that
+    declare them."""
     if formats is None: formats = default_variants()
     out = []
     for f in formats:
@@ -31,8 +35,8 @@ def _variants(formats, options:dict) -> list:
     if unused: raise ValueError(f"option(s) {unused} are not options of any of {[fmt for _, fmt, _ in out]}")
     return out
 
-# %% ../nbs/09_format_quality.ipynb #c2ed3e53
-from .numerics import energy_db
+# %% ../nbs/09_format_quality.ipynb #2453bc1e
+from cquant.numerics import energy_db
 
 def _fitting(variants:list, shapes:list) -> list:
     """Default variants that every shape accepts. A variant that fixes no rotation group but breaks a shape rule with
@@ -46,11 +50,13 @@ def _fitting(variants:list, shapes:list) -> list:
             if all(get_format(fmt).fits(s, **o) for s in shapes): out.append((f'{label}_g{g}', fmt, o)); break
     return out
 
+# %% ../nbs/09_format_quality.ipynb #8d72fe97
 def format_table(w, # a 2-D weight, or {layer name: 2-D weight}
                  formats=None, # None (every registered format + int8 variants), format names, or (label, format, options) triples
                  **options, # quantize options, given to each format that declares them (e.g. per_row=True)
                 ) -> list: # one dict per variant
-    "Quality and storage cost of each format on `w`: SQNR (aggregate, mean, min and per layer), relative error, bits per weight."
+    """Quality and storage cost of each format on `w`: SQNR (aggregate, mean, min and per layer), relative error, bits
+    per weight."""
     layers = w if isinstance(w, dict) else {'weight': w}
     variants = _variants(formats, options)
     if formats is None: variants = _fitting(variants, [tuple(t.shape) for t in layers.values()])
@@ -72,7 +78,7 @@ def format_table(w, # a 2-D weight, or {layer name: 2-D weight}
                          bits_per_weight=8 * nbytes / numel, per_layer=per_layer))
     return rows
 
-# %% ../nbs/09_format_quality.ipynb #acded4bf
+# %% ../nbs/09_format_quality.ipynb #88b26e67
 def rows_markdown(rows:list, # rows from `format_table`
                   digits:int=2, # decimals for dB values
                  ) -> str: # a markdown table
@@ -84,7 +90,7 @@ def rows_markdown(rows:list, # rows from `format_table`
                    f"{r['sqnr_db']:.{digits}f} | {r['rel_error']:.4f} | {r['bits_per_weight']:.3f} |")
     return '\n'.join(out)
 
-# %% ../nbs/09_format_quality.ipynb #83137e3b
+# %% ../nbs/09_format_quality.ipynb #08e1c734
 def plot_format_sqnr(rows:list, # rows from `format_table`
                      title:str='SQNR per format', # figure title
                      figsize:tuple=(10, 4), # figure size in inches

@@ -16,6 +16,7 @@ import torch.nn as nn
 import cquant as cq
 from cquant.policy import MODES
 from cquant.tensor import same_bits
+from cquant.modules import key_report
 
 
 class Net(nn.Module):
@@ -80,7 +81,7 @@ def test_mismatched_keys_lenient_warns_and_loads(saved):
 
 def test_key_report_groups_and_truncates():
     res = nn.Linear(2, 2).load_state_dict({f'm{i}.weight': torch.zeros(1) for i in range(5)} | {'top': torch.zeros(1)}, strict=False)
-    text = cq.key_report(res, 'x', limit=2)
+    text = key_report(res, 'x', limit=2)
     assert text.splitlines()[3:] == ['  6 unexpected key(s) in 6 module(s) (the state dict has them, the model does not):',
                                      '    (root): top', '    m0: weight', '    ... and 4 more module(s)']
     assert text.splitlines()[:3] == ['x does not match the model:',
