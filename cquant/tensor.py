@@ -12,25 +12,23 @@ from typing import Any, Callable
 import torch
 
 # %% auto #0
-__all__ = ['log', 'FAST_PATH_OPS', 'FAST_PATHS', 'FORMATS', 'aten', 'GENERIC_OPS', 'LAYOUT_OPS', 'QuantFormatError',
-           'format_error', 'check_2d', 'same_bits', 'test_bits', 'encode_json', 'decode_json', 'Option', 'Params',
-           'Layout', 'register_fast_path', 'remove_fast_paths', 'layout_op', 'FormatSpec', 'register_format',
-           'ScaleRule', 'torch_version', 'nvidia_compute', 'int8_compute', 'get_format', 'QuantizedTensor',
-           'implements', 'check_finite', 'round_stochastic', 'quantize', 'module_prefix', 'check_comfy_quant',
-           'load_quantized', 'format_color']
+__all__ = ['FORMATS', 'QuantFormatError', 'encode_json', 'decode_json', 'Option', 'Params', 'Layout', 'FormatSpec',
+           'register_format', 'ScaleRule', 'get_format', 'QuantizedTensor', 'quantize', 'load_quantized']
 
 # %% ../nbs/01_tensor.ipynb #464385b5
 log = logging.getLogger("cquant")
 
-# %% ../nbs/01_tensor.ipynb #0babe4f5
+# %% ../nbs/01_tensor.ipynb #f24eb055
 class QuantFormatError(ValueError):
     "A format, option, key, dtype or shape that does not fit the Comfy quantization format."
 
+# %% ../nbs/01_tensor.ipynb #0adff302
 def _where(prefix:str='', key:str='') -> str:
     "Human-readable location of a module/key for error messages."
     loc = (prefix or '') + (key or '')
     return f"'{loc}'" if loc else "tensor"
 
+# %% ../nbs/01_tensor.ipynb #9e300648
 def format_error(prefix:str, key:str, expected, found) -> QuantFormatError:
     "A `QuantFormatError` naming the location `prefix+key`, what was expected and what was found."
     return QuantFormatError(f"{_where(prefix, key)}: expected {expected}, found {found}")
@@ -109,7 +107,7 @@ class Option:
         if self.write == 'non_default': return opts[self.name] != self.default
         return bool(self.write(opts))
 
-# %% ../nbs/01_tensor.ipynb #d82d8425
+# %% ../nbs/01_tensor.ipynb #24a2743c
 @dataclass(frozen=True)
 class Params:
     "Base of every layout's frozen params: the logical shape and dtype of the quantized tensor."
@@ -124,6 +122,7 @@ class Params:
         "A copy with `fn` applied to every tensor field (device moves, clones)."
         return replace(self, **{k: fn(v) for k, v in self.tensors().items()})
 
+# %% ../nbs/01_tensor.ipynb #e1ba1063
 class Layout:
     "Base of a storage layout: classmethods over `(qdata, params)`; see the table above."
     Params = Params
@@ -178,7 +177,7 @@ def layout_op(layout:type, op:str, *args, **kwargs):
         if fits(*args, **kwargs): return fn(*args, **kwargs)
     return getattr(layout, op)(*args, **kwargs)
 
-# %% ../nbs/01_tensor.ipynb #38bce290
+# %% ../nbs/01_tensor.ipynb #094d9b11
 @dataclass(frozen=True)
 class FormatSpec:
     "Everything about one Comfy quantization format, declared once."
@@ -220,18 +219,7 @@ class FormatSpec:
 
     def resolve(self, config:dict|None=None, prefix:str='', **given) -> dict:
         "Option values: `given` keywords, else top-level `config`, else `config['params']`, else defaults."
-        config = config or {}
-        nested = config.get('params') if isinstance(config.get('params'), dict) else {}
-        unknown = set(given) - set(self.option_names)
-        if unknown: raise format_error(prefix, 'options', f'options of {self.name}: {list(self.option_names)}', sorted(unknown))
-        out = {}
-        for o in self.options:
-            if o.name in given: v = given[o.name]
-            elif o.stored and o.name in config: v = config[o.name]
-            elif o.stored and o.name in nested: v = nested[o.name]
-            else: v = o.default
-            out[o.name] = o.coerce(v, prefix)
-        return out
+        return _format_spec_resolve(self, config, prefix, **given)
 
     def fits(self, shape:tuple, **opts) -> bool:
         "Whether a weight of `shape` passes this format's shape rules with options `opts`."
@@ -260,15 +248,32 @@ class FormatSpec:
         "Whether ComfyUI computes this format natively on `device` (else it dequantizes the weight)."
         return self.native_compute is not None and bool(self.native_compute(torch.device(device)))
 
+# %% ../nbs/01_tensor.ipynb #0afdead8
+def _format_spec_resolve(self, config:dict|None=None, prefix:str='', **given) -> dict:
+    config = config or {}
+    nested = config.get('params') if isinstance(config.get('params'), dict) else {}
+    unknown = set(given) - set(self.option_names)
+    if unknown: raise format_error(prefix, 'options', f'options of {self.name}: {list(self.option_names)}', sorted(unknown))
+    out = {}
+    for o in self.options:
+        if o.name in given: v = given[o.name]
+        elif o.stored and o.name in config: v = config[o.name]
+        elif o.stored and o.name in nested: v = nested[o.name]
+        else: v = o.default
+        out[o.name] = o.coerce(v, prefix)
+    return out
+
+# %% ../nbs/01_tensor.ipynb #f7919c14
 FORMATS: dict[str, FormatSpec] = {}
 
+# %% ../nbs/01_tensor.ipynb #5c45d394
 def register_format(spec:FormatSpec) -> FormatSpec:
     "Add `spec` to `FORMATS` under its name (re-running a notebook re-registers: the last definition wins)."
     FORMATS[spec.name] = spec
     _register_linear(spec.layout)
     return spec
 
-# %% ../nbs/01_tensor.ipynb #123a178f
+# %% ../nbs/01_tensor.ipynb #e87d4ec2
 @dataclass(frozen=True)
 class ScaleRule:
     "How a format turns an activation clip value into its `input_scale`: `clip / divisor`."
@@ -277,10 +282,12 @@ class ScaleRule:
     grid: torch.dtype|None = None       # the element grid of the per-tensor quantizer (FP8), used by method='mse'
     def __call__(self, clip): return clip / self.divisor
 
+# %% ../nbs/01_tensor.ipynb #4e6f5926
 def torch_version() -> tuple:
     "(major, minor) of the installed torch."
     return tuple(int(''.join(c for c in p if c.isdigit()) or 0) for p in torch.__version__.split('+')[0].split('.')[:2])
 
+# %% ../nbs/01_tensor.ipynb #8d208eb1
 def nvidia_compute(min_sm:tuple, # the CUDA compute capability of the kernel (the layout's `MIN_SM_VERSION`)
                    min_torch:tuple=(), # the torch version ComfyUI requires for it
                   ) -> Callable:
@@ -290,6 +297,7 @@ def nvidia_compute(min_sm:tuple, # the CUDA compute capability of the kernel (th
         return torch.cuda.get_device_capability(dev) >= tuple(min_sm) and torch_version() >= tuple(min_torch)
     return native
 
+# %% ../nbs/01_tensor.ipynb #4b91f969
 def int8_compute(dev:torch.device) -> bool:
     "ComfyUI's integer-matmul predicate: every device but Intel XPU, DirectML and MPS before torch 2.15."
     return not (dev.type in ('xpu', 'privateuseone') or (dev.type == 'mps' and torch_version() < (2, 15)))
@@ -381,16 +389,7 @@ class QuantizedTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        qt = next((a for a in args if isinstance(a, QuantizedTensor)), None)
-        if qt is None: qt = next((a for a in kwargs.values() if isinstance(a, QuantizedTensor)), None)
-        handler = LAYOUT_OPS.get((qt.layout, func)) if qt is not None else None
-        handler = handler or GENERIC_OPS.get(func)
-        if handler is not None:
-            out = handler(func, args, kwargs)
-            if out is not NotImplemented: return out
-        return _fallback(func, args, kwargs)
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None): return _dispatch(func, args, kwargs or {})
 
 # %% ../nbs/01_tensor.ipynb #c7f98c88
 aten = torch.ops.aten
@@ -417,6 +416,18 @@ def _fallback(func, args, kwargs):
     args = torch.utils._pytree.tree_map(_dequant, args)
     kwargs = torch.utils._pytree.tree_map(_dequant, kwargs)
     return func(*args, **kwargs)
+
+# %% ../nbs/01_tensor.ipynb #627cc688
+def _dispatch(func, args, kwargs):
+    "Run `func` through the handler of the first quantized argument's layout, else the generic one, else the fallback."
+    qt = next((a for a in args if isinstance(a, QuantizedTensor)), None)
+    if qt is None: qt = next((a for a in kwargs.values() if isinstance(a, QuantizedTensor)), None)
+    handler = LAYOUT_OPS.get((qt.layout, func)) if qt is not None else None
+    handler = handler or GENERIC_OPS.get(func)
+    if handler is not None:
+        out = handler(func, args, kwargs)
+        if out is not NotImplemented: return out
+    return _fallback(func, args, kwargs)
 
 # %% ../nbs/01_tensor.ipynb #fc878d94
 @implements([aten.detach.default, aten.alias.default])
@@ -490,7 +501,7 @@ def _register_linear(layout:type):
     implements(aten.addmm.default, layout)(_addmm)
     implements(aten.linear.default, layout)(_linear)
 
-# %% ../nbs/01_tensor.ipynb #ee507e36
+# %% ../nbs/01_tensor.ipynb #b1aee9e1
 def check_finite(w:torch.Tensor, name:str='weight'):
     "Raise a clear `ValueError` if `w` holds inf or NaN, naming the tensor and counting the bad values."
     if w.numel() == 0: return
@@ -501,11 +512,13 @@ def check_finite(w:torch.Tensor, name:str='weight'):
         raise ValueError(f"{name}: {n} non-finite value(s) (first at index {idx}: {w[idx].item()}); "
                          "quantizing them would poison the scales. Clean the tensor or pass allow_nonfinite=True.")
 
+# %% ../nbs/01_tensor.ipynb #1d8e69ed
 def round_stochastic(x:torch.Tensor, seed:int) -> torch.Tensor:
     "`floor(x + U[0,1))` with noise from a generator seeded with `seed` (deterministic per seed, unbiased)."
     g = torch.Generator(device=x.device).manual_seed(int(seed))
     return torch.floor(x + torch.rand(x.shape, dtype=x.dtype, device=x.device, generator=g))
 
+# %% ../nbs/01_tensor.ipynb #29dc2461
 def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:bool=False,
              name:str='weight', **options) -> QuantizedTensor:
     "Quantize float tensor `w` (named `name` in errors, e.g. 'blocks.0.proj.weight') to format `fmt` with its `options`."
@@ -522,12 +535,13 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     qdata, params = layout_op(spec.layout, 'quantize', w, stochastic_rounding=stochastic_rounding, **spec.layout_kwargs, **opts)
     return QuantizedTensor(qdata, params, spec)
 
-# %% ../nbs/01_tensor.ipynb #044992b1
+# %% ../nbs/01_tensor.ipynb #96a9c534
 def module_prefix(prefix:str) -> str:
     "The state-dict prefix of a module name: `''` stays `''`, otherwise it ends in exactly one dot ('x.dense' -> 'x.dense.')."
     if not isinstance(prefix, str): raise TypeError(f"prefix: expected a module name such as 'x.dense' (str), got {type(prefix).__name__} {prefix!r}")
     return prefix if not prefix or prefix.endswith('.') else prefix + '.'
 
+# %% ../nbs/01_tensor.ipynb #fb5a01a4
 def check_comfy_quant(config, # a decoded `comfy_quant`
                       prefix:str='', # its module prefix, for the message
                      ) -> dict: # `config`
@@ -536,6 +550,7 @@ def check_comfy_quant(config, # a decoded `comfy_quant`
     if 'format' not in config: raise format_error(prefix, 'comfy_quant', 'a "format" field', f'keys {sorted(config)}')
     return config
 
+# %% ../nbs/01_tensor.ipynb #0835e0ca
 def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dtype=torch.bfloat16,
                    config:dict|None=None) -> QuantizedTensor:
     "A `QuantizedTensor` from the file entries `sd[prefix+'weight']`, scales and `comfy_quant` (or `config`); `prefix` with or without its dot."
