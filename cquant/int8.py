@@ -267,7 +267,8 @@ class Int8Layout(Layout):
         "Rows `indices` of the dequantized weight, `[*indices.shape, K]`, decoding only those rows (embedding lookups)."
         x = torch.nn.functional.embedding(indices, qdata).float()
         x = x * (torch.nn.functional.embedding(indices, params.scale) if params.per_row else params.scale)
-        if params.convrot: x = rotate(x.reshape(-1, x.shape[-1]), params.convrot_groupsize, torch.float32, as_weight=True).reshape(x.shape)
+        if params.convrot: x = rotate(x.reshape(-1, x.shape[-1]),
+                                      params.convrot_groupsize, torch.float32, as_weight=True).reshape(x.shape)
         return x if dtype == torch.float32 else x.to(dtype)
 
 # %% ../nbs/05_int8.ipynb #c69f55b3
@@ -278,14 +279,16 @@ def _int8_layout_check_shape(cls, shape, opts, prefix=''):
         if not is_power_of_4(g) or K % g:
             why = 'not a power of 4' if not is_power_of_4(g) else f'K % {g} = {K % g}'
             raise format_error(prefix, "comfy_quant['convrot_groupsize']",
-                               f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {tuple(shape)}', f'{g} ({why})')
+                               f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {tuple(shape)}',
+                               f'{g} ({why})')
 
 # %% ../nbs/05_int8.ipynb #7a0019bf
 def _int8_layout_quantize(cls, w, stochastic_rounding=0, per_row=False, convrot=False, convrot_groupsize=256):
     per_row = bool(per_row or convrot)
     if convrot: q, s = quantize_int8_convrot(w, convrot_groupsize, stochastic_rounding)
     else: q, s = quantize_int8(w, per_row=per_row, stochastic_rounding=stochastic_rounding)
-    if w.dtype == torch.float16: q = _requantize_subnormal_rows(w, q, s, convrot, convrot_groupsize, stochastic_rounding)
+    if w.dtype == torch.float16: q = _requantize_subnormal_rows(w, q, s, convrot, convrot_groupsize,
+                                                                stochastic_rounding)
     return q, Int8Params(tuple(w.shape), w.dtype, s, per_row, bool(convrot), int(convrot_groupsize))
 
 # %% ../nbs/05_int8.ipynb #35c0b784
@@ -299,9 +302,11 @@ def _int8_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
         raise format_error(prefix, 'weight_scale', f'shape () or (1,) (tensor-wise) or ({N}, 1) (per-row)',
                            f'shape ({N},): a 1-D per-row scale broadcasts along K when dequantized; store it as ({N}, 1)')
     else:
-        raise format_error(prefix, 'weight_scale', f'shape () or (1,) (tensor-wise) or ({N}, 1) (per-row) for weight {tuple(shape)}', f'shape {tuple(s.shape)}')
+        raise format_error(prefix, 'weight_scale',
+                           f'shape () or (1,) (tensor-wise) or ({N}, 1) (per-row) for weight {tuple(shape)}', f'shape {tuple(s.shape)}')
     if opts.get('convrot') and not per_row:
-        raise format_error(prefix, 'weight_scale', f'a per-row ({N}, 1) scale: comfy_quant says convrot=true', f'shape {tuple(tensors["weight_scale"].shape)}')
+        raise format_error(prefix, 'weight_scale', f'a per-row ({N}, 1) scale: comfy_quant says convrot=true',
+                           f'shape {tuple(tensors["weight_scale"].shape)}')
     return tensors['weight'], Int8Params(tuple(shape), dtype, s.float(), per_row, bool(opts.get('convrot', False)),
                                          int(opts.get('convrot_groupsize', 256)))
 
@@ -319,9 +324,12 @@ def _int8_flat_banks(opts:dict, tensors:dict|None=None) -> bool:
 # %% ../nbs/05_int8.ipynb #bfc4ac49
 INT8_TENSORWISE = register_format(FormatSpec(
     'int8_tensorwise', Int8Layout, torch.int8, keys=('weight_scale',),
-    options=(Option('per_row', False, bool, 'one scale per output row ([N, 1]) instead of one per tensor', stored=False),
-             Option('convrot', False, bool, 'ConvRot: Hadamard-rotate groups of input features first (implies per_row)', write='non_default'),
-             Option('convrot_groupsize', 256, int, 'ConvRot group: a power of 4 dividing K', write=lambda o: bool(o['convrot']))),
+    options=(Option('per_row', False, bool, 'one scale per output row ([N, 1]) instead of one per tensor',
+                    stored=False),
+             Option('convrot', False, bool,
+                    'ConvRot: Hadamard-rotate groups of input features first (implies per_row)', write='non_default'),
+             Option('convrot_groupsize', 256, int, 'ConvRot group: a power of 4 dividing K',
+                    write=lambda o: bool(o['convrot']))),
     quantize_input=False, extra_keys=(), aliases=('int8', 'int8_convrot', 'w8a8'),
     doc='Symmetric absmax INT8, tensor-wise or per-row scale, optional ConvRot; per-token INT8 activations in the linear.',
     row_gather=True, embedding=True, row_independent=int8_per_row, flat_banks=_int8_flat_banks,

@@ -119,7 +119,8 @@ class MXFP8Layout(Layout):
         return q, MXFP8Params(tuple(w.shape), w.dtype, bs)
 
     @classmethod
-    def dequantize(cls, qdata, params, dtype): return dequantize_mxfp8(qdata, params.block_scale, dtype, params.orig_shape)
+    def dequantize(cls, qdata, params, dtype): return dequantize_mxfp8(qdata, params.block_scale, dtype,
+                                                                       params.orig_shape)
 
     @classmethod
     def tensors(cls, qdata, params): return {'weight': qdata, 'weight_scale': params.block_scale}
@@ -128,7 +129,8 @@ class MXFP8Layout(Layout):
     def from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
         s, want = tensors['weight_scale'], mxfp8_scale_shape(shape)
         expected = f'float8_e8m0fnu (or uint8) swizzled block scales of shape {want} for logical shape {tuple(shape)}'
-        if s.dtype not in (torch.float8_e8m0fnu, torch.uint8): raise format_error(prefix, 'weight_scale', expected, f'dtype {s.dtype}')
+        if s.dtype not in (torch.float8_e8m0fnu, torch.uint8): raise format_error(prefix, 'weight_scale', expected,
+                                                                                  f'dtype {s.dtype}')
         if tuple(s.shape) != want: raise format_error(prefix, 'weight_scale', expected, f'shape {tuple(s.shape)}')
         return tensors['weight'], MXFP8Params(tuple(shape), dtype, s.view(torch.float8_e8m0fnu))
 

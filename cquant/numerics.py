@@ -324,7 +324,8 @@ def error_report(ref:torch.Tensor, # reference tensor
                  approx:torch.Tensor, # reconstruction, same shape
                 ) -> dict: # {'sqnr_db', 'rel_error', 'max_abs_error'}
     "All three error metrics in one dict."
-    return {"sqnr_db": sqnr(ref, approx), "rel_error": rel_error(ref, approx), "max_abs_error": max_abs_error(ref, approx)}
+    return {"sqnr_db": sqnr(ref, approx), "rel_error": rel_error(ref, approx),
+            "max_abs_error": max_abs_error(ref, approx)}
 
 # %% ../nbs/00_numerics.ipynb #13980ade
 _GRID_FORMATS = ("e4m3", "e5m2", "e2m1", "int8", "int4")
@@ -394,5 +395,6 @@ def plot_error_hist(ref:torch.Tensor, # reference tensor
     ax.set_xlabel("relative error (÷ max|ref|)" if relative else "error  approx − ref")
     ax.set_ylabel("count")
     s = sqnr(ref, approx)
-    ax.set_title(f"{label + ': ' if label else ''}SQNR {s:.2f} dB, rel. error {rel_error(ref, approx):.4f}", fontsize=10)
+    ax.set_title(f"{label + ': ' if label else ''}SQNR {s:.2f} dB, rel. error {rel_error(ref, approx):.4f}",
+                 fontsize=10)
     return fig

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .numerics import (E2M1_VALUES, FP16_MIN_NORMAL, round_up, absmax, cast_fp8, e2m1_encode, e2m1_decode, pack_nibbles,
+from .numerics import (E2M1_VALUES, FP16_MIN_NORMAL, round_up, absmax, cast_fp8, e2m1_encode, e2m1_decode,
+                             pack_nibbles,
                              unpack_nibbles, pad_to_multiple, to_blocked, from_blocked)
 from .tensor import ScaleRule, nvidia_compute
 from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, check_2d, round_stochastic
@@ -199,12 +200,15 @@ class NVFP4Layout(Layout):
 def _nvfp4_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
     bs, s = tensors['weight_scale'], tensors['weight_scale_2']
     if bs.dtype not in (torch.float8_e4m3fn, torch.uint8):
-        raise format_error(prefix, 'weight_scale', 'float8_e4m3fn block scales (or their raw uint8 bytes)', f'dtype {bs.dtype}')
+        raise format_error(prefix, 'weight_scale', 'float8_e4m3fn block scales (or their raw uint8 bytes)',
+                           f'dtype {bs.dtype}')
     want = nvfp4_scale_shape(shape)
     if tuple(bs.shape) != want:
-        raise format_error(prefix, 'weight_scale', f'swizzled block scales of shape {want} for logical shape {tuple(shape)}', f'shape {tuple(bs.shape)}')
+        raise format_error(prefix, 'weight_scale',
+                           f'swizzled block scales of shape {want} for logical shape {tuple(shape)}', f'shape {tuple(bs.shape)}')
     if not s.is_floating_point() or s.numel() != 1 or s.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise format_error(prefix, 'weight_scale_2', 'a one-element float32 global scale', f'{s.dtype} of shape {tuple(s.shape)}')
+        raise format_error(prefix, 'weight_scale_2', 'a one-element float32 global scale',
+                           f'{s.dtype} of shape {tuple(s.shape)}')
     return tensors['weight'], NVFP4Params(tuple(shape), dtype, s.float().reshape(()), bs.view(torch.float8_e4m3fn))
 
 # %% ../nbs/03_nvfp4.ipynb #a16865e7

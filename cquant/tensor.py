@@ -47,7 +47,8 @@ def check_2d(shape:tuple, # the logical weight shape
 def same_bits(a:torch.Tensor, b:torch.Tensor) -> bool:
     "True when `a` and `b` have the same dtype, shape and bytes."
     if a.dtype != b.dtype or a.shape != b.shape: return False
-    return torch.equal(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8), b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+    return torch.equal(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
+                       b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
 
 def test_bits(a:torch.Tensor, b:torch.Tensor, what:str=''):
     "Assert `same_bits(a, b)`, describing the first mismatch."
@@ -70,8 +71,10 @@ def decode_json(t:torch.Tensor, key:str='comfy_quant'):
     if t.dim() != 1: raise format_error('', key, 'a 1-D uint8 tensor', f'shape {tuple(t.shape)}')
     raw = t.detach().cpu().numpy().tobytes()
     try: return json.loads(raw.decode('utf-8'))
-    except UnicodeDecodeError as e: raise format_error('', key, 'UTF-8 JSON bytes', f'invalid UTF-8 ({e.reason} at byte {e.start})') from None
-    except json.JSONDecodeError as e: raise format_error('', key, 'valid JSON', f'{e.msg} at char {e.pos} in {raw[:80]!r}') from None
+    except UnicodeDecodeError as e: raise format_error('', key, 'UTF-8 JSON bytes',
+                                                       f'invalid UTF-8 ({e.reason} at byte {e.start})') from None
+    except json.JSONDecodeError as e: raise format_error('', key, 'valid JSON',
+                                                         f'{e.msg} at char {e.pos} in {raw[:80]!r}') from None
     except RecursionError: raise format_error('', key, 'valid JSON', 'nesting too deep to decode') from None
 
 # %% ../nbs/01_tensor.ipynb #d3a64bbe
@@ -135,7 +138,8 @@ class Layout:
     @classmethod
     def tensors(cls, qdata, params) -> dict: raise NotImplementedError
     @classmethod
-    def from_tensors(cls, tensors:dict, opts:dict, shape:tuple, dtype:torch.dtype, prefix:str=''): raise NotImplementedError
+    def from_tensors(cls,
+                     tensors:dict, opts:dict, shape:tuple, dtype:torch.dtype, prefix:str=''): raise NotImplementedError
     @classmethod
     def check_shape(cls, shape:tuple, opts:dict, prefix:str=''): pass
     @classmethod
@@ -253,7 +257,8 @@ def _format_spec_resolve(self, config:dict|None=None, prefix:str='', **given) ->
     config = config or {}
     nested = config.get('params') if isinstance(config.get('params'), dict) else {}
     unknown = set(given) - set(self.option_names)
-    if unknown: raise format_error(prefix, 'options', f'options of {self.name}: {list(self.option_names)}', sorted(unknown))
+    if unknown: raise format_error(prefix, 'options', f'options of {self.name}: {list(self.option_names)}',
+                                   sorted(unknown))
     out = {}
     for o in self.options:
         if o.name in given: v = given[o.name]
@@ -329,7 +334,8 @@ def get_format(fmt, # a format name or a `FormatSpec`
     if isinstance(fmt, str) and fmt in FORMATS: return FORMATS[fmt]
     hint = _hint(fmt)
     if prefix is not None:
-        raise format_error(prefix, 'comfy_quant["format"]', f'one of {sorted(FORMATS)}', repr(fmt) + (f' ({hint})' if hint else ''))
+        raise format_error(prefix, 'comfy_quant["format"]', f'one of {sorted(FORMATS)}',
+                           repr(fmt) + (f' ({hint})' if hint else ''))
     who = f'{caller}: ' if caller else ''
     if not isinstance(fmt, str): raise QuantFormatError(f"{who}format must be a format name (str) or a FormatSpec, got {type(fmt).__name__} {fmt!r}")
     if _suggest(fmt)[0]: raise QuantFormatError(f"{who}format {hint}")
@@ -343,7 +349,8 @@ class QuantizedTensor(torch.Tensor):
     def __new__(cls, qdata:torch.Tensor, params:Params, spec:FormatSpec, transposed:bool=False):
         shape = tuple(params.orig_shape)
         if transposed: shape = shape[::-1]
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=params.orig_dtype, device=qdata.device, requires_grad=False)
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=params.orig_dtype, device=qdata.device,
+                                                   requires_grad=False)
 
     def __init__(self, qdata, params, spec, transposed=False):
         self._qdata, self._params, self._spec, self._transposed = qdata, params, spec, transposed
@@ -467,7 +474,8 @@ def _copy_(func, args, kwargs):
     if not (isinstance(dst, QuantizedTensor) and isinstance(src, QuantizedTensor) and dst._spec is src._spec
             and dst.shape == src.shape and dst._transposed == src._transposed): return NotImplemented
     dst._qdata = src._qdata.to(dst._qdata.device, copy=True)
-    dst._params = replace(src._params.map_tensors(lambda t: t.to(dst._qdata.device, copy=True)), orig_dtype=dst._params.orig_dtype)
+    dst._params = replace(src._params.map_tensors(lambda t: t.to(dst._qdata.device, copy=True)),
+                          orig_dtype=dst._params.orig_dtype)
     return dst
 
 # %% ../nbs/01_tensor.ipynb #db9d4197
@@ -524,7 +532,8 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     "Quantize float tensor `w` (named `name` in errors, e.g. 'blocks.0.proj.weight') to format `fmt` with its `options`."
     spec = get_format(fmt, caller='cq.quantize')
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or isinstance(w, QuantizedTensor):
-        raise format_error('', name, 'a floating-point torch.Tensor', type(w).__name__ if not isinstance(w, torch.Tensor) else f'dtype {w.dtype}')
+        raise format_error('', name, 'a floating-point torch.Tensor',
+                           type(w).__name__ if not isinstance(w, torch.Tensor) else f'dtype {w.dtype}')
     if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2): raise format_error('', name, 'fp32, bf16 or fp16 (dequantize fp8 first)', f'dtype {w.dtype}')
     if not isinstance(stochastic_rounding, int) or isinstance(stochastic_rounding, bool):
         raise format_error('', 'option stochastic_rounding', 'int seed (0 = off)', repr(stochastic_rounding))
@@ -532,7 +541,8 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     opts = spec.resolve(None, **options)
     prefix = name[:-len('weight')] if name.endswith('weight') else name + ' '   # module prefix for error messages
     spec.layout.check_shape(tuple(w.shape), opts, prefix)
-    qdata, params = layout_op(spec.layout, 'quantize', w, stochastic_rounding=stochastic_rounding, **spec.layout_kwargs, **opts)
+    qdata, params = layout_op(spec.layout, 'quantize', w, stochastic_rounding=stochastic_rounding,
+                              **spec.layout_kwargs, **opts)
     return QuantizedTensor(qdata, params, spec)
 
 # %% ../nbs/01_tensor.ipynb #96a9c534
@@ -546,7 +556,8 @@ def check_comfy_quant(config, # a decoded `comfy_quant`
                       prefix:str='', # its module prefix, for the message
                      ) -> dict: # `config`
     "`config` if it is a JSON object with a `format` field, else a `QuantFormatError` naming `<prefix>comfy_quant`."
-    if not isinstance(config, dict): raise format_error(prefix, 'comfy_quant', 'a JSON object', f'{type(config).__name__} {str(config)[:60]}')
+    if not isinstance(config, dict): raise format_error(prefix, 'comfy_quant', 'a JSON object',
+                                                        f'{type(config).__name__} {str(config)[:60]}')
     if 'format' not in config: raise format_error(prefix, 'comfy_quant', 'a "format" field', f'keys {sorted(config)}')
     return config
 
@@ -556,12 +567,14 @@ def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dt
     "A `QuantizedTensor` from the file entries `sd[prefix+'weight']`, scales and `comfy_quant` (or `config`); `prefix` with or without its dot."
     prefix = module_prefix(prefix)
     if config is None:
-        if prefix + 'comfy_quant' not in sd: raise format_error(prefix, 'comfy_quant', 'a comfy_quant entry (or config=...)', 'none')
+        if prefix + 'comfy_quant' not in sd: raise format_error(prefix, 'comfy_quant',
+                                                                'a comfy_quant entry (or config=...)', 'none')
         config = decode_json(sd[prefix + 'comfy_quant'], prefix + 'comfy_quant')
     spec = get_format(check_comfy_quant(config, prefix)['format'], prefix)
     opts = spec.resolve(config, prefix)
     missing = [k for k in ('weight',) + spec.keys if prefix + k not in sd]
-    if missing: raise format_error(prefix, missing[0], f'{spec.name} tensors {list(("weight",) + spec.keys)}', f'{prefix + missing[0]} missing')
+    if missing: raise format_error(prefix, missing[0], f'{spec.name} tensors {list(("weight",) + spec.keys)}',
+                                   f'{prefix + missing[0]} missing')
     tensors = {k: sd[prefix + k] for k in spec.weight_keys if prefix + k in sd}
     for k, t in tensors.items():
         if not isinstance(t, torch.Tensor): raise format_error(prefix, k, 'a tensor', type(t).__name__)
@@ -572,7 +585,8 @@ def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dt
     w = tensors['weight']
     if w.dtype != spec.storage_dtype and not (w.dtype == torch.uint8 and spec.storage_dtype.itemsize == 1):
         raise format_error(prefix, 'weight', f'{spec.name} storage dtype {spec.storage_dtype}', f'{w.dtype}')
-    if tuple(w.shape) != tuple(want): raise format_error(prefix, 'weight', f'storage shape {tuple(want)} for logical shape {shape}', f'{tuple(w.shape)}')
+    if tuple(w.shape) != tuple(want): raise format_error(prefix, 'weight',
+                                                         f'storage shape {tuple(want)} for logical shape {shape}', f'{tuple(w.shape)}')
     if w.dtype != spec.storage_dtype: tensors['weight'] = w.view(spec.storage_dtype)
     qdata, params = spec.layout.from_tensors(tensors, {**spec.layout_kwargs, **opts}, shape, dtype, prefix)
     return QuantizedTensor(qdata, params, spec)
@@ -581,7 +595,8 @@ def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dt
 # The shared palette: one fixed colour per registered format, in registry order (tab10, its grey swapped
 # for indigo), grey for float.
 # Every plot (the explorer, the checkpoint report) colours a format with it, so a format looks the same everywhere.
-_PALETTE = ('#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b', '#e377c2', '#393b79', '#bcbd22', '#17becf')
+_PALETTE = ('#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b', '#e377c2', '#393b79', '#bcbd22',
+            '#17becf')
 
 def format_color(fmt:str|None) -> str:
     "The fixed colour of registered format `fmt` (registry order; grey for float / None / an unknown name)."

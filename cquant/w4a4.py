@@ -154,13 +154,16 @@ def _w4a4_layout_check_shape(cls, shape, opts, prefix=''):
     K, G = shape[1], opts.get('convrot_groupsize', 256)
     if not is_power_of_4(G):
         raise format_error(prefix, "comfy_quant['convrot_groupsize']",
-                           f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {shape}', f'G={G} (not a power of 4)')
+                           f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {shape}',
+                           f'G={G} (not a power of 4)')
     if K % W4A4_KERNEL_GROUP:
         raise format_error(prefix, 'weight', f'K % 64 == 0 for convrot_w4a4 (the fixed 64-column int4 kernel group, '
-                           f'quant_group_size=64; convrot_groupsize G={G}), weight shape {shape}', f'K={K} (K % 64 = {K % W4A4_KERNEL_GROUP})')
+                           f'quant_group_size=64; convrot_groupsize G={G}), weight shape {shape}',
+                           f'K={K} (K % 64 = {K % W4A4_KERNEL_GROUP})')
     if K % G:
         raise format_error(prefix, "comfy_quant['convrot_groupsize']",
-                           f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {shape}', f'G={G} (K % G = {K % G})')
+                           f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {shape}',
+                           f'G={G} (K % G = {K % G})')
 
 # %% ../nbs/06_convrot_w4a4.ipynb #89721978
 def _w4a4_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
@@ -168,7 +171,8 @@ def _w4a4_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
     if s.dtype not in SCALE_DTYPES:
         raise format_error(prefix, 'weight_scale', 'a float32 per-row scale (fp16/bf16 accepted)', f'dtype {s.dtype}')
     if tuple(s.shape) not in ((N,), (N, 1)):
-        raise format_error(prefix, 'weight_scale', f'one scale per output row, shape ({N},) (or ({N}, 1)) for weight {tuple(shape)}',
+        raise format_error(prefix, 'weight_scale',
+                           f'one scale per output row, shape ({N},) (or ({N}, 1)) for weight {tuple(shape)}',
                            f'shape {tuple(s.shape)}')
     return tensors['weight'], W4A4Params(tuple(shape), dtype, s.reshape(N).float(),
                                          int(opts.get('convrot_groupsize', 256)), opts.get('linear_dtype', 'int4'))
@@ -182,4 +186,5 @@ CONVROT_W4A4 = register_format(FormatSpec(
     quantize_input=False, extra_keys=(), aliases=('w4a4', 'int4', 'int4_full', 'int4_mixed'),
     doc='ConvRot-rotated symmetric int4, one scale per output row, packed low nibble first; int4 or int8 activations.',
     row_independent=True, kitchen_layout='TensorCoreConvRotW4A4Layout', native_compute=int8_compute,
-    kitchen_kwargs=lambda o: dict(convrot_groupsize=o.get('convrot_groupsize', 256), linear_dtype=o.get('linear_dtype', 'int4'))))
+    kitchen_kwargs=lambda o: dict(convrot_groupsize=o.get('convrot_groupsize', 256),
+                                  linear_dtype=o.get('linear_dtype', 'int4'))))

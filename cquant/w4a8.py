@@ -135,7 +135,8 @@ def dequantize_w4a8(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
     corr = None if correction is None else correction.to(qdata.device).t()
     wr = torch.empty(N, K, dtype=dtype, device=qdata.device)
     def blk(i, j):
-        v = torch.mul(_grid_rows(qdata[i:j], s_rel[i:j], bits, lv, group_size).view(j - i, Gn, group_size), sc[i:j, None, None])
+        v = torch.mul(_grid_rows(qdata[i:j], s_rel[i:j], bits, lv, group_size).view(j - i, Gn, group_size),
+                      sc[i:j, None, None])
         if corr is not None: v.add_(corr[i:j, :, None].float())
         wr[i:j] = v.view(j - i, K)
     _parallel_rows(blk, N, K, qdata.device)
@@ -169,7 +170,8 @@ _NROWS = 127 + 2 * _PAD
 _BAD = 1.0e6                 # value of invalid rows (code 0: s_rel = 0, codes >= 127): never the best candidate
 _SCH_MIN = 2.0 ** -126       # row scales stay normal fp32 numbers
 _WINDOWS = {'codebook': range(-1, 4), 'uniform': range(-1, 3), 'asymmetric': range(0, 2), 'six': range(0, 5)}
-_SCH_MULTS = {'codebook': (1.0, 1 / 1.03, 1 / 1.06), 'uniform': (1.0,), 'asymmetric': (1.0,), 'six': (1.0, 1.03, 1.06, 1.09)}
+_SCH_MULTS = {'codebook': (1.0, 1 / 1.03, 1 / 1.06), 'uniform': (1.0,), 'asymmetric': (1.0,),
+              'six': (1.0, 1.03, 1.06, 1.09)}
 _ASYM_REFINE, _ASYM_POLISH = 1, 2
 
 def _e4m3_values() -> torch.Tensor: return torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -384,7 +386,8 @@ def quantize_w4a8(w:torch.Tensor, # [N, K] float weight (fp32, bf16 or fp16)
     tabs = _device_tables(levels, code_base, w.device)
     def blk(i, j):
         x, shift = _rotated_groups(w[i:j], convrot_groupsize, G)
-        if kind == 'asymmetric': code, t2, sch, c, h = _fit_asymmetric(x, tabs, window, corr_dtype, _ASYM_REFINE, _ASYM_POLISH)
+        if kind == 'asymmetric': code, t2, sch, c, h = _fit_asymmetric(x, tabs, window, corr_dtype, _ASYM_REFINE,
+                                                                       _ASYM_POLISH)
         else: code, t2, sch, c, h = _fit_symmetric(x, tabs, lmax, window, mults)
         if stochastic_rounding:
             gen = torch.Generator(device=w.device).manual_seed(int(stochastic_rounding) + i)
@@ -446,7 +449,8 @@ class W4A8Layout(Layout):
     @classmethod
     def dequantize(cls, qdata, params, dtype):
         p = params
-        return dequantize_w4a8(qdata, p.s_rel, p.s_channel, p.bits, p.codebook if isinstance(p.codebook, torch.Tensor) else None,
+        return dequantize_w4a8(qdata, p.s_rel, p.s_channel, p.bits,
+                               p.codebook if isinstance(p.codebook, torch.Tensor) else None,
                                p.correction, p.group_size, p.convrot_groupsize, dtype)
 
     @classmethod
@@ -463,7 +467,8 @@ class W4A8Layout(Layout):
     @classmethod
     def linear(cls, x, qdata, params, bias=None, input_scale=None):
         p = params
-        return w4a8_linear(x, qdata, p.s_rel, p.s_channel, p.bits, p.codebook if isinstance(p.codebook, torch.Tensor) else None,
+        return w4a8_linear(x, qdata, p.s_rel, p.s_channel, p.bits,
+                           p.codebook if isinstance(p.codebook, torch.Tensor) else None,
                            p.correction, bias, p.group_size, p.convrot_groupsize)
 
 # %% ../nbs/07_w4a8.ipynb #7f0124c3
@@ -474,28 +479,36 @@ def _w4a8_layout_check_shape(cls, shape, opts, prefix=''):
     K, G, cg = shape[1], opts.get('group_size', 16), opts.get('convrot_groupsize', 256)
     if K % 16 or (bits == 6 and K % 32):
         m = 32 if bits == 6 else 16
-        raise format_error(prefix, 'weight', f'K % {m} == 0 for {fmt} (group_size G={G}), weight shape {shape}', f'K={K} (K % {m} = {K % m})')
+        raise format_error(prefix, 'weight',
+                           f'K % {m} == 0 for {fmt} (group_size G={G}), weight shape {shape}', f'K={K} (K % {m} = {K % m})')
     if G < 4 or (16 % G and G % 16) or K % G or (bits == 6 and G % 16):
         rule = 'a multiple of 16' if bits == 6 else '>= 4 that divides 16 or is a multiple of 16'
-        raise format_error(prefix, "comfy_quant['group_size']", f'a group size G {rule}, dividing K={K} of weight shape {shape}',
+        raise format_error(prefix, "comfy_quant['group_size']",
+                           f'a group size G {rule}, dividing K={K} of weight shape {shape}',
                            f'G={G}' + (f' (K % G = {K % G})' if G > 0 and K % G else ''))
     if not is_power_of_4(cg) or K % cg:
-        raise format_error(prefix, "comfy_quant['convrot_groupsize']", f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {shape} (G={G})',
+        raise format_error(prefix, "comfy_quant['convrot_groupsize']",
+                           f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {shape} (G={G})',
                            f'{cg} (' + ('not a power of 4' if not is_power_of_4(cg) else f'K % {cg} = {K % cg}') + ')')
 
 # %% ../nbs/07_w4a8.ipynb #c479153c
 def _w4a8_layout_quantize(cls, w, stochastic_rounding=0, bits=None, group_size=16, convrot_groupsize=256, convrot=True,
              codebook=True, symmetric=True, scale_search=True):
     bits = bits or cls.bits
-    if not convrot: raise format_error('', "option 'convrot'", 'True: W4A8/W6A8 weights are always ConvRot-rotated', 'False')
+    if not convrot: raise format_error('', "option 'convrot'", 'True: W4A8/W6A8 weights are always ConvRot-rotated',
+                                       'False')
     if isinstance(codebook, torch.Tensor):
         if tuple(codebook.shape) != (16,) or not codebook.is_floating_point():
-            raise format_error('', "option 'codebook'", 'True, False or a float [16] table of levels', f'{codebook.dtype} tensor of shape {tuple(codebook.shape)}')
+            raise format_error('', "option 'codebook'", 'True, False or a float [16] table of levels',
+                               f'{codebook.dtype} tensor of shape {tuple(codebook.shape)}')
         if not bool(torch.isfinite(codebook).all()) or float(codebook.abs().max()) == 0:
             raise format_error('', "option 'codebook'", 'finite levels, not all zero', codebook.tolist())
-        if not symmetric: raise format_error('', "option 'codebook'", 'no codebook tensor with symmetric=False (the asymmetric variant has uniform levels)', 'a [16] tensor')
-    p, s, sc, corr, cb = quantize_w4a8(w, bits, codebook, symmetric, group_size, convrot_groupsize, scale_search, stochastic_rounding)
-    return p, W4A8Params(tuple(w.shape), w.dtype, s, sc, False if cb is None else cb.to(w.device), corr, int(group_size),
+        if not symmetric: raise format_error('', "option 'codebook'",
+                                             'no codebook tensor with symmetric=False (the asymmetric variant has uniform levels)', 'a [16] tensor')
+    p, s, sc, corr, cb = quantize_w4a8(w, bits, codebook, symmetric, group_size, convrot_groupsize, scale_search,
+                                       stochastic_rounding)
+    return p, W4A8Params(tuple(w.shape), w.dtype, s, sc, False if cb is None else cb.to(w.device), corr,
+                         int(group_size),
                          int(convrot_groupsize), bool(convrot), corr is None, bool(scale_search), bits)
 
 # %% ../nbs/07_w4a8.ipynb #c3a9ef3c
@@ -505,22 +518,26 @@ def _w4a8_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
     G = opts.get('group_size', 16)
     q = tensors['weight']
     if tuple(q.shape) != (N, K * bits // 8):
-        raise format_error(prefix, 'weight', f'packed width K*bits/8 = {K * bits // 8} ({bits}-bit, K={K}), shape ({N}, {K * bits // 8})', f'shape {tuple(q.shape)}')
+        raise format_error(prefix, 'weight',
+                           f'packed width K*bits/8 = {K * bits // 8} ({bits}-bit, K={K}), shape ({N}, {K * bits // 8})', f'shape {tuple(q.shape)}')
     s = tensors['weight_s_rel']
     if s.dtype == torch.uint8: s = s.view(torch.float8_e4m3fn)           # legacy files: the e4m3 bytes
     if s.dtype not in (torch.float8_e4m3fn, torch.float32):
         raise format_error(prefix, 'weight_s_rel', 'float8_e4m3fn, float32, or uint8 (e4m3 bytes)', f'dtype {s.dtype}')
     if tuple(s.shape) != (N, K // G):
-        raise format_error(prefix, 'weight_s_rel', f'one scale per group of G={G}: shape ({N}, {K // G}) for weight ({N}, {K})', f'shape {tuple(s.shape)}')
+        raise format_error(prefix, 'weight_s_rel',
+                           f'one scale per group of G={G}: shape ({N}, {K // G}) for weight ({N}, {K})', f'shape {tuple(s.shape)}')
     _check_finite(s, prefix, 'weight_s_rel')
     sc = tensors['weight_s_channel']
     if sc.dtype not in _FLOATS or tuple(sc.shape) != (N,):
-        raise format_error(prefix, 'weight_s_channel', f'a float32 row scale of shape ({N},)', f'{sc.dtype} of shape {tuple(sc.shape)}')
+        raise format_error(prefix, 'weight_s_channel', f'a float32 row scale of shape ({N},)',
+                           f'{sc.dtype} of shape {tuple(sc.shape)}')
     _check_finite(sc, prefix, 'weight_s_channel')
     cb, corr = tensors.get('weight_codebook'), tensors.get('weight_correction')
     for key, t, want in (('weight_codebook', cb, (16,)), ('weight_correction', corr, (K // G, N))):
         if t is None: continue
-        if bits == 6: raise format_error(prefix, key, 'nothing: a 6-bit weight is uniform and symmetric', f'{t.dtype} of shape {tuple(t.shape)}')
+        if bits == 6: raise format_error(prefix, key, 'nothing: a 6-bit weight is uniform and symmetric',
+                                         f'{t.dtype} of shape {tuple(t.shape)}')
         if t.dtype not in _FLOATS or tuple(t.shape) != want:
             raise format_error(prefix, key, f'a float tensor of shape {want}', f'{t.dtype} of shape {tuple(t.shape)}')
         _check_finite(t, prefix, key)
@@ -537,10 +554,12 @@ class W6A8Layout(W4A8Layout):
 _W4A8_OPTIONS = (Option('group_size', 16, int, 'G: columns sharing one s_rel'),
                  Option('convrot', True, bool, 'informative: always rotated (ComfyUI writers emit it)'),
                  Option('convrot_groupsize', 256, int, 'ConvRot group: a power of 4 dividing K'))
-_SEARCH_OPTION = Option('scale_search', True, bool, 'search several stored scales per group and row (False: one candidate)', stored=False)
+_SEARCH_OPTION = Option('scale_search', True, bool,
+                        'search several stored scales per group and row (False: one candidate)', stored=False)
 
 # rows quantize alone and ComfyUI stores MoE banks as [E*N, ...] rows; integer kernels
-_W4A8_FACTS = dict(row_independent=True, flat_banks=True, kitchen_layout='AsymW4A8Int8Layout', native_compute=int8_compute)
+_W4A8_FACTS = dict(row_independent=True, flat_banks=True, kitchen_layout='AsymW4A8Int8Layout',
+                   native_compute=int8_compute)
 
 def _codebook_kw(o:dict) -> dict:
     "comfy-kitchen's codebook keywords for the `codebook` option (True, False or a [16] table)."
@@ -551,8 +570,11 @@ def _codebook_kw(o:dict) -> dict:
 ASYM_W4A8_INT8 = register_format(FormatSpec(
     'asym_w4a8_int8', W4A8Layout, torch.int8, keys=('weight_s_rel', 'weight_s_channel'),
     optional_keys=('weight_codebook', 'weight_correction'),
-    options=_W4A8_OPTIONS + (Option('codebook', True, (bool, torch.Tensor), 'True: the default Lloyd-Max table; False: uniform levels; or a [16] table', stored=False),
-                             Option('symmetric', True, bool, 'False: asymmetric (uniform levels + per-group correction)', stored=False),
+    options=_W4A8_OPTIONS + (Option('codebook', True, (bool, torch.Tensor),
+                                    'True: the default Lloyd-Max table; False: uniform levels; or a [16] table',
+                                    stored=False),
+                             Option('symmetric', True, bool,
+                                    'False: asymmetric (uniform levels + per-group correction)', stored=False),
                              _SEARCH_OPTION),
     group_size=16, quantize_input=False, layout_kwargs={'bits': 4}, aliases=('w4a8', 'w4a8_int8'),
     doc='ConvRot-rotated 4-bit codes (codebook, uniform or asymmetric) with e4m3 group scales and fp32 row scales; int8 activations.',
