@@ -15,8 +15,7 @@ from .tensor import ScaleRule, nvidia_compute
 from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, round_stochastic
 
 # %% auto #0
-__all__ = ['FP8_E4M3', 'FP8_E5M2', 'fp8_absmax_scale', 'fp32_scalar', 'round_to_fp8', 'quantize_per_tensor_fp8',
-           'dequantize_per_tensor_fp8', 'FP8Params', 'fp8_linear_fp32', 'FP8Layout']
+__all__ = ['quantize_per_tensor_fp8', 'dequantize_per_tensor_fp8', 'FP8Params', 'fp8_linear_fp32', 'FP8Layout']
 
 # %% ../nbs/02_fp8.ipynb #b1e1b7e1
 def fp8_absmax_scale(w:torch.Tensor, # weight (fp32, bf16 or fp16)
@@ -25,7 +24,7 @@ def fp8_absmax_scale(w:torch.Tensor, # weight (fp32, bf16 or fp16)
     "Kitchen's default per-tensor scale: `max|w| / fp8 max` computed in w's dtype, returned as fp32."
     return (absmax(w) / fp8_max(fp8_dtype)).float()
 
-# %% ../nbs/02_fp8.ipynb #63c34873
+# %% ../nbs/02_fp8.ipynb #57e5958f
 def fp32_scalar(scale, what:str='scale') -> torch.Tensor:
     "A positive finite scale (float or one-element tensor) as an fp32 0-d tensor."
     t = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
@@ -37,6 +36,7 @@ def fp32_scalar(scale, what:str='scale') -> torch.Tensor:
         raise format_error('', f'option {what!r}', 'a positive finite float or one-element float tensor', float(t))
     return t
 
+# %% ../nbs/02_fp8.ipynb #f3134b2f
 def round_to_fp8(v:torch.Tensor, # values already divided by the scale (consumed: clamped in place)
                  fp8_dtype:torch.dtype=torch.float8_e4m3fn, # target FP8 dtype
                  stochastic_rounding:int=0, # 0: round to nearest even; else the seed of stochastic rounding
@@ -51,6 +51,7 @@ def round_to_fp8(v:torch.Tensor, # values already divided by the scale (consumed
     ulp = ((e + 127) << 23).view(torch.float32)                 # 2**e exactly (a normal fp32)
     return (round_stochastic(v / ulp, stochastic_rounding) * ulp).clamp_(-m, m).to(fp8_dtype)
 
+# %% ../nbs/02_fp8.ipynb #19ec2c4b
 def quantize_per_tensor_fp8(w:torch.Tensor, # weight or activation (fp32, bf16 or fp16)
                             scale:torch.Tensor, # fp32 scale (0-d)
                             fp8_dtype:torch.dtype=torch.float8_e4m3fn, # target FP8 dtype
@@ -61,6 +62,7 @@ def quantize_per_tensor_fp8(w:torch.Tensor, # weight or activation (fp32, bf16 o
     v = w * inv if bool(torch.isfinite(inv)) else w.float() / scale
     return round_to_fp8(v, fp8_dtype, stochastic_rounding)
 
+# %% ../nbs/02_fp8.ipynb #957e9b94
 def dequantize_per_tensor_fp8(q:torch.Tensor, # FP8 tensor
                               scale:torch.Tensor, # fp32 scale
                               dtype:torch.dtype=torch.bfloat16, # output dtype
@@ -69,12 +71,13 @@ def dequantize_per_tensor_fp8(q:torch.Tensor, # FP8 tensor
     if dtype == torch.float16 and scale < FP16_MIN_NORMAL: return (q.float() * scale.float()).half()
     return q.to(dtype).mul_(scale.to(dtype))
 
-# %% ../nbs/02_fp8.ipynb #458146e4
+# %% ../nbs/02_fp8.ipynb #1d378047
 @dataclass(frozen=True)
 class FP8Params(Params):
     "Params of a per-tensor FP8 weight: the fp32 0-d `scale`."
     scale: torch.Tensor = None
 
+# %% ../nbs/02_fp8.ipynb #892de59d
 def _check_fp8_scale(s, prefix:str='', key:str='weight_scale') -> torch.Tensor:
     "A loaded per-tensor scale: one floating element (shape [] or [1]), returned as fp32 0-d."
     want = 'a one-element float32 scale of shape [] or [1]'
@@ -86,6 +89,7 @@ def _check_fp8_scale(s, prefix:str='', key:str='weight_scale') -> torch.Tensor:
     if not bool(torch.isfinite(s)): raise format_error(prefix, key, 'a finite scale', s.item())
     return s
 
+# %% ../nbs/02_fp8.ipynb #a881a396
 def fp8_linear_fp32(xq:torch.Tensor, # activation: FP8 [M, K] (or any float [M, K] already dequantized)
                     sx:torch.Tensor|None, # its fp32 scale (None: xq is already dequantized fp32)
                     wq:torch.Tensor, # weight [N, K] (FP8, or dequantized fp32 when sw is None)
@@ -101,6 +105,7 @@ def fp8_linear_fp32(xq:torch.Tensor, # activation: FP8 [M, K] (or any float [M, 
     if bias is not None: out.add_(bias)
     return out.to(dtype)
 
+# %% ../nbs/02_fp8.ipynb #f5ba5fe3
 class FP8Layout(Layout):
     "Per-tensor scaled FP8 (`float8_e4m3fn` / `float8_e5m2`); the FP8 dtype is the layout argument `fp8_dtype`."
     Params = FP8Params

@@ -16,8 +16,8 @@ from .tensor import (Params, Layout, Option, FormatSpec, register_format, format
 from .numerics import absmax, rotate, FP16_MIN_NORMAL, SCALE_DTYPES, is_power_of_4
 
 # %% auto #0
-__all__ = ['INT8_TENSORWISE', 'quantize_int8', 'quantize_rows_int8', 'dequantize_int8', 'quantize_int8_convrot',
-           'dequantize_int8_convrot', 'int_mm', 'int8_linear', 'Int8Params', 'Int8Layout', 'int8_per_row']
+__all__ = ['quantize_int8', 'dequantize_int8', 'quantize_int8_convrot', 'dequantize_int8_convrot', 'int8_linear', 'Int8Params',
+           'Int8Layout']
 
 # %% ../nbs/05_int8.ipynb #844500d8
 def _requantize_subnormal_rows(w, q, scale, convrot, group, stochastic_rounding):
@@ -30,7 +30,7 @@ def _requantize_subnormal_rows(w, q, scale, convrot, group, stochastic_rounding)
     q[small] = quantize_int8(src[small].float(), per_row=True, stochastic_rounding=stochastic_rounding)[0]
     return q
 
-# %% ../nbs/05_int8.ipynb #290ad827
+# %% ../nbs/05_int8.ipynb #d174591d
 _QMAX = 127.0
 _BLOCK = 1 << 20   # elements per block of the elementwise passes on CPU: temporaries stay in cache
 
@@ -39,11 +39,13 @@ def _row_blocks(n_rows:int, K:int, block:int|None=None):
     R = max(1, (block or _BLOCK) // max(K, 1))
     return [(i, min(i + R, n_rows)) for i in range(0, n_rows, R)]
 
+# %% ../nbs/05_int8.ipynb #a9ec2e3d
 def _divisor(scale:torch.Tensor, dtype:torch.dtype) -> torch.Tensor:
     "The fp32 `scale` cast to `dtype` for the division, zeros replaced by `finfo(dtype).tiny` (kitchen's rule)."
     s = scale.to(dtype)
     return s.masked_fill(s == 0, torch.finfo(dtype).tiny)   # out of place: .to() may return `scale` itself
 
+# %% ../nbs/05_int8.ipynb #f13b320e
 def quantize_int8(x:torch.Tensor, # float tensor (fp32, bf16 or fp16)
                   per_row:bool=False, # one scale per row (last dim reduced, scale [..., 1]) instead of one 0-d scale
                   stochastic_rounding:int=0, # 0: round half to even; else the seed of `floor(x/s + U[0,1))`
@@ -64,12 +66,14 @@ def quantize_int8(x:torch.Tensor, # float tensor (fp32, bf16 or fp16)
         q[i:j] = (x2[i:j] / (d2[i:j] if per_row else d2)).round_().clamp_(-128.0, 127.0)
     return q.reshape(x.shape), scale
 
+# %% ../nbs/05_int8.ipynb #8cf739ce
 def quantize_rows_int8(x:torch.Tensor, # activations or weights [..., K], float
                        stochastic_rounding:int=0, # 0: round half to even; else a seed
                       ) -> tuple: # (int8 [..., K], fp32 scale [..., 1])
     "Per-row (per-token) symmetric INT8: what `int8_linear` does to activations and per-row weights."
     return quantize_int8(x, per_row=True, stochastic_rounding=stochastic_rounding)
 
+# %% ../nbs/05_int8.ipynb #31be8de4
 def dequantize_int8(q:torch.Tensor, # int8 values
                     scale:torch.Tensor, # fp32 scale: 0-d / one element, or per row [..., 1]
                     dtype:torch.dtype=torch.float32, # result dtype
@@ -126,7 +130,7 @@ def dequantize_int8_convrot(q:torch.Tensor, # int8 [N, K], rotated
         out[i:j] = rotate(torch.mul(q[i:j], scale[i:j]), group, torch.float32, as_weight=True)
     return out
 
-# %% ../nbs/05_int8.ipynb #6a395264
+# %% ../nbs/05_int8.ipynb #9168d8a2
 _CHUNK = 1024   # 1024 * 128 * 128 = 2**24: fp32 partial sums over <= 1024 int8 products are exact integers
 
 def _fp32_matmul_exact() -> bool:
@@ -135,6 +139,7 @@ def _fp32_matmul_exact() -> bool:
     mm = getattr(getattr(torch.backends, 'mkldnn', None), 'matmul', None)
     return getattr(mm, 'fp32_precision', 'none') in ('none', 'ieee')
 
+# %% ../nbs/05_int8.ipynb #b5d26795
 @functools.cache
 def _int_mm_probe() -> bool:
     "Whether torch's CPU `_int_mm` is exact on a worst case: oneDNN's int8 GEMM without VNNI saturates int16 pair sums."
@@ -144,12 +149,14 @@ def _int_mm_probe() -> bool:
     a[0], b[:, 0] = 127, 127                                      # 255 * 127 * 2 > 2**15 after oneDNN's u8 shift
     return torch.equal(torch._int_mm(a, b), (a.double() @ b.double()).to(torch.int32))
 
+# %% ../nbs/05_int8.ipynb #3ef5cfde
 def _cpu_int_mm_is_fast() -> bool:
     "torch's CPU `_int_mm` runs oneDNN (fast) only with mkldnn enabled and a VNNI CPU (else a naive loop), and must be exact."
     vnni = getattr(torch.cpu, '_is_vnni_supported', None)
     return bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and vnni is not None and vnni()
                 and _int_mm_probe())
 
+# %% ../nbs/05_int8.ipynb #8a075028
 def _int_mm_float(a, b):
     "Exact int8 GEMM through float GEMMs: fp32 over K-chunks of 1024 (summed in int32), or fp64."
     if not _fp32_matmul_exact(): return (a.double() @ b.double()).to(torch.int32)
@@ -160,6 +167,7 @@ def _int_mm_float(a, b):
         acc = part if acc is None else acc.add_(part)
     return acc
 
+# %% ../nbs/05_int8.ipynb #79e811ea
 def _int_mm_cuda(a, b):
     "torch._int_mm on CUDA with kitchen's zero padding: M to >= 32 (multiple of 32), K and N to multiples of 8."
     M, K = a.shape; N = b.shape[1]
@@ -169,6 +177,7 @@ def _int_mm_cuda(a, b):
     out = torch._int_mm(a, b)
     return out[:M, :N] if (Mp, Np) != (M, N) else out
 
+# %% ../nbs/05_int8.ipynb #d9cdd8be
 def int_mm(a:torch.Tensor, # int8 [M, K]
            b:torch.Tensor, # int8 [K, N] (e.g. `w.t()` of an [N, K] weight; a view is fine)
            impl:str|None=None, # None: automatic; or 'int_mm' (torch._int_mm), 'float32' (chunked), 'float64'
@@ -215,7 +224,7 @@ def int8_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp16)
     if bias is not None: out.add_(bias.to(device=out.device, dtype=out_dtype))
     return out.reshape(*lead, N)
 
-# %% ../nbs/05_int8.ipynb #56100a2a
+# %% ../nbs/05_int8.ipynb #dd5a220c
 @dataclass(frozen=True)
 class Int8Params(Params):
     "Params of `int8_tensorwise`: the fp32 scale (0-d or [N, 1]) and the option values."
@@ -224,28 +233,18 @@ class Int8Params(Params):
     convrot: bool = False
     convrot_groupsize: int = 256
 
+# %% ../nbs/05_int8.ipynb #1d7d87a4
 class Int8Layout(Layout):
     "Storage layout of `int8_tensorwise`: int8 [N, K] + fp32 scale, optional ConvRot."
     Params = Int8Params
     MIN_SM_VERSION = (7, 5)     # comfy-kitchen's TensorWiseINT8Layout
 
     @classmethod
-    def check_shape(cls, shape, opts, prefix=''):
-        check_2d(shape, 'int8_tensorwise', prefix)
-        if opts.get('convrot'):
-            g, K = opts.get('convrot_groupsize', 256), shape[1]
-            if not is_power_of_4(g) or K % g:
-                why = 'not a power of 4' if not is_power_of_4(g) else f'K % {g} = {K % g}'
-                raise format_error(prefix, "comfy_quant['convrot_groupsize']",
-                                   f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {tuple(shape)}', f'{g} ({why})')
+    def check_shape(cls, shape, opts, prefix=''): return _int8_layout_check_shape(cls, shape, opts, prefix)
 
     @classmethod
     def quantize(cls, w, stochastic_rounding=0, per_row=False, convrot=False, convrot_groupsize=256):
-        per_row = bool(per_row or convrot)
-        if convrot: q, s = quantize_int8_convrot(w, convrot_groupsize, stochastic_rounding)
-        else: q, s = quantize_int8(w, per_row=per_row, stochastic_rounding=stochastic_rounding)
-        if w.dtype == torch.float16: q = _requantize_subnormal_rows(w, q, s, convrot, convrot_groupsize, stochastic_rounding)
-        return q, Int8Params(tuple(w.shape), w.dtype, s, per_row, bool(convrot), int(convrot_groupsize))
+        return _int8_layout_quantize(cls, w, stochastic_rounding, per_row, convrot, convrot_groupsize)
 
     @classmethod
     def dequantize(cls, qdata, params, dtype):
@@ -257,20 +256,7 @@ class Int8Layout(Layout):
 
     @classmethod
     def from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
-        s, N = tensors['weight_scale'], shape[0]
-        if s.dtype not in SCALE_DTYPES:
-            raise format_error(prefix, 'weight_scale', 'a float32 scale (fp16/bf16 accepted)', f'dtype {s.dtype}')
-        if tuple(s.shape) in ((), (1,)): per_row = False; s = s.reshape(())
-        elif tuple(s.shape) == (N, 1): per_row = True
-        elif tuple(s.shape) == (N,):
-            raise format_error(prefix, 'weight_scale', f'shape () or (1,) (tensor-wise) or ({N}, 1) (per-row)',
-                               f'shape ({N},): a 1-D per-row scale broadcasts along K when dequantized; store it as ({N}, 1)')
-        else:
-            raise format_error(prefix, 'weight_scale', f'shape () or (1,) (tensor-wise) or ({N}, 1) (per-row) for weight {tuple(shape)}', f'shape {tuple(s.shape)}')
-        if opts.get('convrot') and not per_row:
-            raise format_error(prefix, 'weight_scale', f'a per-row ({N}, 1) scale: comfy_quant says convrot=true', f'shape {tuple(tensors["weight_scale"].shape)}')
-        return tensors['weight'], Int8Params(tuple(shape), dtype, s.float(), per_row, bool(opts.get('convrot', False)),
-                                             int(opts.get('convrot_groupsize', 256)))
+        return _int8_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix)
 
     @classmethod
     def linear(cls, x, qdata, params, bias=None, input_scale=None):
@@ -281,23 +267,69 @@ class Int8Layout(Layout):
         "Rows `indices` of the dequantized weight, `[*indices.shape, K]`, decoding only those rows (embedding lookups)."
         x = torch.nn.functional.embedding(indices, qdata).float()
         x = x * (torch.nn.functional.embedding(indices, params.scale) if params.per_row else params.scale)
-        if params.convrot: x = rotate(x.reshape(-1, x.shape[-1]), params.convrot_groupsize, torch.float32, as_weight=True).reshape(x.shape)
+        if params.convrot: x = rotate(x.reshape(-1, x.shape[-1]),
+                                      params.convrot_groupsize, torch.float32, as_weight=True).reshape(x.shape)
         return x if dtype == torch.float32 else x.to(dtype)
 
+# %% ../nbs/05_int8.ipynb #c69f55b3
+def _int8_layout_check_shape(cls, shape, opts, prefix=''):
+    check_2d(shape, 'int8_tensorwise', prefix)
+    if opts.get('convrot'):
+        g, K = opts.get('convrot_groupsize', 256), shape[1]
+        if not is_power_of_4(g) or K % g:
+            why = 'not a power of 4' if not is_power_of_4(g) else f'K % {g} = {K % g}'
+            raise format_error(prefix, "comfy_quant['convrot_groupsize']",
+                               f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {tuple(shape)}',
+                               f'{g} ({why})')
+
+# %% ../nbs/05_int8.ipynb #7a0019bf
+def _int8_layout_quantize(cls, w, stochastic_rounding=0, per_row=False, convrot=False, convrot_groupsize=256):
+    per_row = bool(per_row or convrot)
+    if convrot: q, s = quantize_int8_convrot(w, convrot_groupsize, stochastic_rounding)
+    else: q, s = quantize_int8(w, per_row=per_row, stochastic_rounding=stochastic_rounding)
+    if w.dtype == torch.float16: q = _requantize_subnormal_rows(w, q, s, convrot, convrot_groupsize,
+                                                                stochastic_rounding)
+    return q, Int8Params(tuple(w.shape), w.dtype, s, per_row, bool(convrot), int(convrot_groupsize))
+
+# %% ../nbs/05_int8.ipynb #35c0b784
+def _int8_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
+    s, N = tensors['weight_scale'], shape[0]
+    if s.dtype not in SCALE_DTYPES:
+        raise format_error(prefix, 'weight_scale', 'a float32 scale (fp16/bf16 accepted)', f'dtype {s.dtype}')
+    if tuple(s.shape) in ((), (1,)): per_row = False; s = s.reshape(())
+    elif tuple(s.shape) == (N, 1): per_row = True
+    elif tuple(s.shape) == (N,):
+        raise format_error(prefix, 'weight_scale', f'shape () or (1,) (tensor-wise) or ({N}, 1) (per-row)',
+                           f'shape ({N},): a 1-D per-row scale broadcasts along K when dequantized; store it as ({N}, 1)')
+    else:
+        raise format_error(prefix, 'weight_scale',
+                           f'shape () or (1,) (tensor-wise) or ({N}, 1) (per-row) for weight {tuple(shape)}', f'shape {tuple(s.shape)}')
+    if opts.get('convrot') and not per_row:
+        raise format_error(prefix, 'weight_scale', f'a per-row ({N}, 1) scale: comfy_quant says convrot=true',
+                           f'shape {tuple(tensors["weight_scale"].shape)}')
+    return tensors['weight'], Int8Params(tuple(shape), dtype, s.float(), per_row, bool(opts.get('convrot', False)),
+                                         int(opts.get('convrot_groupsize', 256)))
+
+# %% ../nbs/05_int8.ipynb #0fb14f86
 def int8_per_row(opts:dict) -> bool:
     "The per-row rule: one scale per output row with `per_row` or `convrot` (ConvRot implies per-row)."
     return bool(opts.get('per_row') or opts.get('convrot'))
 
+# %% ../nbs/05_int8.ipynb #00800c80
 def _int8_flat_banks(opts:dict, tensors:dict|None=None) -> bool:
     "ComfyUI keeps per-row INT8 banks as rows: per the options when quantizing, a 3-D [E, N, 1] scale when loading."
     if tensors is None: return int8_per_row(opts)
     return tensors.get('weight_scale') is not None and tensors['weight_scale'].dim() == 3
 
+# %% ../nbs/05_int8.ipynb #bfc4ac49
 INT8_TENSORWISE = register_format(FormatSpec(
     'int8_tensorwise', Int8Layout, torch.int8, keys=('weight_scale',),
-    options=(Option('per_row', False, bool, 'one scale per output row ([N, 1]) instead of one per tensor', stored=False),
-             Option('convrot', False, bool, 'ConvRot: Hadamard-rotate groups of input features first (implies per_row)', write='non_default'),
-             Option('convrot_groupsize', 256, int, 'ConvRot group: a power of 4 dividing K', write=lambda o: bool(o['convrot']))),
+    options=(Option('per_row', False, bool, 'one scale per output row ([N, 1]) instead of one per tensor',
+                    stored=False),
+             Option('convrot', False, bool,
+                    'ConvRot: Hadamard-rotate groups of input features first (implies per_row)', write='non_default'),
+             Option('convrot_groupsize', 256, int, 'ConvRot group: a power of 4 dividing K',
+                    write=lambda o: bool(o['convrot']))),
     quantize_input=False, extra_keys=(), aliases=('int8', 'int8_convrot', 'w8a8'),
     doc='Symmetric absmax INT8, tensor-wise or per-row scale, optional ConvRot; per-token INT8 activations in the linear.',
     row_gather=True, embedding=True, row_independent=int8_per_row, flat_banks=_int8_flat_banks,

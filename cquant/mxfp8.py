@@ -16,26 +16,27 @@ from .tensor import Params, Layout, FormatSpec, register_format, format_error, c
 from .fp8 import round_to_fp8, fp8_linear_fp32
 
 # %% auto #0
-__all__ = ['MXFP8_BLOCK', 'MXFP8', 'mxfp8_storage_shape', 'mxfp8_scale_shape', 'mxfp8_encode_blocks', 'quantize_mxfp8',
-           'mxfp8_block_exponents', 'dequantize_mxfp8', 'MXFP8Params', 'mxfp8_linear', 'MXFP8Layout',
+__all__ = ['quantize_mxfp8', 'mxfp8_block_exponents', 'dequantize_mxfp8', 'MXFP8Params', 'mxfp8_linear', 'MXFP8Layout',
            'plot_block_exponents']
 
-# %% ../nbs/04_mxfp8.ipynb #9b0b7869
+# %% ../nbs/04_mxfp8.ipynb #75c38a3c
 MXFP8_BLOCK = 32
 
-
+# %% ../nbs/04_mxfp8.ipynb #aba295fa
 def mxfp8_storage_shape(shape:tuple, # logical (N, K)
                        ) -> tuple: # (roundup(N, 32), roundup(K, 32))
     "Storage shape of an mxfp8 weight: both dims padded to 32 (kitchen pads both as soon as either is misaligned)."
     N, K = shape
     return (round_up(N, 32), round_up(K, 32))
 
+# %% ../nbs/04_mxfp8.ipynb #02c565cd
 def mxfp8_scale_shape(shape:tuple, # logical (N, K)
                      ) -> tuple: # (roundup(Np, 128), roundup(Kp/32, 4))
     "Shape of the swizzled `weight_scale` for a logical weight shape."
     Np, Kp = mxfp8_storage_shape(shape)
     return (round_up(Np, 128), round_up(Kp // MXFP8_BLOCK, 4))
 
+# %% ../nbs/04_mxfp8.ipynb #07f74f69
 def mxfp8_encode_blocks(x:torch.Tensor, # [R, C] float, C a multiple of 32
                         stochastic_rounding:int=0, # 0 = nearest even, else a seed
                        ) -> tuple: # (e4m3 [R, C], uint8 exponents [R, C/32])
@@ -50,6 +51,7 @@ def mxfp8_encode_blocks(x:torch.Tensor, # [R, C] float, C a multiple of 32
     if bool(zero.any()): v[zero] = 0                                      # zero blocks: +0 bytes, like kitchen
     return round_to_fp8(v, torch.float8_e4m3fn, stochastic_rounding).reshape(R, C), e
 
+# %% ../nbs/04_mxfp8.ipynb #08baa7d1
 def quantize_mxfp8(x:torch.Tensor, # [N, K] weight (fp32, bf16 or fp16)
                    stochastic_rounding:int=0, # 0 = nearest even, else a seed
                   ) -> tuple: # (e4m3 [Np, Kp], float8_e8m0fnu swizzled block scales)
@@ -58,6 +60,7 @@ def quantize_mxfp8(x:torch.Tensor, # [N, K] weight (fp32, bf16 or fp16)
     q, e = mxfp8_encode_blocks(pad_to_multiple(x, 32, 32), stochastic_rounding)
     return q, to_blocked(e).view(torch.float8_e8m0fnu)
 
+# %% ../nbs/04_mxfp8.ipynb #7f72db2f
 def mxfp8_block_exponents(block_scale:torch.Tensor, # swizzled scales (float8_e8m0fnu or uint8)
                           storage_shape:tuple, # (Np, Kp) of the weight storage
                          ) -> torch.Tensor: # uint8 [Np, Kp/32] biased exponents
@@ -65,6 +68,7 @@ def mxfp8_block_exponents(block_scale:torch.Tensor, # swizzled scales (float8_e8
     Np, Kp = storage_shape
     return from_blocked(block_scale.view(torch.uint8), Np, Kp // MXFP8_BLOCK)
 
+# %% ../nbs/04_mxfp8.ipynb #b7be9037
 def dequantize_mxfp8(q:torch.Tensor, # e4m3 [Np, Kp]
                      block_scale:torch.Tensor, # swizzled E8M0 scales
                      dtype:torch.dtype=torch.bfloat16, # output dtype
@@ -80,12 +84,13 @@ def dequantize_mxfp8(q:torch.Tensor, # e4m3 [Np, Kp]
     out = out.reshape(N, Kp)
     return out if K == Kp else out[:, :K].contiguous()
 
-# %% ../nbs/04_mxfp8.ipynb #61180411
+# %% ../nbs/04_mxfp8.ipynb #245d551c
 @dataclass(frozen=True)
 class MXFP8Params(Params):
     "Params of an mxfp8 weight: the swizzled `float8_e8m0fnu` block scales."
     block_scale: torch.Tensor = None
 
+# %% ../nbs/04_mxfp8.ipynb #8be3e2b2
 def mxfp8_linear(x:torch.Tensor, # activation [..., K] (fp32, bf16 or fp16)
                  qdata:torch.Tensor, # e4m3 weight storage [Np, Kp]
                  block_scale:torch.Tensor, # its swizzled scales
@@ -102,6 +107,7 @@ def mxfp8_linear(x:torch.Tensor, # activation [..., K] (fp32, bf16 or fp16)
     wd = dequantize_mxfp8(qdata, block_scale, torch.float32, (N, K))
     return fp8_linear_fp32(xd, None, wd, None, bias, x.dtype).reshape(*x.shape[:-1], N)
 
+# %% ../nbs/04_mxfp8.ipynb #867232e9
 class MXFP8Layout(Layout):
     "MXFP8: e4m3 elements padded to 32x32, one swizzled E8M0 exponent per 32 elements along K."
     Params = MXFP8Params
@@ -113,7 +119,8 @@ class MXFP8Layout(Layout):
         return q, MXFP8Params(tuple(w.shape), w.dtype, bs)
 
     @classmethod
-    def dequantize(cls, qdata, params, dtype): return dequantize_mxfp8(qdata, params.block_scale, dtype, params.orig_shape)
+    def dequantize(cls, qdata, params, dtype): return dequantize_mxfp8(qdata, params.block_scale, dtype,
+                                                                       params.orig_shape)
 
     @classmethod
     def tensors(cls, qdata, params): return {'weight': qdata, 'weight_scale': params.block_scale}
@@ -122,7 +129,8 @@ class MXFP8Layout(Layout):
     def from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
         s, want = tensors['weight_scale'], mxfp8_scale_shape(shape)
         expected = f'float8_e8m0fnu (or uint8) swizzled block scales of shape {want} for logical shape {tuple(shape)}'
-        if s.dtype not in (torch.float8_e8m0fnu, torch.uint8): raise format_error(prefix, 'weight_scale', expected, f'dtype {s.dtype}')
+        if s.dtype not in (torch.float8_e8m0fnu, torch.uint8): raise format_error(prefix, 'weight_scale', expected,
+                                                                                  f'dtype {s.dtype}')
         if tuple(s.shape) != want: raise format_error(prefix, 'weight_scale', expected, f'shape {tuple(s.shape)}')
         return tensors['weight'], MXFP8Params(tuple(shape), dtype, s.view(torch.float8_e8m0fnu))
 

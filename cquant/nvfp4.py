@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .numerics import (E2M1_VALUES, FP16_MIN_NORMAL, round_up, absmax, cast_fp8, e2m1_encode, e2m1_decode, pack_nibbles,
+from .numerics import (E2M1_VALUES, FP16_MIN_NORMAL, round_up, absmax, cast_fp8, e2m1_encode, e2m1_decode,
+                             pack_nibbles,
                              unpack_nibbles, pad_to_multiple, to_blocked, from_blocked)
 from .tensor import ScaleRule, nvidia_compute
 from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, check_2d, round_stochastic
 
 # %% auto #0
-__all__ = ['NVFP4', 'nvfp4_storage_shape', 'nvfp4_scale_shape', 'nvfp4_global_scale', 'nvfp4_quantize', 'nvfp4_scale_product',
-           'check_nvfp4_qdata', 'nvfp4_dequantize', 'NVFP4Params', 'NVFP4Layout', 'nvfp4_linear']
+__all__ = ['nvfp4_quantize', 'nvfp4_dequantize', 'NVFP4Params', 'NVFP4Layout', 'nvfp4_linear']
 
 # %% ../nbs/03_nvfp4.ipynb #217a8109
 _GROUP = 16              # elements per block scale
@@ -39,31 +39,36 @@ def nvfp4_scale_shape(shape:tuple, # logical (N, K)
     Np, Kh = nvfp4_storage_shape(shape)
     return (round_up(Np, 128), round_up(2 * Kh // _GROUP, 4))
 
-# %% ../nbs/03_nvfp4.ipynb #649e33db
+# %% ../nbs/03_nvfp4.ipynb #73b09373
 def nvfp4_global_scale(x:torch.Tensor, # the tensor to quantize
                       ) -> torch.Tensor: # fp32 0-d: amax(|x|)/(448*6) computed in x's dtype, then widened
     "Kitchen's default nvfp4 global scale (weights; dynamic for activations), guarded against fp16 underflow (see text)."
     return _default_scale(absmax(x))
 
+# %% ../nbs/03_nvfp4.ipynb #27caa873
 def _default_scale(amax:torch.Tensor) -> torch.Tensor:
     "amax/2688 in amax's dtype (kitchen), or in fp32 where that flushes a nonzero amax to a zero scale (fp16)."
     s = (amax / (_E4M3_MAX * _E2M1_MAX)).float()
     return torch.where((s == 0) & (amax != 0), amax.float() / (_E4M3_MAX * _E2M1_MAX), s)   # no host sync
 
+# %% ../nbs/03_nvfp4.ipynb #7b927837
 def nvfp4_global_scale(scale, device) -> torch.Tensor:
     "A given global scale as an fp32 0-d tensor (a value cast, as kitchen does)."
     return torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(())
 
+# %% ../nbs/03_nvfp4.ipynb #3a6722fa
 def _chunk_rows(n_cols:int, target:int=1 << 22) -> int:
     "Rows per chunk so one chunk holds about `target` elements (bounded temporaries), a multiple of 16."
     return max(_GROUP, target // max(n_cols, 1) // _GROUP * _GROUP)
 
+# %% ../nbs/03_nvfp4.ipynb #f3348024
 def _round_e2m1_stochastic(d:torch.Tensor, seed:int) -> torch.Tensor:
     "Round values in [-6, 6] to a neighbouring E2M1 value, unbiased, deterministic per seed."
     m = d.abs()
     step = torch.where(m < 2, 0.5, torch.where(m < 4, 1.0, 2.0))   # the grid spacing around m
     return torch.copysign(round_stochastic(m / step, seed) * step, d)
 
+# %% ../nbs/03_nvfp4.ipynb #d08cb2d2
 def nvfp4_quantize(x:torch.Tensor, # 2-D float tensor (fp32, bf16 or fp16)
                    global_scale=None, # None: `nvfp4_global_scale(x)`; else a float or tensor (fp32 after a value cast)
                    stochastic_rounding:int=0, # 0: round to nearest even; else the seed of stochastic rounding
@@ -92,14 +97,14 @@ def nvfp4_quantize(x:torch.Tensor, # 2-D float tensor (fp32, bf16 or fp16)
     if has_zero: q.view(Np, Kp // _GROUP, _GROUP // 2).masked_fill_(zero.unsqueeze(-1), 0)
     return q, s, to_blocked(bs)
 
-# %% ../nbs/03_nvfp4.ipynb #9f9b6616
+# %% ../nbs/03_nvfp4.ipynb #1dfef195
 @functools.lru_cache(maxsize=None)
 def _byte_table(dtype:torch.dtype, device:torch.device) -> torch.Tensor:
     "[256, 2] table: the E2M1 values (high nibble, low nibble) of every byte, in `dtype`."
     codes = unpack_nibbles(torch.arange(256, dtype=torch.uint8).reshape(256, 1), hi_first=True)
     return e2m1_decode(codes, dtype).to(device)
 
-
+# %% ../nbs/03_nvfp4.ipynb #61094a2c
 def nvfp4_scale_product(global_scale:torch.Tensor, # fp32 0-d global scale (`weight_scale_2`)
                         block_scale:torch.Tensor, # e4m3 block scales, logical [Np, Kp/16] (unswizzled)
                         dtype:torch.dtype, # the output dtype of the dequantization
@@ -110,6 +115,7 @@ def nvfp4_scale_product(global_scale:torch.Tensor, # fp32 0-d global scale (`wei
     fp32 = (global_scale.float() * block_scale.float()).to(dtype)
     return torch.where(global_scale < FP16_MIN_NORMAL, fp32, kitchen)     # no host sync
 
+# %% ../nbs/03_nvfp4.ipynb #126e5880
 def _decode_blocks(qdata:torch.Tensor, mult:torch.Tensor, dtype:torch.dtype) -> torch.Tensor:
     "E2M1 value (from the byte table) times the per-block multiplier `mult` [Np, Kp/16], all in `dtype`."
     Np, Kh = qdata.shape
@@ -121,11 +127,13 @@ def _decode_blocks(qdata:torch.Tensor, mult:torch.Tensor, dtype:torch.dtype) -> 
         torch.mul(v, mult[i:i + step].unsqueeze(-1), out=out[i:i + step].view(-1, nb, _GROUP))
     return out
 
+# %% ../nbs/03_nvfp4.ipynb #91fc2274
 def check_nvfp4_qdata(qdata:torch.Tensor):
     "A ValueError unless `qdata` is NVFP4 storage: 2-D uint8, two codes per byte, whole blocks of 16."
     if qdata.dim() != 2 or qdata.dtype != torch.uint8 or (2 * qdata.shape[1]) % _GROUP:
         raise ValueError(f"nvfp4 qdata must be 2-D uint8 with 2*cols a multiple of 16, got {qdata.dtype} {tuple(qdata.shape)}")
 
+# %% ../nbs/03_nvfp4.ipynb #8053b27b
 def nvfp4_dequantize(qdata:torch.Tensor, # uint8 [Np, Kp/2], hi-first E2M1 codes
                      global_scale:torch.Tensor, # fp32 0-d (`weight_scale_2`)
                      block_scale:torch.Tensor, # swizzled e4m3 block scales (`weight_scale`)
@@ -140,13 +148,14 @@ def nvfp4_dequantize(qdata:torch.Tensor, # uint8 [Np, Kp/2], hi-first E2M1 codes
     if shape is None or tuple(shape) == (Np, Kp): return out
     return out[:shape[0], :shape[1]].contiguous()
 
-# %% ../nbs/03_nvfp4.ipynb #7889e87f
+# %% ../nbs/03_nvfp4.ipynb #ebefe348
 @dataclass(frozen=True)
 class NVFP4Params(Params):
     "nvfp4 params: the fp32 global scale (`weight_scale_2`) and the swizzled e4m3 block scales (`weight_scale`)."
     global_scale: torch.Tensor = None
     block_scale: torch.Tensor = None
 
+# %% ../nbs/03_nvfp4.ipynb #9777f77d
 class NVFP4Layout(Layout):
     "E2M1 codes packed hi-first, e4m3 block scales per 16 (swizzled), fp32 global scale; rows/cols padded to 16."
     Params = NVFP4Params
@@ -169,15 +178,7 @@ class NVFP4Layout(Layout):
 
     @classmethod
     def from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
-        bs, s = tensors['weight_scale'], tensors['weight_scale_2']
-        if bs.dtype not in (torch.float8_e4m3fn, torch.uint8):
-            raise format_error(prefix, 'weight_scale', 'float8_e4m3fn block scales (or their raw uint8 bytes)', f'dtype {bs.dtype}')
-        want = nvfp4_scale_shape(shape)
-        if tuple(bs.shape) != want:
-            raise format_error(prefix, 'weight_scale', f'swizzled block scales of shape {want} for logical shape {tuple(shape)}', f'shape {tuple(bs.shape)}')
-        if not s.is_floating_point() or s.numel() != 1 or s.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise format_error(prefix, 'weight_scale_2', 'a one-element float32 global scale', f'{s.dtype} of shape {tuple(s.shape)}')
-        return tensors['weight'], NVFP4Params(tuple(shape), dtype, s.float().reshape(()), bs.view(torch.float8_e4m3fn))
+        return _nvfp4_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix)
 
     @classmethod
     def check_shape(cls, shape, opts, prefix=''):
@@ -189,14 +190,33 @@ class NVFP4Layout(Layout):
     @classmethod
     def logical_shape(cls, tensors, opts):
         "(rows, 2*cols): the PADDED shape; the true logical shape comes from the module definition."
-        w = tensors['weight']
-        if w.dim() != 2: raise format_error('', 'weight', '2-D nvfp4 storage (rows, K/2)', f'shape {tuple(w.shape)}')
-        r, c = w.shape
-        return (r, 2 * c)
+        return _nvfp4_layout_logical_shape(cls, tensors, opts)
 
     @classmethod
     def linear(cls, x, qdata, params, bias=None, input_scale=None):
         return nvfp4_linear(x, qdata, params.global_scale, params.block_scale, params.orig_shape, bias, input_scale)
+
+# %% ../nbs/03_nvfp4.ipynb #59a9cd65
+def _nvfp4_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
+    bs, s = tensors['weight_scale'], tensors['weight_scale_2']
+    if bs.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise format_error(prefix, 'weight_scale', 'float8_e4m3fn block scales (or their raw uint8 bytes)',
+                           f'dtype {bs.dtype}')
+    want = nvfp4_scale_shape(shape)
+    if tuple(bs.shape) != want:
+        raise format_error(prefix, 'weight_scale',
+                           f'swizzled block scales of shape {want} for logical shape {tuple(shape)}', f'shape {tuple(bs.shape)}')
+    if not s.is_floating_point() or s.numel() != 1 or s.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise format_error(prefix, 'weight_scale_2', 'a one-element float32 global scale',
+                           f'{s.dtype} of shape {tuple(s.shape)}')
+    return tensors['weight'], NVFP4Params(tuple(shape), dtype, s.float().reshape(()), bs.view(torch.float8_e4m3fn))
+
+# %% ../nbs/03_nvfp4.ipynb #a16865e7
+def _nvfp4_layout_logical_shape(cls, tensors, opts):
+    w = tensors['weight']
+    if w.dim() != 2: raise format_error('', 'weight', '2-D nvfp4 storage (rows, K/2)', f'shape {tuple(w.shape)}')
+    r, c = w.shape
+    return (r, 2 * c)
 
 # %% ../nbs/03_nvfp4.ipynb #51608bdd
 def nvfp4_linear(x:torch.Tensor, # activation [..., K], float (pre_quant_scale already applied by the module)

@@ -12,25 +12,23 @@ from typing import Any, Callable
 import torch
 
 # %% auto #0
-__all__ = ['log', 'FAST_PATH_OPS', 'FAST_PATHS', 'FORMATS', 'aten', 'GENERIC_OPS', 'LAYOUT_OPS', 'QuantFormatError',
-           'format_error', 'check_2d', 'same_bits', 'test_bits', 'encode_json', 'decode_json', 'Option', 'Params',
-           'Layout', 'register_fast_path', 'remove_fast_paths', 'layout_op', 'FormatSpec', 'register_format',
-           'ScaleRule', 'torch_version', 'nvidia_compute', 'int8_compute', 'get_format', 'QuantizedTensor',
-           'implements', 'check_finite', 'round_stochastic', 'quantize', 'module_prefix', 'check_comfy_quant',
-           'load_quantized', 'format_color']
+__all__ = ['FORMATS', 'QuantFormatError', 'encode_json', 'decode_json', 'Option', 'Params', 'Layout', 'FormatSpec',
+           'register_format', 'ScaleRule', 'get_format', 'QuantizedTensor', 'quantize', 'load_quantized']
 
 # %% ../nbs/01_tensor.ipynb #464385b5
 log = logging.getLogger("cquant")
 
-# %% ../nbs/01_tensor.ipynb #0babe4f5
+# %% ../nbs/01_tensor.ipynb #f24eb055
 class QuantFormatError(ValueError):
     "A format, option, key, dtype or shape that does not fit the Comfy quantization format."
 
+# %% ../nbs/01_tensor.ipynb #0adff302
 def _where(prefix:str='', key:str='') -> str:
     "Human-readable location of a module/key for error messages."
     loc = (prefix or '') + (key or '')
     return f"'{loc}'" if loc else "tensor"
 
+# %% ../nbs/01_tensor.ipynb #9e300648
 def format_error(prefix:str, key:str, expected, found) -> QuantFormatError:
     "A `QuantFormatError` naming the location `prefix+key`, what was expected and what was found."
     return QuantFormatError(f"{_where(prefix, key)}: expected {expected}, found {found}")
@@ -49,7 +47,8 @@ def check_2d(shape:tuple, # the logical weight shape
 def same_bits(a:torch.Tensor, b:torch.Tensor) -> bool:
     "True when `a` and `b` have the same dtype, shape and bytes."
     if a.dtype != b.dtype or a.shape != b.shape: return False
-    return torch.equal(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8), b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+    return torch.equal(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
+                       b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
 
 def test_bits(a:torch.Tensor, b:torch.Tensor, what:str=''):
     "Assert `same_bits(a, b)`, describing the first mismatch."
@@ -72,8 +71,10 @@ def decode_json(t:torch.Tensor, key:str='comfy_quant'):
     if t.dim() != 1: raise format_error('', key, 'a 1-D uint8 tensor', f'shape {tuple(t.shape)}')
     raw = t.detach().cpu().numpy().tobytes()
     try: return json.loads(raw.decode('utf-8'))
-    except UnicodeDecodeError as e: raise format_error('', key, 'UTF-8 JSON bytes', f'invalid UTF-8 ({e.reason} at byte {e.start})') from None
-    except json.JSONDecodeError as e: raise format_error('', key, 'valid JSON', f'{e.msg} at char {e.pos} in {raw[:80]!r}') from None
+    except UnicodeDecodeError as e: raise format_error('', key, 'UTF-8 JSON bytes',
+                                                       f'invalid UTF-8 ({e.reason} at byte {e.start})') from None
+    except json.JSONDecodeError as e: raise format_error('', key, 'valid JSON',
+                                                         f'{e.msg} at char {e.pos} in {raw[:80]!r}') from None
     except RecursionError: raise format_error('', key, 'valid JSON', 'nesting too deep to decode') from None
 
 # %% ../nbs/01_tensor.ipynb #d3a64bbe
@@ -109,7 +110,7 @@ class Option:
         if self.write == 'non_default': return opts[self.name] != self.default
         return bool(self.write(opts))
 
-# %% ../nbs/01_tensor.ipynb #d82d8425
+# %% ../nbs/01_tensor.ipynb #24a2743c
 @dataclass(frozen=True)
 class Params:
     "Base of every layout's frozen params: the logical shape and dtype of the quantized tensor."
@@ -124,6 +125,7 @@ class Params:
         "A copy with `fn` applied to every tensor field (device moves, clones)."
         return replace(self, **{k: fn(v) for k, v in self.tensors().items()})
 
+# %% ../nbs/01_tensor.ipynb #e1ba1063
 class Layout:
     "Base of a storage layout: classmethods over `(qdata, params)`; see the table above."
     Params = Params
@@ -136,7 +138,8 @@ class Layout:
     @classmethod
     def tensors(cls, qdata, params) -> dict: raise NotImplementedError
     @classmethod
-    def from_tensors(cls, tensors:dict, opts:dict, shape:tuple, dtype:torch.dtype, prefix:str=''): raise NotImplementedError
+    def from_tensors(cls,
+                     tensors:dict, opts:dict, shape:tuple, dtype:torch.dtype, prefix:str=''): raise NotImplementedError
     @classmethod
     def check_shape(cls, shape:tuple, opts:dict, prefix:str=''): pass
     @classmethod
@@ -178,7 +181,7 @@ def layout_op(layout:type, op:str, *args, **kwargs):
         if fits(*args, **kwargs): return fn(*args, **kwargs)
     return getattr(layout, op)(*args, **kwargs)
 
-# %% ../nbs/01_tensor.ipynb #38bce290
+# %% ../nbs/01_tensor.ipynb #094d9b11
 @dataclass(frozen=True)
 class FormatSpec:
     "Everything about one Comfy quantization format, declared once."
@@ -220,18 +223,7 @@ class FormatSpec:
 
     def resolve(self, config:dict|None=None, prefix:str='', **given) -> dict:
         "Option values: `given` keywords, else top-level `config`, else `config['params']`, else defaults."
-        config = config or {}
-        nested = config.get('params') if isinstance(config.get('params'), dict) else {}
-        unknown = set(given) - set(self.option_names)
-        if unknown: raise format_error(prefix, 'options', f'options of {self.name}: {list(self.option_names)}', sorted(unknown))
-        out = {}
-        for o in self.options:
-            if o.name in given: v = given[o.name]
-            elif o.stored and o.name in config: v = config[o.name]
-            elif o.stored and o.name in nested: v = nested[o.name]
-            else: v = o.default
-            out[o.name] = o.coerce(v, prefix)
-        return out
+        return _format_spec_resolve(self, config, prefix, **given)
 
     def fits(self, shape:tuple, **opts) -> bool:
         "Whether a weight of `shape` passes this format's shape rules with options `opts`."
@@ -260,15 +252,33 @@ class FormatSpec:
         "Whether ComfyUI computes this format natively on `device` (else it dequantizes the weight)."
         return self.native_compute is not None and bool(self.native_compute(torch.device(device)))
 
+# %% ../nbs/01_tensor.ipynb #0afdead8
+def _format_spec_resolve(self, config:dict|None=None, prefix:str='', **given) -> dict:
+    config = config or {}
+    nested = config.get('params') if isinstance(config.get('params'), dict) else {}
+    unknown = set(given) - set(self.option_names)
+    if unknown: raise format_error(prefix, 'options', f'options of {self.name}: {list(self.option_names)}',
+                                   sorted(unknown))
+    out = {}
+    for o in self.options:
+        if o.name in given: v = given[o.name]
+        elif o.stored and o.name in config: v = config[o.name]
+        elif o.stored and o.name in nested: v = nested[o.name]
+        else: v = o.default
+        out[o.name] = o.coerce(v, prefix)
+    return out
+
+# %% ../nbs/01_tensor.ipynb #f7919c14
 FORMATS: dict[str, FormatSpec] = {}
 
+# %% ../nbs/01_tensor.ipynb #5c45d394
 def register_format(spec:FormatSpec) -> FormatSpec:
     "Add `spec` to `FORMATS` under its name (re-running a notebook re-registers: the last definition wins)."
     FORMATS[spec.name] = spec
     _register_linear(spec.layout)
     return spec
 
-# %% ../nbs/01_tensor.ipynb #123a178f
+# %% ../nbs/01_tensor.ipynb #e87d4ec2
 @dataclass(frozen=True)
 class ScaleRule:
     "How a format turns an activation clip value into its `input_scale`: `clip / divisor`."
@@ -277,10 +287,12 @@ class ScaleRule:
     grid: torch.dtype|None = None       # the element grid of the per-tensor quantizer (FP8), used by method='mse'
     def __call__(self, clip): return clip / self.divisor
 
+# %% ../nbs/01_tensor.ipynb #4e6f5926
 def torch_version() -> tuple:
     "(major, minor) of the installed torch."
     return tuple(int(''.join(c for c in p if c.isdigit()) or 0) for p in torch.__version__.split('+')[0].split('.')[:2])
 
+# %% ../nbs/01_tensor.ipynb #8d208eb1
 def nvidia_compute(min_sm:tuple, # the CUDA compute capability of the kernel (the layout's `MIN_SM_VERSION`)
                    min_torch:tuple=(), # the torch version ComfyUI requires for it
                   ) -> Callable:
@@ -290,6 +302,7 @@ def nvidia_compute(min_sm:tuple, # the CUDA compute capability of the kernel (th
         return torch.cuda.get_device_capability(dev) >= tuple(min_sm) and torch_version() >= tuple(min_torch)
     return native
 
+# %% ../nbs/01_tensor.ipynb #4b91f969
 def int8_compute(dev:torch.device) -> bool:
     "ComfyUI's integer-matmul predicate: every device but Intel XPU, DirectML and MPS before torch 2.15."
     return not (dev.type in ('xpu', 'privateuseone') or (dev.type == 'mps' and torch_version() < (2, 15)))
@@ -321,7 +334,8 @@ def get_format(fmt, # a format name or a `FormatSpec`
     if isinstance(fmt, str) and fmt in FORMATS: return FORMATS[fmt]
     hint = _hint(fmt)
     if prefix is not None:
-        raise format_error(prefix, 'comfy_quant["format"]', f'one of {sorted(FORMATS)}', repr(fmt) + (f' ({hint})' if hint else ''))
+        raise format_error(prefix, 'comfy_quant["format"]', f'one of {sorted(FORMATS)}',
+                           repr(fmt) + (f' ({hint})' if hint else ''))
     who = f'{caller}: ' if caller else ''
     if not isinstance(fmt, str): raise QuantFormatError(f"{who}format must be a format name (str) or a FormatSpec, got {type(fmt).__name__} {fmt!r}")
     if _suggest(fmt)[0]: raise QuantFormatError(f"{who}format {hint}")
@@ -335,7 +349,8 @@ class QuantizedTensor(torch.Tensor):
     def __new__(cls, qdata:torch.Tensor, params:Params, spec:FormatSpec, transposed:bool=False):
         shape = tuple(params.orig_shape)
         if transposed: shape = shape[::-1]
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=params.orig_dtype, device=qdata.device, requires_grad=False)
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=params.orig_dtype, device=qdata.device,
+                                                   requires_grad=False)
 
     def __init__(self, qdata, params, spec, transposed=False):
         self._qdata, self._params, self._spec, self._transposed = qdata, params, spec, transposed
@@ -381,16 +396,7 @@ class QuantizedTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        qt = next((a for a in args if isinstance(a, QuantizedTensor)), None)
-        if qt is None: qt = next((a for a in kwargs.values() if isinstance(a, QuantizedTensor)), None)
-        handler = LAYOUT_OPS.get((qt.layout, func)) if qt is not None else None
-        handler = handler or GENERIC_OPS.get(func)
-        if handler is not None:
-            out = handler(func, args, kwargs)
-            if out is not NotImplemented: return out
-        return _fallback(func, args, kwargs)
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None): return _dispatch(func, args, kwargs or {})
 
 # %% ../nbs/01_tensor.ipynb #c7f98c88
 aten = torch.ops.aten
@@ -417,6 +423,18 @@ def _fallback(func, args, kwargs):
     args = torch.utils._pytree.tree_map(_dequant, args)
     kwargs = torch.utils._pytree.tree_map(_dequant, kwargs)
     return func(*args, **kwargs)
+
+# %% ../nbs/01_tensor.ipynb #627cc688
+def _dispatch(func, args, kwargs):
+    "Run `func` through the handler of the first quantized argument's layout, else the generic one, else the fallback."
+    qt = next((a for a in args if isinstance(a, QuantizedTensor)), None)
+    if qt is None: qt = next((a for a in kwargs.values() if isinstance(a, QuantizedTensor)), None)
+    handler = LAYOUT_OPS.get((qt.layout, func)) if qt is not None else None
+    handler = handler or GENERIC_OPS.get(func)
+    if handler is not None:
+        out = handler(func, args, kwargs)
+        if out is not NotImplemented: return out
+    return _fallback(func, args, kwargs)
 
 # %% ../nbs/01_tensor.ipynb #fc878d94
 @implements([aten.detach.default, aten.alias.default])
@@ -456,7 +474,8 @@ def _copy_(func, args, kwargs):
     if not (isinstance(dst, QuantizedTensor) and isinstance(src, QuantizedTensor) and dst._spec is src._spec
             and dst.shape == src.shape and dst._transposed == src._transposed): return NotImplemented
     dst._qdata = src._qdata.to(dst._qdata.device, copy=True)
-    dst._params = replace(src._params.map_tensors(lambda t: t.to(dst._qdata.device, copy=True)), orig_dtype=dst._params.orig_dtype)
+    dst._params = replace(src._params.map_tensors(lambda t: t.to(dst._qdata.device, copy=True)),
+                          orig_dtype=dst._params.orig_dtype)
     return dst
 
 # %% ../nbs/01_tensor.ipynb #db9d4197
@@ -490,7 +509,7 @@ def _register_linear(layout:type):
     implements(aten.addmm.default, layout)(_addmm)
     implements(aten.linear.default, layout)(_linear)
 
-# %% ../nbs/01_tensor.ipynb #ee507e36
+# %% ../nbs/01_tensor.ipynb #b1aee9e1
 def check_finite(w:torch.Tensor, name:str='weight'):
     "Raise a clear `ValueError` if `w` holds inf or NaN, naming the tensor and counting the bad values."
     if w.numel() == 0: return
@@ -501,17 +520,20 @@ def check_finite(w:torch.Tensor, name:str='weight'):
         raise ValueError(f"{name}: {n} non-finite value(s) (first at index {idx}: {w[idx].item()}); "
                          "quantizing them would poison the scales. Clean the tensor or pass allow_nonfinite=True.")
 
+# %% ../nbs/01_tensor.ipynb #1d8e69ed
 def round_stochastic(x:torch.Tensor, seed:int) -> torch.Tensor:
     "`floor(x + U[0,1))` with noise from a generator seeded with `seed` (deterministic per seed, unbiased)."
     g = torch.Generator(device=x.device).manual_seed(int(seed))
     return torch.floor(x + torch.rand(x.shape, dtype=x.dtype, device=x.device, generator=g))
 
+# %% ../nbs/01_tensor.ipynb #29dc2461
 def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:bool=False,
              name:str='weight', **options) -> QuantizedTensor:
     "Quantize float tensor `w` (named `name` in errors, e.g. 'blocks.0.proj.weight') to format `fmt` with its `options`."
     spec = get_format(fmt, caller='cq.quantize')
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or isinstance(w, QuantizedTensor):
-        raise format_error('', name, 'a floating-point torch.Tensor', type(w).__name__ if not isinstance(w, torch.Tensor) else f'dtype {w.dtype}')
+        raise format_error('', name, 'a floating-point torch.Tensor',
+                           type(w).__name__ if not isinstance(w, torch.Tensor) else f'dtype {w.dtype}')
     if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2): raise format_error('', name, 'fp32, bf16 or fp16 (dequantize fp8 first)', f'dtype {w.dtype}')
     if not isinstance(stochastic_rounding, int) or isinstance(stochastic_rounding, bool):
         raise format_error('', 'option stochastic_rounding', 'int seed (0 = off)', repr(stochastic_rounding))
@@ -519,34 +541,40 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     opts = spec.resolve(None, **options)
     prefix = name[:-len('weight')] if name.endswith('weight') else name + ' '   # module prefix for error messages
     spec.layout.check_shape(tuple(w.shape), opts, prefix)
-    qdata, params = layout_op(spec.layout, 'quantize', w, stochastic_rounding=stochastic_rounding, **spec.layout_kwargs, **opts)
+    qdata, params = layout_op(spec.layout, 'quantize', w, stochastic_rounding=stochastic_rounding,
+                              **spec.layout_kwargs, **opts)
     return QuantizedTensor(qdata, params, spec)
 
-# %% ../nbs/01_tensor.ipynb #044992b1
+# %% ../nbs/01_tensor.ipynb #96a9c534
 def module_prefix(prefix:str) -> str:
     "The state-dict prefix of a module name: `''` stays `''`, otherwise it ends in exactly one dot ('x.dense' -> 'x.dense.')."
     if not isinstance(prefix, str): raise TypeError(f"prefix: expected a module name such as 'x.dense' (str), got {type(prefix).__name__} {prefix!r}")
     return prefix if not prefix or prefix.endswith('.') else prefix + '.'
 
+# %% ../nbs/01_tensor.ipynb #fb5a01a4
 def check_comfy_quant(config, # a decoded `comfy_quant`
                       prefix:str='', # its module prefix, for the message
                      ) -> dict: # `config`
     "`config` if it is a JSON object with a `format` field, else a `QuantFormatError` naming `<prefix>comfy_quant`."
-    if not isinstance(config, dict): raise format_error(prefix, 'comfy_quant', 'a JSON object', f'{type(config).__name__} {str(config)[:60]}')
+    if not isinstance(config, dict): raise format_error(prefix, 'comfy_quant', 'a JSON object',
+                                                        f'{type(config).__name__} {str(config)[:60]}')
     if 'format' not in config: raise format_error(prefix, 'comfy_quant', 'a "format" field', f'keys {sorted(config)}')
     return config
 
+# %% ../nbs/01_tensor.ipynb #0835e0ca
 def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dtype=torch.bfloat16,
                    config:dict|None=None) -> QuantizedTensor:
     "A `QuantizedTensor` from the file entries `sd[prefix+'weight']`, scales and `comfy_quant` (or `config`); `prefix` with or without its dot."
     prefix = module_prefix(prefix)
     if config is None:
-        if prefix + 'comfy_quant' not in sd: raise format_error(prefix, 'comfy_quant', 'a comfy_quant entry (or config=...)', 'none')
+        if prefix + 'comfy_quant' not in sd: raise format_error(prefix, 'comfy_quant',
+                                                                'a comfy_quant entry (or config=...)', 'none')
         config = decode_json(sd[prefix + 'comfy_quant'], prefix + 'comfy_quant')
     spec = get_format(check_comfy_quant(config, prefix)['format'], prefix)
     opts = spec.resolve(config, prefix)
     missing = [k for k in ('weight',) + spec.keys if prefix + k not in sd]
-    if missing: raise format_error(prefix, missing[0], f'{spec.name} tensors {list(("weight",) + spec.keys)}', f'{prefix + missing[0]} missing')
+    if missing: raise format_error(prefix, missing[0], f'{spec.name} tensors {list(("weight",) + spec.keys)}',
+                                   f'{prefix + missing[0]} missing')
     tensors = {k: sd[prefix + k] for k in spec.weight_keys if prefix + k in sd}
     for k, t in tensors.items():
         if not isinstance(t, torch.Tensor): raise format_error(prefix, k, 'a tensor', type(t).__name__)
@@ -557,7 +585,8 @@ def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dt
     w = tensors['weight']
     if w.dtype != spec.storage_dtype and not (w.dtype == torch.uint8 and spec.storage_dtype.itemsize == 1):
         raise format_error(prefix, 'weight', f'{spec.name} storage dtype {spec.storage_dtype}', f'{w.dtype}')
-    if tuple(w.shape) != tuple(want): raise format_error(prefix, 'weight', f'storage shape {tuple(want)} for logical shape {shape}', f'{tuple(w.shape)}')
+    if tuple(w.shape) != tuple(want): raise format_error(prefix, 'weight',
+                                                         f'storage shape {tuple(want)} for logical shape {shape}', f'{tuple(w.shape)}')
     if w.dtype != spec.storage_dtype: tensors['weight'] = w.view(spec.storage_dtype)
     qdata, params = spec.layout.from_tensors(tensors, {**spec.layout_kwargs, **opts}, shape, dtype, prefix)
     return QuantizedTensor(qdata, params, spec)
@@ -566,7 +595,8 @@ def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dt
 # The shared palette: one fixed colour per registered format, in registry order (tab10, its grey swapped
 # for indigo), grey for float.
 # Every plot (the explorer, the checkpoint report) colours a format with it, so a format looks the same everywhere.
-_PALETTE = ('#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b', '#e377c2', '#393b79', '#bcbd22', '#17becf')
+_PALETTE = ('#1f77b4', '#ff7f0e', '#2ca02c', '#d62728', '#9467bd', '#8c564b', '#e377c2', '#393b79', '#bcbd22',
+            '#17becf')
 
 def format_color(fmt:str|None) -> str:
     "The fixed colour of registered format `fmt` (registry order; grey for float / None / an unknown name)."

@@ -15,8 +15,7 @@ from .numerics import absmax, rotate, pack_int4, unpack_int4, is_power_of_4, SCA
 from .int8 import int_mm, quantize_rows_int8
 
 # %% auto #0
-__all__ = ['W4A4_QMAX', 'W4A4_KERNEL_GROUP', 'W4A4_LINEAR_DTYPES', 'CONVROT_W4A4', 'quantize_rows_int4', 'quantize_w4a4_weight',
-           'dequantize_w4a4_weight', 'w4a4_linear_dims', 'w4a4_linear', 'W4A4Params', 'W4A4Layout']
+__all__ = ['quantize_w4a4_weight', 'dequantize_w4a4_weight', 'w4a4_linear', 'W4A4Params', 'W4A4Layout']
 
 # %% ../nbs/06_convrot_w4a4.ipynb #d860c9d6
 W4A4_QMAX = 7              # int4 levels are -7..7 (symmetric: -8 is never emitted)
@@ -56,13 +55,14 @@ def dequantize_w4a4_weight(qdata:torch.Tensor, # int8 [N, K/2] packed values
     w = rotate(w, convrot_groupsize, as_weight=True)
     return w if dtype == torch.float32 else w.to(dtype)
 
-# %% ../nbs/06_convrot_w4a4.ipynb #b945e0dd
+# %% ../nbs/06_convrot_w4a4.ipynb #9e724dce
 def _rescale(acc, x_scale, w_scale, bias, out_dtype):
     "int32 [M, N] -> (acc * (x_scale * w_scale)) in fp32, cast to out_dtype, + bias in out_dtype."
     out = torch.mul(acc, x_scale.float() * w_scale.float().reshape(1, -1)).to(out_dtype)
     if bias is not None: out.add_(bias.to(device=out.device, dtype=out_dtype))
     return out
 
+# %% ../nbs/06_convrot_w4a4.ipynb #943a17ea
 def w4a4_linear_dims(x, qweight, linear_dtype) -> tuple:
     "(K, N) of a W4A4 linear call; a ValueError for an unknown `linear_dtype` or a weight that does not fit x."
     if linear_dtype not in W4A4_LINEAR_DTYPES:
@@ -72,6 +72,7 @@ def w4a4_linear_dims(x, qweight, linear_dtype) -> tuple:
         raise ValueError(f"w4a4_linear: x has K={K} features but the packed weight is {tuple(qweight.shape)} (K/2 bytes per row expected)")
     return K, N
 
+# %% ../nbs/06_convrot_w4a4.ipynb #3b80e66a
 def w4a4_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp16)
                 qweight:torch.Tensor, # int8 [N, K/2] packed int4 weight (rotated)
                 weight_scale:torch.Tensor, # fp32 [N] per-row scales
@@ -101,7 +102,7 @@ def w4a4_linear(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp16)
         if bias is not None: out = out + bias.to(device=out.device, dtype=dt)
     return out.reshape(*lead, N)
 
-# %% ../nbs/06_convrot_w4a4.ipynb #4d4bcd18
+# %% ../nbs/06_convrot_w4a4.ipynb #2a1d7c24
 @dataclass(frozen=True)
 class W4A4Params(Params):
     "Params of `convrot_w4a4`: the fp32 [N] scale and the stored option values."
@@ -109,25 +110,14 @@ class W4A4Params(Params):
     convrot_groupsize: int = 256
     linear_dtype: str = 'int4'
 
+# %% ../nbs/06_convrot_w4a4.ipynb #913ce544
 class W4A4Layout(Layout):
     "Storage layout of `convrot_w4a4`: int8 [N, K/2] packed int4 + fp32 [N] scale, ConvRot always on."
     Params = W4A4Params
     MIN_SM_VERSION = (7, 5)     # comfy-kitchen's TensorCoreConvRotW4A4Layout
 
     @classmethod
-    def check_shape(cls, shape, opts, prefix=''):
-        shape = tuple(shape)
-        check_2d(shape, 'convrot_w4a4', prefix)
-        K, G = shape[1], opts.get('convrot_groupsize', 256)
-        if not is_power_of_4(G):
-            raise format_error(prefix, "comfy_quant['convrot_groupsize']",
-                               f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {shape}', f'G={G} (not a power of 4)')
-        if K % W4A4_KERNEL_GROUP:
-            raise format_error(prefix, 'weight', f'K % 64 == 0 for convrot_w4a4 (the fixed 64-column int4 kernel group, '
-                               f'quant_group_size=64; convrot_groupsize G={G}), weight shape {shape}', f'K={K} (K % 64 = {K % W4A4_KERNEL_GROUP})')
-        if K % G:
-            raise format_error(prefix, "comfy_quant['convrot_groupsize']",
-                               f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {shape}', f'G={G} (K % G = {K % G})')
+    def check_shape(cls, shape, opts, prefix=''): return _w4a4_layout_check_shape(cls, shape, opts, prefix)
 
     @classmethod
     def quantize(cls, w, stochastic_rounding=0, convrot_groupsize=256, linear_dtype='int4'):
@@ -151,19 +141,43 @@ class W4A4Layout(Layout):
 
     @classmethod
     def from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
-        s, N = tensors['weight_scale'], shape[0]
-        if s.dtype not in SCALE_DTYPES:
-            raise format_error(prefix, 'weight_scale', 'a float32 per-row scale (fp16/bf16 accepted)', f'dtype {s.dtype}')
-        if tuple(s.shape) not in ((N,), (N, 1)):
-            raise format_error(prefix, 'weight_scale', f'one scale per output row, shape ({N},) (or ({N}, 1)) for weight {tuple(shape)}',
-                               f'shape {tuple(s.shape)}')
-        return tensors['weight'], W4A4Params(tuple(shape), dtype, s.reshape(N).float(),
-                                             int(opts.get('convrot_groupsize', 256)), opts.get('linear_dtype', 'int4'))
+        return _w4a4_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix)
 
     @classmethod
     def linear(cls, x, qdata, params, bias=None, input_scale=None):
         return w4a4_linear(x, qdata, params.scale, bias, params.convrot_groupsize, params.linear_dtype)
 
+# %% ../nbs/06_convrot_w4a4.ipynb #42d5d146
+def _w4a4_layout_check_shape(cls, shape, opts, prefix=''):
+    shape = tuple(shape)
+    check_2d(shape, 'convrot_w4a4', prefix)
+    K, G = shape[1], opts.get('convrot_groupsize', 256)
+    if not is_power_of_4(G):
+        raise format_error(prefix, "comfy_quant['convrot_groupsize']",
+                           f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {shape}',
+                           f'G={G} (not a power of 4)')
+    if K % W4A4_KERNEL_GROUP:
+        raise format_error(prefix, 'weight', f'K % 64 == 0 for convrot_w4a4 (the fixed 64-column int4 kernel group, '
+                           f'quant_group_size=64; convrot_groupsize G={G}), weight shape {shape}',
+                           f'K={K} (K % 64 = {K % W4A4_KERNEL_GROUP})')
+    if K % G:
+        raise format_error(prefix, "comfy_quant['convrot_groupsize']",
+                           f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {shape}',
+                           f'G={G} (K % G = {K % G})')
+
+# %% ../nbs/06_convrot_w4a4.ipynb #89721978
+def _w4a4_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
+    s, N = tensors['weight_scale'], shape[0]
+    if s.dtype not in SCALE_DTYPES:
+        raise format_error(prefix, 'weight_scale', 'a float32 per-row scale (fp16/bf16 accepted)', f'dtype {s.dtype}')
+    if tuple(s.shape) not in ((N,), (N, 1)):
+        raise format_error(prefix, 'weight_scale',
+                           f'one scale per output row, shape ({N},) (or ({N}, 1)) for weight {tuple(shape)}',
+                           f'shape {tuple(s.shape)}')
+    return tensors['weight'], W4A4Params(tuple(shape), dtype, s.reshape(N).float(),
+                                         int(opts.get('convrot_groupsize', 256)), opts.get('linear_dtype', 'int4'))
+
+# %% ../nbs/06_convrot_w4a4.ipynb #35c0929a
 CONVROT_W4A4 = register_format(FormatSpec(
     'convrot_w4a4', W4A4Layout, torch.int8, keys=('weight_scale',),
     options=(Option('convrot_groupsize', 256, int, 'ConvRot group G: a power of 4 dividing K'),
@@ -172,4 +186,5 @@ CONVROT_W4A4 = register_format(FormatSpec(
     quantize_input=False, extra_keys=(), aliases=('w4a4', 'int4', 'int4_full', 'int4_mixed'),
     doc='ConvRot-rotated symmetric int4, one scale per output row, packed low nibble first; int4 or int8 activations.',
     row_independent=True, kitchen_layout='TensorCoreConvRotW4A4Layout', native_compute=int8_compute,
-    kitchen_kwargs=lambda o: dict(convrot_groupsize=o.get('convrot_groupsize', 256), linear_dtype=o.get('linear_dtype', 'int4'))))
+    kitchen_kwargs=lambda o: dict(convrot_groupsize=o.get('convrot_groupsize', 256),
+                                  linear_dtype=o.get('linear_dtype', 'int4'))))

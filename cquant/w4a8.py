@@ -17,10 +17,9 @@ from .numerics import absmax, rotate, pack_uint4, unpack_uint4, pack_6bit, unpac
 from .int8 import int8_linear, _row_blocks
 
 # %% auto #0
-__all__ = ['ASYM_W4A8_INT8', 'W6A8_INT8', 'w4a8_default_codebook', 'w4a8_levels', 'check_w4a8_operands', 'w4a8_int8_grid',
-           'dequantize_w4a8', 'w4a8_linear', 'quantize_w4a8', 'W4A8Params', 'W4A8Layout', 'W6A8Layout']
+__all__ = ['w4a8_default_codebook', 'dequantize_w4a8', 'w4a8_linear', 'quantize_w4a8', 'W4A8Params', 'W4A8Layout', 'W6A8Layout']
 
-# %% ../nbs/07_w4a8.ipynb #7ed05f3a
+# %% ../nbs/07_w4a8.ipynb #1d079f39
 _FIXED_LUT = (-0.980602, -0.794529, -0.638165, -0.500986, -0.377321, -0.263187, -0.155210, -0.050720,
               0.052541, 0.156985, 0.265284, 0.379533, 0.502636, 0.638953, 0.794876, 0.980671)
 
@@ -28,6 +27,7 @@ def w4a8_default_codebook() -> torch.Tensor:
     "kitchen's default Lloyd-Max table `_FIXED_LUT` (fp32 [16]): the level of each 4-bit code."
     return torch.tensor(_FIXED_LUT, dtype=torch.float32)
 
+# %% ../nbs/07_w4a8.ipynb #5cfd4354
 def w4a8_levels(bits:int=4, # 4 or 6
                 codebook:torch.Tensor|None=None, # a [16] table (4-bit), or None for uniform levels
                ) -> torch.Tensor: # fp32 [2**bits]: the level of every code
@@ -35,7 +35,7 @@ def w4a8_levels(bits:int=4, # 4 or 6
     if codebook is not None: return codebook.detach().to(torch.float32)
     return torch.arange(1 << bits, dtype=torch.float32) - float(1 << (bits - 1))
 
-# %% ../nbs/07_w4a8.ipynb #b95ad626
+# %% ../nbs/07_w4a8.ipynb #fb71efd6
 _BLOCK = 1 << 18          # elements per row block of the element-wise passes on CPU: temporaries stay in cache
 
 def _parallel_rows(fn, n_rows:int, K:int, device, block:int=_BLOCK):
@@ -54,6 +54,7 @@ def _parallel_rows(fn, n_rows:int, K:int, device, block:int=_BLOCK):
                 for f in [ex.submit(fn, i, j) for i, j in blocks]: f.result()
     finally: torch.set_num_threads(nt)
 
+# %% ../nbs/07_w4a8.ipynb #bcf2b471
 @functools.lru_cache(maxsize=64)
 def _grid_table(levels:tuple, per_byte:bool, device) -> torch.Tensor:
     "int8 grid values for every (e4m3 s_rel byte, code) pair; per_byte: int16 pairs for every packed byte."
@@ -65,6 +66,7 @@ def _grid_table(levels:tuple, per_byte:bool, device) -> torch.Tensor:
         q = torch.stack([q[:, b & 15], q[:, b >> 4]], -1).contiguous().view(torch.int16)
     return q.reshape(-1).to(device)
 
+# %% ../nbs/07_w4a8.ipynb #20d8c64d
 def _grid_rows(q, s, bits, lv, G):
     "The int8 grid values of a block of rows: int8 [R, K]."
     R, Gn = s.shape
@@ -82,6 +84,7 @@ def _grid_rows(q, s, bits, lv, G):
     v = lv.to(q.device).index_select(0, c.view(-1).int()).view(R, Gn, G)
     return v.mul_(s.float()[..., None]).round_().clamp_(-127, 127).to(torch.int8).view(R, Gn * G)
 
+# %% ../nbs/07_w4a8.ipynb #cb85e8d4
 def check_w4a8_operands(qdata, s_rel, s_channel, bits, codebook, correction, group_size, convrot_groupsize):
     "Shapes of packed W4A8/W6A8 tensors; returns (N, K)."
     if qdata.dim() != 2 or qdata.dtype not in (torch.int8, torch.uint8) or s_rel.dim() != 2:
@@ -97,6 +100,7 @@ def check_w4a8_operands(qdata, s_rel, s_channel, bits, codebook, correction, gro
         raise ValueError(f"w4a8: a correction must be a 4-bit [K/G, N] = ({K // group_size}, {N}) tensor, got bits={bits}, shape {tuple(correction.shape)}")
     return N, K
 
+# %% ../nbs/07_w4a8.ipynb #3cd5edac
 def w4a8_int8_grid(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
                    s_rel:torch.Tensor, # [N, K/G] e4m3 (or fp32) relative scales
                    bits:int=4, # 4 or 6
@@ -112,6 +116,7 @@ def w4a8_int8_grid(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
     _parallel_rows(blk, N, K, qdata.device)
     return out
 
+# %% ../nbs/07_w4a8.ipynb #4d4be834
 def dequantize_w4a8(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
                     s_rel:torch.Tensor, # [N, K/G] relative group scales (e4m3 or fp32)
                     s_channel:torch.Tensor, # [N] row scales
@@ -130,7 +135,8 @@ def dequantize_w4a8(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
     corr = None if correction is None else correction.to(qdata.device).t()
     wr = torch.empty(N, K, dtype=dtype, device=qdata.device)
     def blk(i, j):
-        v = torch.mul(_grid_rows(qdata[i:j], s_rel[i:j], bits, lv, group_size).view(j - i, Gn, group_size), sc[i:j, None, None])
+        v = torch.mul(_grid_rows(qdata[i:j], s_rel[i:j], bits, lv, group_size).view(j - i, Gn, group_size),
+                      sc[i:j, None, None])
         if corr is not None: v.add_(corr[i:j, :, None].float())
         wr[i:j] = v.view(j - i, K)
     _parallel_rows(blk, N, K, qdata.device)
@@ -158,17 +164,19 @@ def w4a8_linear(x:torch.Tensor, # activations [..., K]
     q = w4a8_int8_grid(qdata, s_rel, bits, codebook, group_size)
     return int8_linear(x, q, s_channel, bias, convrot=True, convrot_groupsize=convrot_groupsize)
 
-# %% ../nbs/07_w4a8.ipynb #44e9ac34
+# %% ../nbs/07_w4a8.ipynb #5c1271b2
 _PAD = 8                     # padded table rows on each side of the e4m3 codes 0..126 (candidates may step outside)
 _NROWS = 127 + 2 * _PAD
 _BAD = 1.0e6                 # value of invalid rows (code 0: s_rel = 0, codes >= 127): never the best candidate
 _SCH_MIN = 2.0 ** -126       # row scales stay normal fp32 numbers
 _WINDOWS = {'codebook': range(-1, 4), 'uniform': range(-1, 3), 'asymmetric': range(0, 2), 'six': range(0, 5)}
-_SCH_MULTS = {'codebook': (1.0, 1 / 1.03, 1 / 1.06), 'uniform': (1.0,), 'asymmetric': (1.0,), 'six': (1.0, 1.03, 1.06, 1.09)}
+_SCH_MULTS = {'codebook': (1.0, 1 / 1.03, 1 / 1.06), 'uniform': (1.0,), 'asymmetric': (1.0,),
+              'six': (1.0, 1.03, 1.06, 1.09)}
 _ASYM_REFINE, _ASYM_POLISH = 1, 2
 
 def _e4m3_values() -> torch.Tensor: return torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 
+# %% ../nbs/07_w4a8.ipynb #113e832a
 @functools.lru_cache(maxsize=32)
 def _search_tables(levels:tuple, code_base:int) -> tuple:
     """For each e4m3 code (padded) and half-integer bin h of t (t in [(h-256)/2, (h-255)/2)): the nearest grid
@@ -196,20 +204,24 @@ def _search_tables(levels:tuple, code_base:int) -> tuple:
     sr_c = (torch.stack([lo_j, hi_j]) + code_base).to(torch.uint8).reshape(2, -1).contiguous()
     return val.reshape(-1), code.reshape(-1), grid, sr_v, sr_c
 
+# %% ../nbs/07_w4a8.ipynb #b114e3b0
 def _device_tables(levels, code_base, device):
     t = _search_tables(levels, code_base)
     return t if device.type == 'cpu' else tuple(x.to(device) for x in t)
 
+# %% ../nbs/07_w4a8.ipynb #8e5766e3
 def _e4m3_code(x:torch.Tensor) -> torch.Tensor:
     "Nearest e4m3 code (int32, 1..126) of positive values."
     return x.clamp(2.0 ** -9, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).clamp_(1, 126).to(torch.int32)
 
+# %% ../nbs/07_w4a8.ipynb #06b43742
 def _keep_best(state, err, *values):
     "Element-wise running minimum of `err`, carrying `values` along."
     if state is None: return [err, *values]
     better = err < state[0]
     return [torch.where(better, a, b) for a, b in zip((err, *values), state)]
 
+# %% ../nbs/07_w4a8.ipynb #dbdfe320
 def _search_scales(t2, center, val, window):
     "Per group, the e4m3 code (int32 [R, Gn]) among `center + window` whose grid fits t best; its error; the bins h."
     R, G, Gn = t2.shape
@@ -224,6 +236,7 @@ def _search_scales(t2, center, val, window):
         st = _keep_best(st, torch.nn.functional.mse_loss(v, t2, reduction='none').sum(1), base + o)
     return st[1], st[0], h
 
+# %% ../nbs/07_w4a8.ipynb #a913f344
 def _fit_symmetric(x, tabs, lmax, window, mults):
     "Row scales and group codes for symmetric levels: x fp32 [R, G, Gn] (rotated, groups along dim 1)."
     amax = torch.maximum(x.amax(1), x.amin(1).neg_())                       # [R, Gn]
@@ -243,6 +256,7 @@ def _fit_symmetric(x, tabs, lmax, window, mults):
     _, sch, code = st
     return code.t().contiguous(), x.div_((sch * 0.5)[:, None, None]).add_(256.0), sch, None, None
 
+# %% ../nbs/07_w4a8.ipynb #572082fd
 def _fit_asymmetric(x, tabs, window, corr_dtype, refine, polish):
     "Row scales, group codes and offsets for the asymmetric variant (levels -8..7 plus an offset)."
     val, _, grid, _, _ = tabs
@@ -277,12 +291,14 @@ def _fit_asymmetric(x, tabs, window, corr_dtype, refine, polish):
     c, d2 = stored(d2)
     return code, t2.sub_(d2[:, None, :]), sch, c, None
 
+# %% ../nbs/07_w4a8.ipynb #08483583
 def _codes_nearest(t2, code, tabs, h=None):
     "The stored code of the nearest grid value of every weight: uint8 [R, G, Gn]."
     if h is None: h = t2.to(torch.int32).clamp_(0, 511)
     ix = h.add_(((code + _PAD) * 512)[:, None, :])
     return tabs[1].index_select(0, ix.view(-1)).view(t2.shape)
 
+# %% ../nbs/07_w4a8.ipynb #cd62dd8f
 def _codes_stochastic(t2, code, tabs, gen):
     "Stochastic choice between the two grid values around every weight (unbiased): uint8 [R, G, Gn]."
     _, _, _, sr_v, sr_c = tabs
@@ -293,6 +309,7 @@ def _codes_stochastic(t2, code, tabs, gen):
     up = torch.rand(t.shape, generator=gen, dtype=torch.float32, device=t.device) < p
     return torch.where(up, sr_c[1].index_select(0, ix).view_as(t), sr_c[0].index_select(0, ix).view_as(t))
 
+# %% ../nbs/07_w4a8.ipynb #09286e05
 def _pack_grouped(codes, bits, out):
     "Pack codes laid out [R, G, Gn] (column k = n*G + g) into `out` uint8 [R, K*bits/8] (pack_uint4 / pack_6bit order)."
     R, G, Gn = codes.shape
@@ -305,6 +322,7 @@ def _pack_grouped(codes, bits, out):
         hi = hb[:, 0::4] | (hb[:, 1::4] << 2) | (hb[:, 2::4] << 4) | (hb[:, 3::4] << 6)
         out[:, K // 2:].view(R, Gn, G // 4).copy_(hi.transpose(1, 2))
 
+# %% ../nbs/07_w4a8.ipynb #28fa4b44
 def _rotated_groups(w, cg, G):
     "The rotated block as fp32 [R, G, K/G] and the power-of-two exponent it was divided by (0 normally)."
     R, K = w.shape
@@ -319,6 +337,29 @@ def _rotated_groups(w, cg, G):
     x.copy_(wr.view(R, K // G, G).transpose(1, 2))
     return x, shift
 
+# %% ../nbs/07_w4a8.ipynb #9e3cbbdd
+def _check_encoder_shape(w, bits, G, convrot_groupsize):
+    "A ValueError unless `w` is a 2-D float weight that fits the W4A8/W6A8 shape rules."
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize_w4a8: expected a 2-D float weight, got {w.dtype} of shape {tuple(w.shape)}")
+    K = w.shape[1]
+    if (bits not in (4, 6) or G < 4 or (16 % G and G % 16) or K % 16 or K % G or not is_power_of_4(convrot_groupsize)
+            or K % convrot_groupsize or (bits == 6 and (K % 32 or G % 16))):
+        raise ValueError(f"quantize_w4a8: {bits}-bit weight of shape {tuple(w.shape)} with group_size={G} and "
+                         f"convrot_groupsize={convrot_groupsize} breaks the shape rules (K % 16 == 0, K % G == 0, "
+                         f"G >= 4 dividing 16 or a multiple of it, rotation group a power of 4 dividing K; "
+                         f"6 bits: K % 32 == 0 and G % 16 == 0)")
+
+# %% ../nbs/07_w4a8.ipynb #df7da48b
+def _encoder_variant(bits, symmetric, codebook):
+    "(levels, code of the first level, codebook tensor or None, search kind) of an encoder variant."
+    if bits == 6: return tuple(range(-31, 32)), 1, None, 'six'
+    if not symmetric: return tuple(range(-8, 8)), 0, None, 'asymmetric'
+    if codebook is False: return tuple(range(-7, 8)), 1, None, 'uniform'
+    cb = w4a8_default_codebook() if codebook is True else codebook.detach().to(torch.float32).cpu().contiguous()
+    return tuple(cb.tolist()), 0, cb, 'codebook'
+
+# %% ../nbs/07_w4a8.ipynb #6b319b03
 def quantize_w4a8(w:torch.Tensor, # [N, K] float weight (fp32, bf16 or fp16)
                   bits:int=4, # 4 (asym_w4a8_int8) or 6 (w6a8_int8)
                   codebook:bool|torch.Tensor=True, # 4-bit: True = default table, False = uniform, or a [16] table
@@ -329,21 +370,10 @@ def quantize_w4a8(w:torch.Tensor, # [N, K] float weight (fp32, bf16 or fp16)
                   stochastic_rounding:int=0, # 0: nearest grid value; else a seed for unbiased stochastic choice
                  ) -> tuple: # (packed int8, s_rel e4m3 [N, K/G], s_channel fp32 [N], correction [K/G, N] | None, codebook [16] | None)
     "Rotate and encode a weight for W4A8/W6A8 storage: an exact search over the stored scales."
-    if w.dim() != 2 or not w.is_floating_point():
-        raise ValueError(f"quantize_w4a8: expected a 2-D float weight, got {w.dtype} of shape {tuple(w.shape)}")
+    _check_encoder_shape(w, bits, group_size, convrot_groupsize)
     N, K = w.shape
     G = group_size
-    if (bits not in (4, 6) or G < 4 or (16 % G and G % 16) or K % 16 or K % G or not is_power_of_4(convrot_groupsize)
-            or K % convrot_groupsize or (bits == 6 and (K % 32 or G % 16))):
-        raise ValueError(f"quantize_w4a8: {bits}-bit weight of shape {tuple(w.shape)} with group_size={G} and convrot_groupsize="
-                         f"{convrot_groupsize} breaks the shape rules (K % 16 == 0, K % G == 0, G >= 4 dividing 16 or a multiple of it, "
-                         f"rotation group a power of 4 dividing K; 6 bits: K % 32 == 0 and G % 16 == 0)")
-    if bits == 6: levels, code_base, cb, kind = tuple(range(-31, 32)), 1, None, 'six'
-    elif not symmetric: levels, code_base, cb, kind = tuple(range(-8, 8)), 0, None, 'asymmetric'
-    elif codebook is False: levels, code_base, cb, kind = tuple(range(-7, 8)), 1, None, 'uniform'
-    else:
-        cb = w4a8_default_codebook() if codebook is True else codebook.detach().to(torch.float32).cpu().contiguous()
-        levels, code_base, kind = tuple(cb.tolist()), 0, 'codebook'
+    levels, code_base, cb, kind = _encoder_variant(bits, symmetric, codebook)
     lmax = max(abs(v) for v in levels)
     window = _WINDOWS[kind] if scale_search else range(0, 1)
     mults = _SCH_MULTS[kind] if scale_search else (1.0,)
@@ -356,7 +386,8 @@ def quantize_w4a8(w:torch.Tensor, # [N, K] float weight (fp32, bf16 or fp16)
     tabs = _device_tables(levels, code_base, w.device)
     def blk(i, j):
         x, shift = _rotated_groups(w[i:j], convrot_groupsize, G)
-        if kind == 'asymmetric': code, t2, sch, c, h = _fit_asymmetric(x, tabs, window, corr_dtype, _ASYM_REFINE, _ASYM_POLISH)
+        if kind == 'asymmetric': code, t2, sch, c, h = _fit_asymmetric(x, tabs, window, corr_dtype, _ASYM_REFINE,
+                                                                       _ASYM_POLISH)
         else: code, t2, sch, c, h = _fit_symmetric(x, tabs, lmax, window, mults)
         if stochastic_rounding:
             gen = torch.Generator(device=w.device).manual_seed(int(stochastic_rounding) + i)
@@ -369,7 +400,7 @@ def quantize_w4a8(w:torch.Tensor, # [N, K] float weight (fp32, bf16 or fp16)
     _parallel_rows(blk, N, K, w.device)
     return packed, s_rel, s_ch, None if corr is None else corr.t().contiguous(), cb
 
-# %% ../nbs/07_w4a8.ipynb #5e08d7fb
+# %% ../nbs/07_w4a8.ipynb #e1b7f593
 @dataclass(frozen=True)
 class W4A8Params(Params):
     "Params of `asym_w4a8_int8` / `w6a8_int8`: scales, optional codebook and correction, and the options."
@@ -384,11 +415,13 @@ class W4A8Params(Params):
     scale_search: bool = True
     bits: int = 4
 
+# %% ../nbs/07_w4a8.ipynb #fe90dd8d
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 def _check_finite(t, prefix, key):
     if not bool(torch.isfinite(t.float()).all()): raise format_error(prefix, key, 'finite values', 'inf or NaN')
 
+# %% ../nbs/07_w4a8.ipynb #3e186660
 class W4A8Layout(Layout):
     "Storage layout of `asym_w4a8_int8` (and, with `bits = 6`, `w6a8_int8`): packed codes + s_rel + s_channel."
     Params = W4A8Params
@@ -396,21 +429,7 @@ class W4A8Layout(Layout):
     bits = 4
 
     @classmethod
-    def check_shape(cls, shape, opts, prefix=''):
-        shape, bits = tuple(shape), cls.bits
-        fmt = 'w6a8_int8' if bits == 6 else 'asym_w4a8_int8'
-        check_2d(shape, fmt, prefix)
-        K, G, cg = shape[1], opts.get('group_size', 16), opts.get('convrot_groupsize', 256)
-        if K % 16 or (bits == 6 and K % 32):
-            m = 32 if bits == 6 else 16
-            raise format_error(prefix, 'weight', f'K % {m} == 0 for {fmt} (group_size G={G}), weight shape {shape}', f'K={K} (K % {m} = {K % m})')
-        if G < 4 or (16 % G and G % 16) or K % G or (bits == 6 and G % 16):
-            rule = 'a multiple of 16' if bits == 6 else '>= 4 that divides 16 or is a multiple of 16'
-            raise format_error(prefix, "comfy_quant['group_size']", f'a group size G {rule}, dividing K={K} of weight shape {shape}',
-                               f'G={G}' + (f' (K % G = {K % G})' if G > 0 and K % G else ''))
-        if not is_power_of_4(cg) or K % cg:
-            raise format_error(prefix, "comfy_quant['convrot_groupsize']", f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {shape} (G={G})',
-                               f'{cg} (' + ('not a power of 4' if not is_power_of_4(cg) else f'K % {cg} = {K % cg}') + ')')
+    def check_shape(cls, shape, opts, prefix=''): return _w4a8_layout_check_shape(cls, shape, opts, prefix)
 
     @classmethod
     def storage_shape(cls, shape, opts): return (shape[0], shape[1] * cls.bits // 8)
@@ -424,22 +443,14 @@ class W4A8Layout(Layout):
     @classmethod
     def quantize(cls, w, stochastic_rounding=0, bits=None, group_size=16, convrot_groupsize=256, convrot=True,
                  codebook=True, symmetric=True, scale_search=True):
-        bits = bits or cls.bits
-        if not convrot: raise format_error('', "option 'convrot'", 'True: W4A8/W6A8 weights are always ConvRot-rotated', 'False')
-        if isinstance(codebook, torch.Tensor):
-            if tuple(codebook.shape) != (16,) or not codebook.is_floating_point():
-                raise format_error('', "option 'codebook'", 'True, False or a float [16] table of levels', f'{codebook.dtype} tensor of shape {tuple(codebook.shape)}')
-            if not bool(torch.isfinite(codebook).all()) or float(codebook.abs().max()) == 0:
-                raise format_error('', "option 'codebook'", 'finite levels, not all zero', codebook.tolist())
-            if not symmetric: raise format_error('', "option 'codebook'", 'no codebook tensor with symmetric=False (the asymmetric variant has uniform levels)', 'a [16] tensor')
-        p, s, sc, corr, cb = quantize_w4a8(w, bits, codebook, symmetric, group_size, convrot_groupsize, scale_search, stochastic_rounding)
-        return p, W4A8Params(tuple(w.shape), w.dtype, s, sc, False if cb is None else cb.to(w.device), corr, int(group_size),
-                             int(convrot_groupsize), bool(convrot), corr is None, bool(scale_search), bits)
+        return _w4a8_layout_quantize(cls, w, stochastic_rounding, bits, group_size, convrot_groupsize,
+                                     convrot, codebook, symmetric, scale_search)
 
     @classmethod
     def dequantize(cls, qdata, params, dtype):
         p = params
-        return dequantize_w4a8(qdata, p.s_rel, p.s_channel, p.bits, p.codebook if isinstance(p.codebook, torch.Tensor) else None,
+        return dequantize_w4a8(qdata, p.s_rel, p.s_channel, p.bits,
+                               p.codebook if isinstance(p.codebook, torch.Tensor) else None,
                                p.correction, p.group_size, p.convrot_groupsize, dtype)
 
     @classmethod
@@ -451,62 +462,119 @@ class W4A8Layout(Layout):
 
     @classmethod
     def from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
-        N, K = shape
-        bits = opts.get('bits', cls.bits)
-        G = opts.get('group_size', 16)
-        q = tensors['weight']
-        if tuple(q.shape) != (N, K * bits // 8):
-            raise format_error(prefix, 'weight', f'packed width K*bits/8 = {K * bits // 8} ({bits}-bit, K={K}), shape ({N}, {K * bits // 8})', f'shape {tuple(q.shape)}')
-        s = tensors['weight_s_rel']
-        if s.dtype == torch.uint8: s = s.view(torch.float8_e4m3fn)           # legacy files: the e4m3 bytes
-        if s.dtype not in (torch.float8_e4m3fn, torch.float32):
-            raise format_error(prefix, 'weight_s_rel', 'float8_e4m3fn, float32, or uint8 (e4m3 bytes)', f'dtype {s.dtype}')
-        if tuple(s.shape) != (N, K // G):
-            raise format_error(prefix, 'weight_s_rel', f'one scale per group of G={G}: shape ({N}, {K // G}) for weight ({N}, {K})', f'shape {tuple(s.shape)}')
-        _check_finite(s, prefix, 'weight_s_rel')
-        sc = tensors['weight_s_channel']
-        if sc.dtype not in _FLOATS or tuple(sc.shape) != (N,):
-            raise format_error(prefix, 'weight_s_channel', f'a float32 row scale of shape ({N},)', f'{sc.dtype} of shape {tuple(sc.shape)}')
-        _check_finite(sc, prefix, 'weight_s_channel')
-        cb, corr = tensors.get('weight_codebook'), tensors.get('weight_correction')
-        for key, t, want in (('weight_codebook', cb, (16,)), ('weight_correction', corr, (K // G, N))):
-            if t is None: continue
-            if bits == 6: raise format_error(prefix, key, 'nothing: a 6-bit weight is uniform and symmetric', f'{t.dtype} of shape {tuple(t.shape)}')
-            if t.dtype not in _FLOATS or tuple(t.shape) != want:
-                raise format_error(prefix, key, f'a float tensor of shape {want}', f'{t.dtype} of shape {tuple(t.shape)}')
-            _check_finite(t, prefix, key)
-        return q, W4A8Params(tuple(shape), dtype, s, sc.float(), False if cb is None else cb.float(), corr, int(G),
-                             int(opts.get('convrot_groupsize', 256)), bool(opts.get('convrot', True)), corr is None,
-                             bool(opts.get('scale_search', True)), bits)
+        return _w4a8_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix)
 
     @classmethod
     def linear(cls, x, qdata, params, bias=None, input_scale=None):
         p = params
-        return w4a8_linear(x, qdata, p.s_rel, p.s_channel, p.bits, p.codebook if isinstance(p.codebook, torch.Tensor) else None,
+        return w4a8_linear(x, qdata, p.s_rel, p.s_channel, p.bits,
+                           p.codebook if isinstance(p.codebook, torch.Tensor) else None,
                            p.correction, bias, p.group_size, p.convrot_groupsize)
 
+# %% ../nbs/07_w4a8.ipynb #7f0124c3
+def _w4a8_layout_check_shape(cls, shape, opts, prefix=''):
+    shape, bits = tuple(shape), cls.bits
+    fmt = 'w6a8_int8' if bits == 6 else 'asym_w4a8_int8'
+    check_2d(shape, fmt, prefix)
+    K, G, cg = shape[1], opts.get('group_size', 16), opts.get('convrot_groupsize', 256)
+    if K % 16 or (bits == 6 and K % 32):
+        m = 32 if bits == 6 else 16
+        raise format_error(prefix, 'weight',
+                           f'K % {m} == 0 for {fmt} (group_size G={G}), weight shape {shape}', f'K={K} (K % {m} = {K % m})')
+    if G < 4 or (16 % G and G % 16) or K % G or (bits == 6 and G % 16):
+        rule = 'a multiple of 16' if bits == 6 else '>= 4 that divides 16 or is a multiple of 16'
+        raise format_error(prefix, "comfy_quant['group_size']",
+                           f'a group size G {rule}, dividing K={K} of weight shape {shape}',
+                           f'G={G}' + (f' (K % G = {K % G})' if G > 0 and K % G else ''))
+    if not is_power_of_4(cg) or K % cg:
+        raise format_error(prefix, "comfy_quant['convrot_groupsize']",
+                           f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {shape} (G={G})',
+                           f'{cg} (' + ('not a power of 4' if not is_power_of_4(cg) else f'K % {cg} = {K % cg}') + ')')
+
+# %% ../nbs/07_w4a8.ipynb #c479153c
+def _w4a8_layout_quantize(cls, w, stochastic_rounding=0, bits=None, group_size=16, convrot_groupsize=256, convrot=True,
+             codebook=True, symmetric=True, scale_search=True):
+    bits = bits or cls.bits
+    if not convrot: raise format_error('', "option 'convrot'", 'True: W4A8/W6A8 weights are always ConvRot-rotated',
+                                       'False')
+    if isinstance(codebook, torch.Tensor):
+        if tuple(codebook.shape) != (16,) or not codebook.is_floating_point():
+            raise format_error('', "option 'codebook'", 'True, False or a float [16] table of levels',
+                               f'{codebook.dtype} tensor of shape {tuple(codebook.shape)}')
+        if not bool(torch.isfinite(codebook).all()) or float(codebook.abs().max()) == 0:
+            raise format_error('', "option 'codebook'", 'finite levels, not all zero', codebook.tolist())
+        if not symmetric: raise format_error('', "option 'codebook'",
+                                             'no codebook tensor with symmetric=False (the asymmetric variant has uniform levels)', 'a [16] tensor')
+    p, s, sc, corr, cb = quantize_w4a8(w, bits, codebook, symmetric, group_size, convrot_groupsize, scale_search,
+                                       stochastic_rounding)
+    return p, W4A8Params(tuple(w.shape), w.dtype, s, sc, False if cb is None else cb.to(w.device), corr,
+                         int(group_size),
+                         int(convrot_groupsize), bool(convrot), corr is None, bool(scale_search), bits)
+
+# %% ../nbs/07_w4a8.ipynb #c3a9ef3c
+def _w4a8_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
+    N, K = shape
+    bits = opts.get('bits', cls.bits)
+    G = opts.get('group_size', 16)
+    q = tensors['weight']
+    if tuple(q.shape) != (N, K * bits // 8):
+        raise format_error(prefix, 'weight',
+                           f'packed width K*bits/8 = {K * bits // 8} ({bits}-bit, K={K}), shape ({N}, {K * bits // 8})', f'shape {tuple(q.shape)}')
+    s = tensors['weight_s_rel']
+    if s.dtype == torch.uint8: s = s.view(torch.float8_e4m3fn)           # legacy files: the e4m3 bytes
+    if s.dtype not in (torch.float8_e4m3fn, torch.float32):
+        raise format_error(prefix, 'weight_s_rel', 'float8_e4m3fn, float32, or uint8 (e4m3 bytes)', f'dtype {s.dtype}')
+    if tuple(s.shape) != (N, K // G):
+        raise format_error(prefix, 'weight_s_rel',
+                           f'one scale per group of G={G}: shape ({N}, {K // G}) for weight ({N}, {K})', f'shape {tuple(s.shape)}')
+    _check_finite(s, prefix, 'weight_s_rel')
+    sc = tensors['weight_s_channel']
+    if sc.dtype not in _FLOATS or tuple(sc.shape) != (N,):
+        raise format_error(prefix, 'weight_s_channel', f'a float32 row scale of shape ({N},)',
+                           f'{sc.dtype} of shape {tuple(sc.shape)}')
+    _check_finite(sc, prefix, 'weight_s_channel')
+    cb, corr = tensors.get('weight_codebook'), tensors.get('weight_correction')
+    for key, t, want in (('weight_codebook', cb, (16,)), ('weight_correction', corr, (K // G, N))):
+        if t is None: continue
+        if bits == 6: raise format_error(prefix, key, 'nothing: a 6-bit weight is uniform and symmetric',
+                                         f'{t.dtype} of shape {tuple(t.shape)}')
+        if t.dtype not in _FLOATS or tuple(t.shape) != want:
+            raise format_error(prefix, key, f'a float tensor of shape {want}', f'{t.dtype} of shape {tuple(t.shape)}')
+        _check_finite(t, prefix, key)
+    return q, W4A8Params(tuple(shape), dtype, s, sc.float(), False if cb is None else cb.float(), corr, int(G),
+                         int(opts.get('convrot_groupsize', 256)), bool(opts.get('convrot', True)), corr is None,
+                         bool(opts.get('scale_search', True)), bits)
+
+# %% ../nbs/07_w4a8.ipynb #83b19261
 class W6A8Layout(W4A8Layout):
     "`W4A8Layout` with 6-bit codes (the registry's shape checks get no layout arguments, so the width is a class attribute)."
     bits = 6
 
+# %% ../nbs/07_w4a8.ipynb #4c086d4e
 _W4A8_OPTIONS = (Option('group_size', 16, int, 'G: columns sharing one s_rel'),
                  Option('convrot', True, bool, 'informative: always rotated (ComfyUI writers emit it)'),
                  Option('convrot_groupsize', 256, int, 'ConvRot group: a power of 4 dividing K'))
-_SEARCH_OPTION = Option('scale_search', True, bool, 'search several stored scales per group and row (False: one candidate)', stored=False)
+_SEARCH_OPTION = Option('scale_search', True, bool,
+                        'search several stored scales per group and row (False: one candidate)', stored=False)
 
 # rows quantize alone and ComfyUI stores MoE banks as [E*N, ...] rows; integer kernels
-_W4A8_FACTS = dict(row_independent=True, flat_banks=True, kitchen_layout='AsymW4A8Int8Layout', native_compute=int8_compute)
+_W4A8_FACTS = dict(row_independent=True, flat_banks=True, kitchen_layout='AsymW4A8Int8Layout',
+                   native_compute=int8_compute)
 
 def _codebook_kw(o:dict) -> dict:
     "comfy-kitchen's codebook keywords for the `codebook` option (True, False or a [16] table)."
     cb = o.get('codebook', True)
     return dict(codebook=True, codebook_tensor=cb) if isinstance(cb, torch.Tensor) else dict(codebook=bool(cb))
 
+# %% ../nbs/07_w4a8.ipynb #a6dba1fd
 ASYM_W4A8_INT8 = register_format(FormatSpec(
     'asym_w4a8_int8', W4A8Layout, torch.int8, keys=('weight_s_rel', 'weight_s_channel'),
     optional_keys=('weight_codebook', 'weight_correction'),
-    options=_W4A8_OPTIONS + (Option('codebook', True, (bool, torch.Tensor), 'True: the default Lloyd-Max table; False: uniform levels; or a [16] table', stored=False),
-                             Option('symmetric', True, bool, 'False: asymmetric (uniform levels + per-group correction)', stored=False),
+    options=_W4A8_OPTIONS + (Option('codebook', True, (bool, torch.Tensor),
+                                    'True: the default Lloyd-Max table; False: uniform levels; or a [16] table',
+                                    stored=False),
+                             Option('symmetric', True, bool,
+                                    'False: asymmetric (uniform levels + per-group correction)', stored=False),
                              _SEARCH_OPTION),
     group_size=16, quantize_input=False, layout_kwargs={'bits': 4}, aliases=('w4a8', 'w4a8_int8'),
     doc='ConvRot-rotated 4-bit codes (codebook, uniform or asymmetric) with e4m3 group scales and fp32 row scales; int8 activations.',

@@ -11,6 +11,7 @@ from cquant.calibrate import (CalibrationWarning, apply_input_scales, calibrate,
                               search_smoothing, smooth_scales, smoothing_identity_error)
 from cquant.modules import QuantLinear, load_quantized_model
 from cquant.calibrate import collect_inputs, quantize_model
+from cquant.tensor import same_bits
 
 
 class Tiny(nn.Module):
@@ -53,11 +54,11 @@ def test_one_by_one_equals_concatenated():
     one = collect_amax(m, bs)
     cat = collect_amax(m, [torch.cat(bs)])
     assert one.keys() == cat.keys() == {'a', 'b'}
-    for k in one: assert cq.same_bits(one[k], cat[k]), k
+    for k in one: assert same_bits(one[k], cat[k]), k
     assert one['a'] == torch.cat(bs).abs().amax()
     s1, s2 = calibrate(m, bs), calibrate(m, [torch.cat(bs)])
     for f in s1:
-        for k in s1[f]: assert cq.same_bits(s1[f][k], s2[f][k])
+        for k in s1[f]: assert same_bits(s1[f][k], s2[f][k])
 
 
 def test_formulas_and_dynamic_formats():
@@ -84,17 +85,17 @@ def test_scales_survive_save_load(tmp_path):
     scales = calibrate(m, bs, plan)
     quantize_model(m, plan)
     apply_input_scales(m, scales)
-    assert isinstance(m.a, QuantLinear) and cq.same_bits(m.a.input_scale, scales['a'])
+    assert isinstance(m.a, QuantLinear) and same_bits(m.a.input_scale, scales['a'])
     x = bs[0]
     y = m(x)
     sd = m.state_dict()
-    assert cq.same_bits(sd['a.input_scale'], scales['a']) and cq.same_bits(sd['b.input_scale'], scales['b'])
+    assert same_bits(sd['a.input_scale'], scales['a']) and same_bits(sd['b.input_scale'], scales['b'])
     cq.save_file(sd, tmp_path / 'm.safetensors')
     back = cq.load_file(tmp_path / 'm.safetensors')
     m2 = Tiny()
     load_quantized_model(m2, back)
-    assert cq.same_bits(m2.a.input_scale, scales['a']) and cq.same_bits(m2.b.input_scale, scales['b'])
-    assert cq.same_bits(m2(x), y)
+    assert same_bits(m2.a.input_scale, scales['a']) and same_bits(m2.b.input_scale, scales['b'])
+    assert same_bits(m2(x), y)
     # calibrated beats ComfyUI's default 1.0 when activations exceed 448
     ref = Tiny().a(x)
     m.a.input_scale = None
@@ -145,9 +146,9 @@ def test_stats_batching_invariant():
     one, cat = collect_stats(m, bs), collect_stats(m, [torch.cat(bs)])
     for k in one:
         assert torch.equal(one[k].hist, cat[k].hist) and one[k].zeros == cat[k].zeros
-        assert cq.same_bits(one[k].channel_amax, cat[k].channel_amax) and cq.same_bits(one[k].amax, cat[k].amax)
+        assert same_bits(one[k].channel_amax, cat[k].channel_amax) and same_bits(one[k].amax, cat[k].amax)
         for meth in ('percentile', 'mse'):
-            assert cq.same_bits(one[k].clip(meth, 99.0, torch.float8_e4m3fn), cat[k].clip(meth, 99.0, torch.float8_e4m3fn))
+            assert same_bits(one[k].clip(meth, 99.0, torch.float8_e4m3fn), cat[k].clip(meth, 99.0, torch.float8_e4m3fn))
     assert one['a'].zeros == 5 and one['a'].count == 16 * 32
 
 
@@ -191,7 +192,7 @@ def test_quantize_model_and_checkpoint_with_calibration(tmp_path):
     cq.save_file(sd, tmp_path / 'q.safetensors')
     m2 = _ckpt_model(seed=1)
     load_quantized_model(m2, cq.load_file(tmp_path / 'q.safetensors'))
-    assert cq.same_bits(m2(x), y)
+    assert same_bits(m2(x), y)
     # per layer, against the uncalibrated quantized model: FP8 stops clipping (measured 28.6 vs 21.8 dB),
     # smoothing is never worse on the calibration data (measured 18.20 vs 18.18 dB)
     f, plain = _ckpt_model(), quantize_model(_ckpt_model(), plan)
@@ -207,8 +208,8 @@ def test_quantize_model_and_checkpoint_with_calibration(tmp_path):
     c = cq.load_file(tmp_path / 'c.safetensors')
     assert cq.decode_json(c['fc1.comfy_quant'])['format'] == 'float8_e4m3fn'
     ref_scale = Calibration(inputs).layer('fc1', 'float8_e4m3fn', float_model.fc1.weight.detach())[1]['input_scale']
-    assert cq.same_bits(c['fc1.input_scale'], ref_scale)
-    assert cq.same_bits(c['fc1.input_scale'], sd['fc1.input_scale'])
+    assert same_bits(c['fc1.input_scale'], ref_scale)
+    assert same_bits(c['fc1.input_scale'], sd['fc1.input_scale'])
     row = {r['name']: r for r in rep.layers}['fc1']
     assert row['input_scale'] == float(c['fc1.input_scale']) and row['smoothed'] is False
     with pytest.raises(ValueError, match='need the model'):
@@ -230,7 +231,7 @@ def test_cli_quantize_with_calibration(tmp_path, capsys):
     q = cq.load_file(tmp_path / 'q.safetensors')
     want = Calibration(cq.load_file(tmp_path / 'cal.safetensors')).layer('fc2', 'nvfp4', m.fc2.weight.detach())[1]
     assert set(want) == {'input_scale', 'pre_quant_scale'}
-    for k, t in want.items(): assert cq.same_bits(q['fc2.' + k], t), k
+    for k, t in want.items(): assert same_bits(q['fc2.' + k], t), k
     assert main(['quantize', str(tmp_path / 'f.safetensors'), str(tmp_path / 'r.safetensors'), '--mode', 'nvfp4',
                  '--calibration', str(tmp_path / 'cal.safetensors'), '--no-smoothing', '--quiet', '--no-sqnr']) == 0
     r = cq.load_file(tmp_path / 'r.safetensors')
@@ -246,4 +247,4 @@ def test_calibration_reused_across_plans():
     b = quantize_model(_ckpt_model(), {'fc2': 'float8_e4m3fn'}, calibration=cal)
     assert a.fc1.input_scale is not None and b.fc2.input_scale is not None
     ref = Calibration(list(cal.batches)).prepare(_ckpt_model(), {'fc2': 'float8_e4m3fn'})
-    assert cq.same_bits(b.fc2.input_scale, ref.layer('fc2', 'float8_e4m3fn', _ckpt_model().fc2.weight.detach())[1]['input_scale'])
+    assert same_bits(b.fc2.input_scale, ref.layer('fc2', 'float8_e4m3fn', _ckpt_model().fc2.weight.detach())[1]['input_scale'])

@@ -11,6 +11,7 @@ from cquant.convert import Report, StreamingWriter, quantize_checkpoint, quantiz
 from cquant.cli import add_demo_parser, add_plan_parser, add_quantize_parser, add_report_parser
 from cquant.policy import Policy, PolicyWarning
 from cquant.models import dit_state_dict
+from cquant.tensor import test_bits as check_bits   # imported as test_bits, pytest would collect it
 
 POL = Policy('int4_mixed', preset='none', keep_float=('embed', 'adaLN', 'final_layer'))
 
@@ -51,17 +52,17 @@ def test_streaming_convert_of_a_mixed_file(mixed, tmp_path):
         p = name + '.'
         if d.format is None:                                  # kept: every tensor of the module unchanged
             for k in srcsd:
-                if k.startswith(p): cq.test_bits(out[k], srcsd[k], k)
+                if k.startswith(p): check_bits(out[k], srcsd[k], k)
             continue
         assert cq.decode_json(out[p + 'comfy_quant']) == d.config
         w = srcsd[p + 'weight']
         if p + 'weight_scale' in srcsd and not w.is_floating_point() or w.dtype == torch.float8_e4m3fn and p + 'comfy_quant' in srcsd:
             w = cq.load_quantized(srcsd, p, tuple(w.shape)).dequantize(torch.float32)
         elif w.dtype == torch.float8_e4m3fn: w = w.to(torch.bfloat16)
-        for k, t in cq.quantize(w, d.format, **d.options).state_dict(p).items(): cq.test_bits(out[k], t, k)
+        for k, t in cq.quantize(w, d.format, **d.options).state_dict(p).items(): check_bits(out[k], t, k)
     assert 'extra.fp8.input_scale' not in out and 'extra.fp8.bias' in out
     for k in ('extra.bank.weight', 'extra.steps', 'blocks.0.attn.comfy_attention.config', 'y_embed.weight'):
-        cq.test_bits(out[k], srcsd[k], k)
+        check_bits(out[k], srcsd[k], k)
     rows = {r['name']: r for r in rep.layers}
     assert rows['extra.fp8']['source_dtype'] == 'float8_e4m3fn' and rows['extra.fp8']['format'] == plan['extra.fp8'].format
     assert rows['extra.bank']['reason'] == 'not a 2-D weight (shape (2, 64, 256))' and rows['extra.bank']['sqnr_db'] == math.inf
@@ -108,7 +109,7 @@ def test_row_blocks_are_bit_exact():
         parts = list(quantize_rows(w, fmt, opts, elems=768 * 33))
         assert len(parts) == 3
         for k, t in cq.quantize(w, fmt, **opts).state_dict('').items():
-            cq.test_bits(torch.cat([q.state_dict('')[k] for q, _ in parts], how.get(k, 0)), t, k)
+            check_bits(torch.cat([q.state_dict('')[k] for q, _ in parts], how.get(k, 0)), t, k)
     assert not cq.get_format('int8_tensorwise').rows_independent({'per_row': False, 'convrot': False})
     assert not cq.get_format('nvfp4').rows_independent({})
 
@@ -202,7 +203,7 @@ def test_w4a8_mode_convert(tmp_path):
     for name in ('a', 'b'):
         d = plan[name]
         assert cq.decode_json(out[name + '.comfy_quant']) == d.config
-        for k, t in cq.quantize(sd[name + '.weight'], d.format, **d.options).state_dict(name + '.').items(): cq.test_bits(out[k], t, k)
+        for k, t in cq.quantize(sd[name + '.weight'], d.format, **d.options).state_dict(name + '.').items(): check_bits(out[k], t, k)
     assert {r['name']: r['label'] for r in rep.layers} == {'a': 'W4A8', 'b': 'INT8'}
 
 
@@ -223,7 +224,7 @@ def test_cli_convert_quantization_metadata(tmp_path, capsys):
     new, md = cq.load_file(tmp_path / 'new.safetensors', with_metadata=True)
     assert '_quantization_metadata' not in md and md['note'] == 'x'
     assert cq.decode_json(new['blk.proj.comfy_quant']) == {'format': 'nvfp4'}
-    cq.test_bits(cq.load_quantized(new, 'blk.proj.', (48, 64)).dequantize(), qt.dequantize())
+    check_bits(cq.load_quantized(new, 'blk.proj.', (48, 64)).dequantize(), qt.dequantize())
     assert main(['convert', str(tmp_path / 'missing.safetensors'), str(tmp_path / 'x.safetensors')]) == 1
     assert not (tmp_path / 'x.safetensors').exists()
 
