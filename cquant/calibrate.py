@@ -55,6 +55,7 @@ class ActivationStats:
         self.channel_amax = None          # [K]: per input channel (the last dim), for smoothing
 
     def update(self, x:torch.Tensor) -> 'ActivationStats':
+        "Add the values of `x` ([..., K]) to the statistics."
         a = x.detach().abs().float().reshape(-1)
         m = a.amax() if a.numel() else torch.zeros(())
         if not torch.isfinite(m): raise ValueError("non-finite input (inf/NaN)")
@@ -76,10 +77,7 @@ class ActivationStats:
     def percentile(self, q:float) -> torch.Tensor:
         "The upper bin edge below which `q` % of |x| lie (zeros included), at most amax."
         if not 0 < q <= 100: raise ValueError(f"percentile must be in (0, 100], got {q}")
-        if self.count == 0 or float(self.amax) == 0: return self.amax.clone()
-        cum = self.zeros + torch.cumsum(self.hist, 0)
-        i = int(torch.searchsorted(cum, torch.tensor(q / 100 * self.count, dtype=torch.float64)))
-        return torch.minimum(self.edges()[min(i, _BINS - 1)].float(), self.amax)
+        return self.amax.clone() if self.count == 0 or float(self.amax) == 0 else _percentile(self, q)
 
     def mse_clip(self, grid:torch.dtype, steps:int=128) -> torch.Tensor:
         "The clip minimizing the expected per-tensor FP8 (`grid`) quantization error over the histogram."
@@ -93,6 +91,12 @@ class ActivationStats:
             if grid is None: raise ValueError("method='mse' needs the format's element grid (FP8 formats only)")
             return self.mse_clip(grid)
         raise ValueError(f"calibration method must be 'amax', 'percentile' or 'mse', got {method!r}")
+
+# %% ../nbs/16_calibrate.ipynb #93c1dd90
+def _percentile(st:ActivationStats, q:float) -> torch.Tensor:
+    "`ActivationStats.percentile` of statistics with values, `q` in (0, 100]: the upper edge of the bin it falls in."
+    i = int(torch.searchsorted(st.zeros + torch.cumsum(st.hist, 0), torch.tensor(q / 100 * st.count, dtype=torch.float64)))
+    return torch.minimum(st.edges()[min(i, _BINS - 1)].float(), st.amax)
 
 # %% ../nbs/16_calibrate.ipynb #05f9a021
 def _mse_clip(hist:torch.Tensor, amax:float, grid:torch.dtype, steps:int=128) -> torch.Tensor:

@@ -489,16 +489,14 @@ class Policy:
 
     # plain data
     def to_dict(self) -> dict:
+        "The policy as plain data (JSON-ready)."
         return dict(mode=self.mode, preset=self.preset, int4_mixed_ratio=self.int4_mixed_ratio,
                     keep_float=list(self.keep_float), int4_sensitive=list(self.int4_sensitive), selection=self.selection,
                     overrides=[dict(pattern=p, format=f, options=dict(o)) for p, f, o in self.overrides])
     @classmethod
     def from_dict(cls, d:Mapping) -> 'Policy':
-        if not isinstance(d, Mapping): raise ValueError(f"Policy.from_dict: expected an object, found {type(d).__name__}")
-        known = {'mode', 'preset', 'int4_mixed_ratio', 'keep_float', 'int4_sensitive', 'selection', 'overrides'}
-        extra = sorted(set(d) - known)
-        if extra: raise ValueError(f"Policy.from_dict: unknown field(s) {extra}; expected some of {sorted(known)}")
-        return cls(**d)
+        "The policy of `to_dict`'s data (unknown fields refused)."
+        return cls(**_policy_fields(d))
     def to_json(self, indent=None) -> str: return json.dumps(self.to_dict(), indent=indent)
     @classmethod
     def from_json(cls, s:str) -> 'Policy':
@@ -534,6 +532,14 @@ def _validate(p:Policy):
     if p.selection not in SELECTIONS:
         raise ValueError(f"Policy.selection: expected one of {list(SELECTIONS)}, found {p.selection!r}")
     s('overrides', _overrides(p.overrides))
+
+def _policy_fields(d:Mapping) -> Mapping:
+    "`d` checked to be a mapping of `Policy` fields."
+    if not isinstance(d, Mapping): raise ValueError(f"Policy.from_dict: expected an object, found {type(d).__name__}")
+    known = {'mode', 'preset', 'int4_mixed_ratio', 'keep_float', 'int4_sensitive', 'selection', 'overrides'}
+    extra = sorted(set(d) - known)
+    if extra: raise ValueError(f"Policy.from_dict: unknown field(s) {extra}; expected some of {sorted(known)}")
+    return d
 
 # %% ../nbs/12_policy.ipynb #190caf3d
 def _resolve_preset(policy:Policy, names, shapes=None) -> tuple:
@@ -703,20 +709,31 @@ class Plan(dict):
 
     def table(self, width:int=110) -> str:
         "The plan as a text table: layer, shape, format, reason (reasons cut to fit `width`)."
-        n = max([len('layer')] + [len(k) for k in self])
-        rule = '-' * (n + 29 + min(width, max([6] + [len(d.reason) for d in self.values()])))
-        rows = [f"{'layer':<{n}}  {'shape':>11}  {'format':<12}  reason", rule]
-        for k, d in self.items():
-            r = d.reason if len(d.reason) <= width else d.reason[:width - 3] + '...'
-            rows.append(f"{k:<{n}}  {_shape_str(d.shape):>11}  {d.label:<12}  {r}")
-        return '\n'.join(rows + ['', self.summary()])
+        return _plan_table(self, width)
 
     def to_dict(self) -> dict:
-        b = {k: v for k, v in self.budget.items() if k != 'measurements'}
-        if 'measurements' in self.budget:
-            b['measurements'] = {n: {**e, 'low_db': _db(e['low']), 'high_db': _db(e['high'])}
-                                 for n, e in self.budget['measurements'].items()}
-        return dict(policy=self.policy.to_dict(), preset=self.preset, note=self.note, keep_float=list(self.keep_float),
-                    int4_sensitive=list(self.int4_sensitive), budget=b, layers={k: d.to_dict() for k, d in self.items()})
+        "The plan as JSON-ready data: policy, resolved preset, budget (measurements in dB too), decisions."
+        return _plan_dict(self)
 
     def __repr__(self): return self.table()
+
+# %% ../nbs/12_policy.ipynb #827a42ad
+def _plan_table(plan:Plan, width:int=110) -> str:
+    "`Plan.table`."
+    n = max([len('layer')] + [len(k) for k in plan])
+    rule = '-' * (n + 29 + min(width, max([6] + [len(d.reason) for d in plan.values()])))
+    rows = [f"{'layer':<{n}}  {'shape':>11}  {'format':<12}  reason", rule]
+    for k, d in plan.items():
+        r = d.reason if len(d.reason) <= width else d.reason[:width - 3] + '...'
+        rows.append(f"{k:<{n}}  {_shape_str(d.shape):>11}  {d.label:<12}  {r}")
+    return '\n'.join(rows + ['', plan.summary()])
+
+# %% ../nbs/12_policy.ipynb #23f99a4e
+def _plan_dict(plan:Plan) -> dict:
+    "`Plan.to_dict`."
+    b = {k: v for k, v in plan.budget.items() if k != 'measurements'}
+    if 'measurements' in plan.budget:
+        b['measurements'] = {n: {**e, 'low_db': _db(e['low']), 'high_db': _db(e['high'])}
+                             for n, e in plan.budget['measurements'].items()}
+    return dict(policy=plan.policy.to_dict(), preset=plan.preset, note=plan.note, keep_float=list(plan.keep_float),
+                int4_sensitive=list(plan.int4_sensitive), budget=b, layers={k: d.to_dict() for k, d in plan.items()})
