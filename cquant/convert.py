@@ -8,7 +8,7 @@ Docs: https://cquant-dev.github.io/cquant/quantize_checkpoint.html.md"""
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #02a0f22e
 from __future__ import annotations
-import ctypes, json, math, os, sys, tempfile, time, warnings
+import ctypes, dataclasses, json, math, os, sys, tempfile, time, warnings
 from dataclasses import dataclass, field
 import torch
 from .tensor import FORMATS, QuantizedTensor, check_finite, encode_json, format_color, get_format, quantize, same_bits
@@ -21,8 +21,7 @@ from .calibrate import Calibration
 from .minilm import minilm_path, fetch_minilm
 
 # %% auto #0
-__all__ = ['BLOCK_MIN', 'BLOCK_MAX', 'StreamingWriter', 'block_elems', 'row_blocks', 'quantize_rows', 'Report', 'layer_ticks',
-           'plot_report', 'quantize_checkpoint', 'report_error', 'convert_checkpoint', 'preset_name', 'plan_table',
+__all__ = ['StreamingWriter', 'Report', 'plot_report', 'quantize_checkpoint', 'report_error', 'convert_checkpoint', 'plan_table',
            'demo']
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #483822d9
@@ -109,20 +108,26 @@ class StreamingWriter:
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #7afae215
 def _rowwise(fmt, options:dict) -> dict|None:
-    "The format's row-block assembly rules (`FormatSpec.row_assembly`) if `fmt` with `options` quantizes row block by row block, else None."
+    """The format's row-block assembly rules (`FormatSpec.row_assembly`) if `fmt` with `options` quantizes row block
+    by row block, else None."""
     spec = get_format(fmt)
     return dict(spec.row_assembly) if spec.rows_independent(options) else None
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #9a86be96
 BLOCK_MIN, BLOCK_MAX = 1 << 20, 1 << 24     # elements per row block: 1/16 of the weight, within these bounds
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #2e25ab90
 def block_elems(numel:int) -> int:
     "Row-block size for a weight of `numel` elements: its temporaries stay a fraction of the weight, ops stay efficient."
     return min(max(numel // 16, BLOCK_MIN), BLOCK_MAX)
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #699eba3b
 def row_blocks(rows:int, cols:int, elems:int|None=None) -> list:
     "(start, stop) ranges of whole rows, about `elems` (default `block_elems(rows * cols)`) elements each."
     R = max(1, (elems or block_elems(rows * cols)) // max(cols, 1))
     return [(i, min(i + R, rows)) for i in range(0, rows, R)]
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #9f05e3f0
 def _err(ref:torch.Tensor, approx:torch.Tensor) -> tuple:
     "(Σref², Σ(ref-approx)², max|ref-approx|) in float64, row block by row block."
     sig = noise = mx = 0.0
@@ -133,6 +138,7 @@ def _err(ref:torch.Tensor, approx:torch.Tensor) -> tuple:
         mx = max(mx, float(e.abs().max()) if e.numel() else 0.0)
     return sig, noise, mx
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #59ce45b8
 def quantize_rows(w:torch.Tensor, # float weight [N, K]
                   fmt:str, # registered format
                   options:dict, # quantize options
@@ -146,7 +152,9 @@ def quantize_rows(w:torch.Tensor, # float weight [N, K]
         part = w[i:j] if rowwise else w
         yield quantize(part, fmt, name=name, **options), part
 
-def _write_quantized(writer:StreamingWriter, w:torch.Tensor, key:str, prefix:str, fmt:str, options:dict, measure:bool=True) -> dict:
+# %% ../nbs/13_quantize_checkpoint.ipynb #ea6e6673
+def _write_quantized(writer:StreamingWriter, w:torch.Tensor, key:str, prefix:str, fmt:str, options:dict,
+                     measure:bool=True) -> dict:
     "Quantize `w`, stream its tensors and comfy_quant under `prefix`; returns config, bytes and error sums."
     stream, bufs, config, sig, noise, mx = None, {}, None, 0.0, 0.0, 0.0
     how = _rowwise(fmt, options) or {}
@@ -166,7 +174,8 @@ def _write_quantized(writer:StreamingWriter, w:torch.Tensor, key:str, prefix:str
     for k, parts in bufs.items():
         rule = how.get(k, 0)
         if rule == 'shared':
-            if not all(same_bits(p, parts[0]) for p in parts): raise RuntimeError(f"{key}: row blocks disagree on the shared {k!r}")
+            if not all(same_bits(p, parts[0]) for p in parts):
+                raise RuntimeError(f"{key}: row blocks disagree on the shared {k!r}")
             t = parts[0]
         else: t = parts[0] if len(parts) == 1 else torch.cat(parts, rule)
         writer.add(prefix + k, t); nbytes += writer.entry(prefix + k).nbytes
@@ -178,12 +187,55 @@ from .numerics import energy_db
 
 def _finite(v): return None if isinstance(v, float) and not math.isfinite(v) else v
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #33e0f315
+class _Absent:
+    "A `LayerRow` field its kind of row does not have: `LayerRow.to_dict` leaves it out."
+    def __repr__(self): return 'absent'
+_ABSENT = _Absent()
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #3d87f4f3
+@dataclass(kw_only=True)
+class LayerRow:
+    "One weight of a `Report`: its JSON row (`to_dict`) and the energies its aggregate SQNR sums."
+    name: str
+    shape: list
+    format: str|None                  # None: kept float
+    label: str
+    tier: str
+    reason: str
+    config: dict|None|_Absent = _ABSENT       # the comfy_quant config written
+    source_dtype: str
+    sqnr_db: float|None               # inf: unchanged; None: not measured
+    rel_error: float|None
+    max_abs_error: float|None
+    bytes_before: int                 # the weight with its scale tensors and comfy_quant
+    bytes_after: int
+    input_scale: float|None|_Absent = _ABSENT  # the calibrated activation scale written, if any
+    smoothed: bool|_Absent = _ABSENT           # a pre_quant_scale written
+    sig: float = field(default=0.0, metadata={'written': False})       # Σref²
+    noise: float = field(default=0.0, metadata={'written': False})     # Σ(ref-approx)²
+
+    @classmethod
+    def of(cls, err:tuple|None, # (Σref², Σ(ref-approx)², max|ref-approx|) of the stored weight; None: not measured
+           **fields) -> 'LayerRow':
+        "A row with its SQNR, relative and max error computed from `err`, and the other `fields`."
+        sig, noise, mx = err or (0.0, 0.0, None)
+        rel = None if err is None else math.sqrt(noise / sig) if sig > 0 else 0.0 if noise == 0 else math.inf
+        return cls(sqnr_db=None if err is None else energy_db(sig, noise), rel_error=rel, max_abs_error=mx,
+                   sig=sig, noise=noise, **fields)
+
+    def to_dict(self) -> dict:
+        "The row as `Report.layers` holds it: the written fields present in this row."
+        return {f.name: v for f in dataclasses.fields(self)
+                if f.metadata.get('written', True) and (v := getattr(self, f.name)) is not _ABSENT}
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #82d8677a
 @dataclass
 class Report:
     "Per-layer outcome of `quantize_checkpoint` (or `report_error`), with totals."
     src: str
     dst: str
-    layers: list                      # one dict per weight: name, shape, format, label, reason, tier, sqnr_db, rel_error, bytes_before, bytes_after
+    layers: list                      # one dict per weight (`LayerRow.to_dict`): name, shape, format, label, reason, ...
     totals: dict = field(default_factory=dict)
     policy: dict|None = None
     summary: str = ''                 # the plan's one-line summary
@@ -191,68 +243,88 @@ class Report:
     kind: str = 'quantize'            # 'quantize' or 'error'
 
     def quantized(self) -> list: return [r for r in self.layers if r['format']]
-
     def table(self, width:int=70, wide:bool=False) -> str:
         "The report as a text table (reasons wrapped at words to `width`; on one line if `wide`), then the totals."
-        rows = [[r['name'], 'x'.join(map(str, r['shape'])), r['label'],
-                 '-' if r['sqnr_db'] is None or r['sqnr_db'] == math.inf else f"{r['sqnr_db']:.2f}",
-                 _fmt_bytes(r['bytes_before']), _fmt_bytes(r['bytes_after']), r.get('reason', '')] for r in self.layers]
-        out = text_table(['layer', 'shape', 'format', 'SQNR dB', 'before', 'after', 'reason'], rows, '<><>>><',
-                         None if wide else width)
-        return '\n'.join(out + ['', self.totals_text()])
-
+        return _report_table(self, width, wide)
     def totals_text(self) -> str:
-        t = self.totals
-        lines = [self.summary] if self.summary else []
-        for f, c in sorted(t.get('formats', {}).items()):
-            sq = f"mean SQNR {c['sqnr_mean']:6.2f} dB  min {c['sqnr_min']:6.2f} dB" if c.get('sqnr_mean') is not None else 'SQNR not measured'
-            lines.append(f"  {f:<14} {c['layers']:>5} layers  {sq}  {_fmt_bytes(c['bytes_before'])} -> {_fmt_bytes(c['bytes_after'])}")
-        if 'bytes_before' in t:
-            lines.append(f"all tensors: {_fmt_bytes(t['bytes_before'])} -> {_fmt_bytes(t['bytes_after'])} "
-                         f"({size_ratio(t['bytes_before'], t['bytes_after'])}); {t['quantized']} of {t['layers']} weights quantized; "
-                         + (f"aggregate SQNR {t['sqnr_db']:.2f} dB" if t.get('sqnr_db') is not None else 'aggregate SQNR not measured')
-                         + (f"; {self.seconds:.1f} s" if self.seconds else ''))
-        for k in ('identical', 'differ', 'missing'):
-            if t.get(k): lines.append(f"other tensors {k}: {len(t[k])} ({', '.join(t[k][:4])}{', ...' if len(t[k]) > 4 else ''})")
-        return '\n'.join(lines)
-
+        "The totals: per format, then all tensors, then the other tensors `report_error` compared."
+        return _totals_text(self)
     def to_dict(self) -> dict:
-        layers = [{k: _finite(v) for k, v in r.items()} for r in self.layers]
-        totals = {**self.totals, 'sqnr_db': _finite(self.totals.get('sqnr_db')),
-                  'formats': {f: {k: _finite(v) for k, v in c.items()} for f, c in self.totals.get('formats', {}).items()}}
-        return dict(kind=self.kind, src=self.src, dst=self.dst, policy=self.policy, summary=self.summary, seconds=self.seconds,
-                    totals=totals, layers=layers)
-
+        "The report as JSON-ready data (infinite SQNRs as None)."
+        return _report_dict(self)
     def save(self, path) -> str:
         "Write the report as JSON to `path`."
         path = os.fspath(path)
         with open(path, 'w') as f: json.dump(self.to_dict(), f, indent=1)
         return path
-
     @classmethod
     def load(cls, path) -> 'Report':
         "Read a report written by `save`."
         d = json.load(open(path))
-        inf = lambda r: {**r, 'sqnr_db': math.inf if r.get('sqnr_db') is None and r.get('format') is None else r.get('sqnr_db')}
-        return cls(d['src'], d['dst'], [inf(r) for r in d['layers']], d['totals'], d['policy'], d['summary'], d['seconds'], d['kind'])
-
+        inf = lambda r: {**r, 'sqnr_db': math.inf if r.get('sqnr_db') is None and r.get('format') is None
+                         else r.get('sqnr_db')}
+        return cls(d['src'], d['dst'], [inf(r) for r in d['layers']], d['totals'], d['policy'], d['summary'], d['seconds'],
+                   d['kind'])
     def plot(self, **kw): return plot_report(self, **kw)
     def __repr__(self): return self.table()
 
-def _totals(rows:list, bytes_before:int, bytes_after:int, measured:bool=True) -> dict:
+# %% ../nbs/13_quantize_checkpoint.ipynb #b897b0d2
+def _report_table(rep:Report, width:int=70, wide:bool=False) -> str:
+    "`Report.table`."
+    rows = [[r['name'], 'x'.join(map(str, r['shape'])), r['label'],
+             '-' if r['sqnr_db'] is None or r['sqnr_db'] == math.inf else f"{r['sqnr_db']:.2f}",
+             _fmt_bytes(r['bytes_before']), _fmt_bytes(r['bytes_after']), r.get('reason', '')] for r in rep.layers]
+    out = text_table(['layer', 'shape', 'format', 'SQNR dB', 'before', 'after', 'reason'], rows, '<><>>><',
+                     None if wide else width)
+    return '\n'.join(out + ['', rep.totals_text()])
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #bca5cfce
+def _totals_text(rep:Report) -> str:
+    "`Report.totals_text`."
+    t = rep.totals
+    lines = [rep.summary] if rep.summary else []
+    for f, c in sorted(t.get('formats', {}).items()):
+        sq = (f"mean SQNR {c['sqnr_mean']:6.2f} dB  min {c['sqnr_min']:6.2f} dB" if c.get('sqnr_mean') is not None
+              else 'SQNR not measured')
+        lines.append(f"  {f:<14} {c['layers']:>5} layers  {sq}  {_fmt_bytes(c['bytes_before'])} -> "
+                     f"{_fmt_bytes(c['bytes_after'])}")
+    if 'bytes_before' in t:
+        lines.append(f"all tensors: {_fmt_bytes(t['bytes_before'])} -> {_fmt_bytes(t['bytes_after'])} "
+                     f"({size_ratio(t['bytes_before'], t['bytes_after'])}); {t['quantized']} of {t['layers']} weights "
+                     "quantized; "
+                     + (f"aggregate SQNR {t['sqnr_db']:.2f} dB" if t.get('sqnr_db') is not None
+                        else 'aggregate SQNR not measured')
+                     + (f"; {rep.seconds:.1f} s" if rep.seconds else ''))
+    for k in ('identical', 'differ', 'missing'):
+        if t.get(k):
+            lines.append(f"other tensors {k}: {len(t[k])} ({', '.join(t[k][:4])}{', ...' if len(t[k]) > 4 else ''})")
+    return '\n'.join(lines)
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #65895d08
+def _report_dict(rep:Report) -> dict:
+    "`Report.to_dict`."
+    layers = [{k: _finite(v) for k, v in r.items()} for r in rep.layers]
+    totals = {**rep.totals, 'sqnr_db': _finite(rep.totals.get('sqnr_db')),
+              'formats': {f: {k: _finite(v) for k, v in c.items()} for f, c in rep.totals.get('formats', {}).items()}}
+    return dict(kind=rep.kind, src=rep.src, dst=rep.dst, policy=rep.policy, summary=rep.summary, seconds=rep.seconds,
+                totals=totals, layers=layers)
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #d100d404
+def _totals(rows:list, # `LayerRow`s
+            bytes_before:int, bytes_after:int, measured:bool=True) -> dict:
     fm = {}
     for r in rows:
-        if not r['format']: continue
-        c = fm.setdefault(r['label'], dict(layers=0, dbs=[], bytes_before=0, bytes_after=0))
-        c['layers'] += 1; c['dbs'].append(r['sqnr_db']); c['bytes_before'] += r['bytes_before']; c['bytes_after'] += r['bytes_after']
+        if not r.format: continue
+        c = fm.setdefault(r.label, dict(layers=0, dbs=[], bytes_before=0, bytes_after=0))
+        c['layers'] += 1; c['dbs'].append(r.sqnr_db); c['bytes_before'] += r.bytes_before; c['bytes_after'] += r.bytes_after
     for c in fm.values():
         dbs = [x for x in c.pop('dbs') if x is not None]
         c['sqnr_mean'], c['sqnr_min'] = (sum(dbs) / len(dbs), min(dbs)) if dbs else (None, None)
-    agg = [r for r in rows if r['format'] or r['_noise']]       # aggregate over the weights that changed
-    sig = sum(r['_sig'] for r in agg); noise = sum(r['_noise'] for r in agg)
-    return dict(layers=len(rows), quantized=sum(1 for r in rows if r['format']), bytes_before=bytes_before, bytes_after=bytes_after,
-                compression=bytes_before / bytes_after if bytes_after else math.inf, sqnr_db=energy_db(sig, noise) if measured else None, formats=fm)
-
+    agg = [r for r in rows if r.format or r.noise]       # aggregate over the weights that changed
+    sig = sum(r.sig for r in agg); noise = sum(r.noise for r in agg)
+    return dict(layers=len(rows), quantized=sum(1 for r in rows if r.format), bytes_before=bytes_before,
+                bytes_after=bytes_after, compression=bytes_before / bytes_after if bytes_after else math.inf,
+                sqnr_db=energy_db(sig, noise) if measured else None, formats=fm)
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #6a76852b
 _HATCHES = ('', '//', '..', 'xx', '\\\\', '++')
@@ -276,11 +348,13 @@ def _short_names(names:list, keep:int=32) -> tuple:
     pre = pre[:pre.rfind('.') + 1]
     return pre, [_cut(n[len(pre):], keep) for n in names]
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #24482132
 def layer_ticks(ax, # the Axes of one bar per layer, in order
                 names:list, # layer (or weight) names, one per bar
                 what:str='layers', # what the x label counts
                ):
-    "Readable layer names under per-layer bars: common prefix dropped (named in the x label), long names cut, every k-th where they would overlap."
+    """Readable layer names under per-layer bars: common prefix dropped (named in the x label), long names cut,
+    every k-th where they would overlap."""
     names = [n[:-len('.weight')] if n.endswith('.weight') else n for n in names]
     pre, short = _short_names(names)
     step = max(1, math.ceil(len(names) * 0.14 / max(ax.figure.get_figwidth() - 1.5, 1)))    # ~10 pt per label
@@ -325,11 +399,16 @@ def check_writable(path, # an output file
                   ) -> str:
     "Refuse an output `path` that is a directory, lies in a missing folder, or in one that cannot be written."
     path, job = os.fspath(path), f"{job}: " if job else ''
-    if os.path.isdir(path): raise ValueError(f"{job}the {what} {path!r} is a directory; expected a file path in it, e.g. {os.path.join(path, 'out.safetensors')!r}")
+    if os.path.isdir(path):
+        raise ValueError(f"{job}the {what} {path!r} is a directory; expected a file path in it, "
+                         f"e.g. {os.path.join(path, 'out.safetensors')!r}")
     d = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(d): raise ValueError(f"{job}the {what} {path!r} is in a folder that does not exist ({d!r}); create it first")
+    if not os.path.isdir(d):
+        raise ValueError(f"{job}the {what} {path!r} is in a folder that does not exist ({d!r}); create it first")
     try: fd, probe = tempfile.mkstemp(prefix='.cquant-probe-', dir=d)
-    except OSError as e: raise ValueError(f"{job}the {what} {path!r} cannot be written: its folder {d!r} is not writable ({e.strerror})") from None
+    except OSError as e:
+        raise ValueError(f"{job}the {what} {path!r} cannot be written: its folder {d!r} is not writable "
+                         f"({e.strerror})") from None
     os.close(fd); os.unlink(probe)
     return path
 
@@ -346,7 +425,8 @@ def check_outputs(job:str, # the caller, in messages
         for other, q in seen.items():
             if _same_file(path, q):
                 why = 'the inputs are never overwritten' if other in inputs else 'each output needs its own file'
-                raise ValueError(f"{job + ': ' if job else ''}the {name} {path!r} is the {other} file; choose another path ({why})")
+                raise ValueError(f"{job + ': ' if job else ''}the {name} {path!r} is the {other} file; "
+                                 f"choose another path ({why})")
         check_writable(path, name, job)
         seen[name] = path
 
@@ -357,6 +437,8 @@ def _same_file(a:str, b:str) -> bool:
     except OSError: return False
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #6bb171f1
+_LIBC = None
+
 def trim_heap():
     "Hand freed heap memory back to the OS (glibc `malloc_trim`; a no-op elsewhere), so RSS tracks the live tensors."
     global _LIBC
@@ -366,7 +448,6 @@ def trim_heap():
     if _LIBC: _LIBC.malloc_trim(0)
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #058d0939
-_LIBC = None
 def _as_policy(policy) -> Policy:
     if policy is None: return Policy()
     if isinstance(policy, Policy): return policy
@@ -374,18 +455,43 @@ def _as_policy(policy) -> Policy:
     if isinstance(policy, dict): return Policy.from_dict(policy)
     raise TypeError(f"quantize_checkpoint: expected a Policy (or its dict / JSON), found {type(policy).__name__}")
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #757751a9
 def _module_drop(keys:dict) -> set:
     "Suffixes of a requantized module that belong to its old quantization (scales, activation scales, comfy_quant)."
     known = scale_keys() | {'comfy_quant'}
     return {s for s in keys if s in known or s.startswith('weight_')}
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #b539d0b3
+def _plan_row(m:str, d, info:TensorInfo, before:int, after:int, err:tuple|None, **extra) -> LayerRow:
+    "The `LayerRow` of layer `m` planned as `d` (a `Decision`), its source weight `info`, `err` as `LayerRow.of`."
+    return LayerRow.of(err, name=m, shape=list(d.shape), format=d.format, label=d.label, tier=d.tier, reason=d.reason,
+                       source_dtype=str(info.dtype).removeprefix('torch.'), bytes_before=before, bytes_after=after, **extra)
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #f53ba81c
+def _quantize_layer(w:StreamingWriter, ck:Checkpoint, key:str, m:str, d, layers, cal, old:list, measure:bool) -> LayerRow:
+    """Quantize weight `key` of layer `m` as `d` says (calibrated by `cal`, a `Calibration` or None) into `w`;
+    its row. `old`: the keys of its old quantization, dropped."""
+    prefix, info = m + '.' if m else '', ck.info(key)
+    wt, extras = layers.weight(m), {}
+    if cal is not None: wt, extras = cal.layer(m, d.format, wt)
+    out = _write_quantized(w, wt, key, prefix, d.format, d.options, measure)
+    for k, t in extras.items():
+        w.add(prefix + k, t); out['bytes'] += w.entry(prefix + k).nbytes
+    del wt
+    trim_heap()
+    before = info.nbytes + sum(ck.info(k).nbytes for k in old)
+    return _plan_row(m, d, info, before, out['bytes'], (out['sig'], out['noise'], out['max_abs']) if measure else None,
+                     config=out['config'], smoothed='pre_quant_scale' in extras,
+                     input_scale=float(extras['input_scale']) if 'input_scale' in extras else None)
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #18e66f85
 def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors file
                         dst, # output file (replaced atomically on success; never the source)
                         policy:Policy|None=None, # default Policy(): int4_mixed, preset auto, ratio 0.2
                         progress:bool=True, # tqdm bar on stderr (bytes and tensors)
                         report=None, # path: also save the report as JSON there
                         *, plan:Plan|None=None, # a plan already made for this file (skips planning)
-                        calibration=None, # {layer: inputs} (or a `Calibration` of them): measured selection, and input_scale / pre_quant_scale
+                        calibration=None, # {layer: inputs} or a `Calibration`: measured selection, activation scales
                         measure:bool=True, # compute per-layer SQNR (one dequantize per weight)
                         metadata:dict|None=None, # extra header metadata (strings)
                         requantize:bool=False, # allow quantizing layers the source already stores quantized
@@ -401,50 +507,30 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
         if plan is None: plan = policy.plan(ck, None if cal is None else cal.inputs)
         layers, groups = layer_source(ck), ck.groups()
         if not requantize: _refuse_requantize(src, plan, layers)
-        meta = {**ck.metadata, **(metadata or {}), 'cquant_policy': policy.to_json()}
-        meta['cquant_version'] = __version__
+        meta = {**ck.metadata, **(metadata or {}), 'cquant_policy': policy.to_json(), 'cquant_version': __version__}
         drop = {m: _module_drop(groups[m]) for m, d in plan.items() if d.format and m in groups}
-        total = sum(ck.info(k).nbytes for k in ck)
-        rows, before, done = {}, 0, 0
-        with StreamingWriter(dst, meta) as w, tqdm(total=total, unit='B', unit_scale=True, unit_divisor=1024, desc='quantize',
-                                                    disable=not progress, file=sys.stderr, leave=False) as bar:
+        rows, before, stored = {}, 0, scale_keys() | {'comfy_quant'}
+        with StreamingWriter(dst, meta) as w, tqdm(total=sum(ck.info(k).nbytes for k in ck), unit='B', unit_scale=True,
+                                                    unit_divisor=1024, desc='quantize', disable=not progress,
+                                                    file=sys.stderr, leave=False) as bar:
             for n, key in enumerate(ck):
                 info = ck.info(key); before += info.nbytes
                 m, s = split_key(key)
                 d = plan.get(m)
                 if d is not None and d.format and s == 'weight':
-                    prefix = m + '.' if m else ''
-                    wt, extras = layers.weight(m), {}
-                    if cal is not None: wt, extras = cal.layer(m, d.format, wt)
-                    out = _write_quantized(w, wt, key, prefix, d.format, d.options, measure)
-                    for k, t in extras.items():
-                        w.add(prefix + k, t); out['bytes'] += w.entry(prefix + k).nbytes
-                    del wt
-                    trim_heap()
-                    old = info.nbytes + sum(ck.info(groups[m][x]).nbytes for x in drop[m])
-                    rows[m] = dict(name=m, shape=list(d.shape), format=d.format, label=d.label, tier=d.tier, reason=d.reason,
-                                   config=out['config'], source_dtype=str(info.dtype).removeprefix('torch.'),
-                                   sqnr_db=energy_db(out['sig'], out['noise']) if measure else None,
-                                   rel_error=math.sqrt(out['noise'] / out['sig']) if measure and out['sig'] > 0 else None,
-                                   max_abs_error=out['max_abs'] if measure else None,
-                                   bytes_before=old, bytes_after=out['bytes'], _sig=out['sig'], _noise=out['noise'],
-                                   input_scale=float(extras['input_scale']) if 'input_scale' in extras else None,
-                                   smoothed='pre_quant_scale' in extras)
+                    rows[m] = _quantize_layer(w, ck, key, m, d, layers, cal, [groups[m][x] for x in drop[m]], measure)
                 elif d is not None and d.format and s in drop[m]: pass
                 else:
                     w.add(key, ck[key])
                     if s == 'weight' and d is not None:
-                        nb = info.nbytes + sum(ck.info(groups[m][x]).nbytes for x in groups[m] if x in scale_keys() | {'comfy_quant'})
-                        rows[m] = dict(name=m, shape=list(d.shape), format=None, label=d.label, tier=d.tier, reason=d.reason, config=None,
-                                       source_dtype=str(info.dtype).removeprefix('torch.'), sqnr_db=math.inf, rel_error=0.0,
-                                       max_abs_error=0.0, bytes_before=nb, bytes_after=nb, _sig=0.0, _noise=0.0)
+                        nb = info.nbytes + sum(ck.info(groups[m][x]).nbytes for x in groups[m] if x in stored)
+                        rows[m] = _plan_row(m, d, info, nb, nb, (0.0, 0.0, 0.0), config=None)
                 bar.update(info.nbytes); bar.set_postfix_str(f'{n + 1}/{len(ck)} tensors')
             bar.set_description('writing')
             after = w.nbytes
     rows = [rows[m] for m in plan if m in rows]
-    totals = _totals(rows, before, after, measure)
-    for r in rows: r.pop('_sig'); r.pop('_noise')
-    rep = Report(src, dst, rows, totals, policy.to_dict(), plan.summary(), time.time() - t0, 'quantize')
+    rep = Report(src, dst, [r.to_dict() for r in rows], _totals(rows, before, after, measure), policy.to_dict(),
+                 plan.summary(), time.time() - t0, 'quantize')
     if report is not None: rep.save(report)
     return rep
 
@@ -463,67 +549,76 @@ def _refuse_requantize(src:str, plan:Plan, layers):
     names = ', '.join(list(stored)[:4]) + (', ...' if len(stored) > 4 else '')
     raise ValueError(f"quantize_checkpoint: {src!r} already stores {len(stored)} of the layers to quantize quantized "
                      f"({kinds}: {names}); quantizing them again adds to their error and may grow them. Quantize the float "
-                     f"original, keep them (keep_float / --keep-float), or pass requantize=True (cquant quantize --requantize)")
+                     f"original, keep them (keep_float / --keep-float), or pass requantize=True "
+                     "(cquant quantize --requantize)")
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #e8ccb581
 def _label(config:dict) -> str:
     "The policy label (INT8, INT8 ConvRot, W4A4, ...) of a stored comfy_quant config, else its format name."
     for c in CHOICES.values():
         try:
-            if c.format == config.get('format') and c.config() == {k: v for k, v in config.items() if k != 'params'}: return c.label
+            if c.format == config.get('format') and c.config() == {k: v for k, v in config.items() if k != 'params'}:
+                return c.label
         except Exception: continue        # a choice whose format is not registered
     return config.get('format', '?')
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #40040a70
 def _no_match(src, dst, sa, gb):
     few = lambda names: ', '.join(names[:3]) + (', ...' if len(names) > 3 else '') if names else 'none'
     raise ValueError(f"report_error: {os.fspath(dst)!r} shares no weights with {os.fspath(src)!r}: source layers "
                      f"{few(list(sa.infos))}; quantized file layers {few([m for m in gb if 'weight' in gb[m]])} "
                      f"(expected a file made from this source, with the same layer names and shapes)")
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #3df9cdce
+def _weight_bytes(ck:Checkpoint, keys:dict) -> int:
+    "Bytes of a module's weight with its scale tensors and comfy_quant (`keys`: its suffix -> key)."
+    return sum(ck.info(k).nbytes for s, k in keys.items() if s == 'weight' or s in scale_keys() or s == 'comfy_quant')
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #71e21b84
+def _error_row(m:str, info, sa, a:Checkpoint, b:Checkpoint, keys_a:dict, keys_b:dict, e) -> LayerRow|None:
+    """Layer `m` as `b` stores it (`e`: its module entry) against its weight in `sa`; None when the
+    shapes differ. `keys_a`, `keys_b`: the module's keys in `a` and `b`."""
+    if e.quantized: q = b.quantized(m, info.shape).dequantize(torch.float32)
+    else:
+        q = b[keys_b['weight']]
+        if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2): q = q.to(torch.bfloat16)
+    ref = sa.weight(m)
+    if tuple(q.shape) != tuple(ref.shape): return None
+    err, fmt = _err(ref, q), e.format
+    same = err[1] == 0
+    return LayerRow.of(err, name=m, shape=list(info.shape), format=fmt, label=_label(e.config) if fmt else 'float',
+                       tier='quantized' if fmt else ('identical' if same else 'changed'),
+                       reason=f"stored as {fmt}" if fmt else 'float, identical' if same else 'float, values differ',
+                       source_dtype=str(info.dtype).removeprefix('torch.'),
+                       bytes_before=_weight_bytes(a, keys_a), bytes_after=_weight_bytes(b, keys_b))
+
+# %% ../nbs/13_quantize_checkpoint.ipynb #49ffd2dc
 def report_error(src_float, # the float (or fp8) original
                  dst_quant, # a quantized file made from it
                 ) -> Report:
     "Per-layer error of the weights stored in `dst_quant` against `src_float`, and a check of every other tensor."
     t0 = time.time()
     with open_checkpoint(src_float) as a, open_checkpoint(dst_quant) as b:
-        sa = layer_source(a)
-        gb = b.groups()
+        sa, ga, gb = layer_source(a), a.groups(), b.groups()
         rows, identical, differ, missing = [], [], [], []
         mods_b = b.modules({m: sa.infos[m].shape for m in gb if m in sa.infos and 'comfy_quant' in gb[m]})
         for m, info in sa.infos.items():
-            keys = gb.get(m, {})
-            if 'weight' not in keys: missing.append(m + '.weight'); continue
-            e = mods_b[m]
-            nb = lambda ck, ks: sum(ck.info(k).nbytes for s, k in ks.items() if s == 'weight' or s in scale_keys() or s == 'comfy_quant')
-            if e.quantized:
-                q = b.quantized(m, info.shape).dequantize(torch.float32)
-            else:
-                q = b[keys['weight']]
-                if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2): q = q.to(torch.bfloat16)
-            ref = sa.weight(m)
-            if tuple(q.shape) != tuple(ref.shape):
-                differ.append(m + '.weight'); continue
-            sig, noise, mx = _err(ref, q)
-            fmt = e.format
-            rows.append(dict(name=m, shape=list(info.shape), format=fmt, label=_label(e.config) if fmt else 'float',
-                             tier='quantized' if fmt else ('identical' if noise == 0 else 'changed'),
-                             reason=(f"stored as {fmt}" if fmt else 'float, identical' if noise == 0 else 'float, values differ'),
-                             source_dtype=str(info.dtype).removeprefix('torch.'), sqnr_db=energy_db(sig, noise),
-                             rel_error=math.sqrt(noise / sig) if sig > 0 else (0.0 if noise == 0 else math.inf), max_abs_error=mx,
-                             bytes_before=nb(a, a.groups().get(m, {})), bytes_after=nb(b, keys), _sig=sig, _noise=noise))
-            del q, ref
+            if 'weight' not in gb.get(m, {}): missing.append(m + '.weight'); continue
+            row = _error_row(m, info, sa, a, b, ga.get(m, {}), gb[m], mods_b[m])
+            if row is None: differ.append(m + '.weight')
+            else: rows.append(row)
         if not rows: _no_match(src_float, dst_quant, sa, gb)
-        ga = a.groups()
         for m, keys in ga.items():
             for s, k in keys.items():
                 if (m in sa.infos and (s == 'weight' or s in scale_keys() or s == 'comfy_quant')): continue
                 if k not in b: missing.append(k); continue
-                (identical if a.info(k).dtype == b.info(k).dtype and a.info(k).shape == b.info(k).shape and same_bits(a[k], b[k]) else differ).append(k)
+                same = a.info(k).dtype == b.info(k).dtype and a.info(k).shape == b.info(k).shape and same_bits(a[k], b[k])
+                (identical if same else differ).append(k)
         before, after = sum(a.info(k).nbytes for k in a), sum(b.info(k).nbytes for k in b)
     totals = _totals(rows, before, after)
     totals.update(identical=identical, differ=differ, missing=missing)
-    for r in rows: r.pop('_sig'); r.pop('_noise')
-    return Report(os.fspath(src_float), os.fspath(dst_quant), rows, totals, None, '', time.time() - t0, 'error')
+    return Report(os.fspath(src_float), os.fspath(dst_quant), [r.to_dict() for r in rows], totals, None, '',
+                  time.time() - t0, 'error')
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #6b59689a
 def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
@@ -546,18 +641,19 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
 def _norm(name:str) -> str: return ''.join(ch for ch in name.lower() if ch not in ' -_.')
 
 def preset_name(name:str) -> str:
-    "The canonical preset for a spelling, ignoring case, spaces, hyphens, underscores and dots ('hidream_o1' -> 'hidream o1')."
+    "The canonical preset for a spelling, ignoring case, spaces, hyphens, underscores, dots ('hidream_o1' -> 'hidream o1')."
     known = {_norm(k): k for k in [*PRESETS, 'auto', 'auto-conservative']}
     known.update({_norm(k): v for k, v in PRESET_ALIASES.items()})
     if not isinstance(name, str) or _norm(name) not in known:
-        raise ValueError(f"unknown preset {name!r}: expected 'auto' or one of {', '.join(sorted(PRESETS))}, auto-conservative")
+        raise ValueError(f"unknown preset {name!r}: expected 'auto' or one of {', '.join(sorted(PRESETS))}, "
+                         "auto-conservative")
     return known[_norm(name)]
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #6227a35e
 def save_plot(rep:Report, path:str):
-    "Save `rep.plot()` as an image at `path` (100 dpi)."
+    "Save `rep.plot()` as an image at `path` (at matplotlib's `savefig.dpi`, by default the figure's)."
     import matplotlib.pyplot as plt
-    fig = rep.plot(); fig.savefig(path, dpi=100); plt.close(fig)
+    fig = rep.plot(); fig.savefig(path); plt.close(fig)
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #96d094cb
 def plan_table(plan:Plan, # from `Policy.plan`
@@ -565,15 +661,18 @@ def plan_table(plan:Plan, # from `Policy.plan`
                width:int=70, # wrap reasons at words to this width
                wide:bool=False, # reasons on one line
               ) -> str:
-    "The plan as a text table (layer, shape, format, stored format when any, reason), its summary and the stored-quantized note."
+    """The plan as a text table (layer, shape, format, stored format when any, reason), its summary and the
+    stored-quantized note."""
     stored = stored or {}
     shape = lambda s: 'x'.join(map(str, s)) if s else '-'
     cols = ['layer', 'shape', 'format'] + (['stored'] if stored else []) + ['reason']
     rows = [[k, shape(d.shape), d.label] + ([stored.get(k, '')] if stored else []) + [d.reason] for k, d in plan.items()]
     out = text_table(cols, rows, '<><' + ('<' if stored else '') + '<', None if wide else width) + ['', plan.summary()]
     again = [m for m in stored if m in plan and plan[m].format]
-    if stored: out.append(f"{len(stored)} layer(s) stored quantized in the source" + (f"; {len(again)} would be quantized again "
-                          "(cquant quantize refuses that without --requantize)" if again else ''))
+    if stored:
+        out.append(f"{len(stored)} layer(s) stored quantized in the source"
+                   + (f"; {len(again)} would be quantized again (cquant quantize refuses that without --requantize)"
+                      if again else ''))
     return '\n'.join(out)
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #ad56a3c5
@@ -584,6 +683,7 @@ def _demo_minilm(file) -> str|None:
     try: return str(fetch_minilm(quiet=True) / 'model.safetensors')
     except OSError as e: print(f"note: {e}; the demo uses the DiT-shaped model instead", file=file); return None
 
+# %% ../nbs/13_quantize_checkpoint.ipynb #09e22d60
 def demo(out='cquant-demo', # output folder
          source:str='auto', # 'auto' (MiniLM, fetched if needed; else DiT), 'minilm' or 'dit'
          progress:bool=True, # progress bar
@@ -593,7 +693,9 @@ def demo(out='cquant-demo', # output folder
     file = file or sys.stdout
     os.makedirs(out, exist_ok=True)
     src = _demo_minilm(sys.stderr) if source in ('auto', 'minilm') else None
-    if src is None and source == 'minilm': raise ValueError("demo --source minilm: the MiniLM weights are missing and could not be fetched (cquant fetch-minilm)")
+    if src is None and source == 'minilm':
+        raise ValueError("demo --source minilm: the MiniLM weights are missing and could not be fetched "
+                         "(cquant fetch-minilm)")
     name = 'minilm'
     if src is None:
         name, src = 'dit', os.path.join(out, 'dit_bf16.safetensors')
@@ -612,5 +714,6 @@ def demo(out='cquant-demo', # output folder
     print('# error of the written file against the original (cquant report)\n' + err.totals_text(), file=file)
     paths = dict(src=src, dst=dst, report=rep.save(os.path.join(out, 'report.json')), plot=os.path.join(out, 'report.png'))
     save_plot(rep, paths['plot'])
-    print(f"\nwrote {dst} ({_fmt_bytes(os.path.getsize(dst))} from {_fmt_bytes(os.path.getsize(src))}), {paths['report']}, {paths['plot']}", file=file)
+    print(f"\nwrote {dst} ({_fmt_bytes(os.path.getsize(dst))} from {_fmt_bytes(os.path.getsize(src))}), "
+          f"{paths['report']}, {paths['plot']}", file=file)
     return paths

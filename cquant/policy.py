@@ -26,11 +26,8 @@ from .modules import is_linear
 from .calibrate import collect_inputs
 
 # %% auto #0
-__all__ = ['PRESETS', 'CONSERVATIVE', 'ANCHOR_RATIO', 'CHOICES', 'MODES', 'FLOAT_DTYPES', 'SELECTIONS', 'PRESET_ALIASES',
-           'Preset', 'PolicyWarning', 'detect_preset', 'radical_inverse', 'bitrev_order', 'spread', 'budget_order',
-           'budget_target', 'int8_budget', 'krea2_names', 'Choice', 'Mode', 'LayerInfo', 'ineligible', 'LayerSource',
-           'natural_key', 'layer_source', 'canonical_preset', 'Decision', 'layer_errors', 'Policy', 'measure_layers',
-           'Plan']
+__all__ = ['PRESETS', 'MODES', 'Preset', 'PolicyWarning', 'detect_preset', 'int8_budget', 'Choice', 'Mode', 'Decision',
+           'layer_errors', 'Policy', 'measure_layers', 'Plan']
 
 # %% ../nbs/12_policy.ipynb #e68726bc
 @dataclass(frozen=True)
@@ -42,6 +39,7 @@ class Preset:
     fingerprint: tuple = ()      # auto-detection: markers counted when found in any module name
     required: tuple = ()         # auto-detection: at least one must be found, else the preset is not a candidate
 
+# %% ../nbs/12_policy.ipynb #50afefce
 _FLUX2_KEEP = ('img_in', 'time_in', 'guidance_in', 'txt_in', 'final_layer', 'double_stream_modulation_img',
                'double_stream_modulation_txt', 'single_stream_modulation')
 _LTX2_KEEP = ('adaln', 'embedding', 'patchify', 'to_gate_logits', 'proj_out', 'model.audio', 'model.video', 'model.av',
@@ -51,7 +49,8 @@ _LTX2_KEEP = ('adaln', 'embedding', 'patchify', 'to_gate_logits', 'proj_out', 'm
               'caption_projection', 'patchify_proj', 'proj_out', 'scale_shift_table')
 
 PRESETS: dict[str, Preset] = {p.name: p for p in [
-    Preset('anima', ('embed', 'llm', 'adaln', 'final_layer'), ('self_attn.output_proj', 'cross_attn.output_proj', 'mlp.layer2'),
+    Preset('anima', ('embed', 'llm', 'adaln', 'final_layer'),
+           ('self_attn.output_proj', 'cross_attn.output_proj', 'mlp.layer2'),
            ('embed', 'llm', 'adaln'), ('llm',)),
     Preset('boogu', ('embed', 'refine', 'norm_out'), (),
            ('double_stream_layers', 'img_instruct_attn', 'ref_image_patch_embedder', 'noise_refiner', 'ref_image_refiner',
@@ -62,8 +61,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset('ernie', ('time', 'x_embedder', 'text_proj', 'adaLN'), (), ('text_proj', 'time', 'x_embedder', 'adaLN'),
            ('text_proj', 'x_embedder')),
     Preset('flux2', _FLUX2_KEEP, (),
-           ('guidance_in', 'img_in', 'txt_in', 'final_layer', 'double_blocks', 'single_blocks', 'double_stream_modulation_img',
-            'double_stream_modulation_txt', 'single_stream_modulation'),
+           ('guidance_in', 'img_in', 'txt_in', 'final_layer', 'double_blocks', 'single_blocks',
+            'double_stream_modulation_img', 'double_stream_modulation_txt', 'single_stream_modulation'),
            ('guidance_in', 'double_stream_modulation_img', 'double_stream_modulation_txt')),
     Preset('flux2_fast_unsafe', tuple(p for p in _FLUX2_KEEP if p != 'final_layer')),
     Preset('hidream o1', ('embed', 'language_model.layers.35.mlp'), (),
@@ -93,10 +92,12 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset('none'),
 ]}
 
+# %% ../nbs/12_policy.ipynb #230d02e7
 def _dedup(items) -> tuple:
     "Items in order of first appearance, duplicates dropped."
     return tuple(dict.fromkeys(items))
 
+# %% ../nbs/12_policy.ipynb #c46c288a
 CONSERVATIVE = Preset('auto-conservative', _dedup(p for s in PRESETS.values() for p in s.keep_float),
                       _dedup(p for s in PRESETS.values() for p in s.int4_sensitive))
 
@@ -105,9 +106,11 @@ _DETECT = ('flux2', 'hidream o1', 'ideogram4', 'krea2', 'minimax_h3', 'z-image',
            'ernie', 'anima')
 _SDXL_IN = (2560, 2816)
 
+# %% ../nbs/12_policy.ipynb #fb647702
 class PolicyWarning(UserWarning):
     "A policy decision worth knowing about (unrecognised architecture, calibration missing for a layer)."
 
+# %% ../nbs/12_policy.ipynb #c897ed65
 def detect_preset(names, # module names (or state-dict key prefixes) of the model
                   shapes:Mapping|None=None, # {layer name: weight shape}, for the SDXL label_emb rule
                  ) -> tuple: # (preset name or None when unknown, {preset: score})
@@ -129,6 +132,7 @@ def detect_preset(names, # module names (or state-dict key prefixes) of the mode
 # %% ../nbs/12_policy.ipynb #311f2c1d
 ANCHOR_RATIO = 0.2   # the Toolkit's default ratio, which fixes the anchor set
 
+# %% ../nbs/12_policy.ipynb #40dc5049
 def radical_inverse(n:int) -> float:
     "Base-2 radical inverse (van der Corput) of `n >= 1`: its binary digits mirrored after the point (exact in a float)."
     r, f = 0.0, 0.5
@@ -137,24 +141,29 @@ def radical_inverse(n:int) -> float:
         n >>= 1; f *= 0.5
     return r
 
+# %% ../nbs/12_policy.ipynb #96f9d874
 def bitrev_order(items) -> list:
     "`items` sorted by the radical inverse of (position + 1): every prefix is spread over the list."
     items = list(items)
     return [items[i] for i in sorted(range(len(items)), key=lambda i: (radical_inverse(i + 1), i))]
 
+# %% ../nbs/12_policy.ipynb #ef79084e
 def spread(items, k:int) -> list:
     "`k` evenly spread picks from `items`: position floor((i + 0.5)·L/k) of slice i, for i < k <= L."
     items = list(items); L = len(items)
     return [items[min(L - 1, (2 * i + 1) * L // (2 * k))] for i in range(k)] if k > 0 and L else []
 
+# %% ../nbs/12_policy.ipynb #a9520cea
 def _names(names) -> list:
     "Candidate names normalised as the Toolkit does: trailing dots stripped, duplicates dropped, model order kept."
     return list(_dedup(str(n).rstrip('.') for n in names))
 
+# %% ../nbs/12_policy.ipynb #aaf1ff8a
 def _match(name:str, patterns) -> str|None:
     "The first pattern occurring as a substring of `name` (None if none)."
     return next((p for p in patterns if p in name), None)
 
+# %% ../nbs/12_policy.ipynb #7c86b77d
 def budget_order(names, # candidate layer names in model order
                  priority=(), # int4_sensitive patterns (substrings)
                 ) -> list: # [(name, block)] in budget order; block is 'priority anchor', 'anchor', 'priority' or 'rest'
@@ -169,10 +178,12 @@ def budget_order(names, # candidate layer names in model order
               ('rest', [n for n in R if n not in anchors]))
     return [(n, b) for b, items in blocks for n in bitrev_order(items)]
 
+# %% ../nbs/12_policy.ipynb #0faf8054
 def budget_target(n:int, ratio:float) -> int:
     "How many of `n` candidates the INT8 budget takes at `ratio`: min(n, ceil(n·ratio))."
     return min(n, math.ceil(n * ratio))
 
+# %% ../nbs/12_policy.ipynb #2feaefd5
 def int8_budget(names, # candidate (W4-compatible) layer names in model order
                 ratio:float, # int4_mixed_ratio in [0, 1]
                 priority=(), # int4_sensitive patterns
@@ -218,8 +229,10 @@ class Choice:
         spec = self.spec()
         return spec.config(spec.resolve(None, **self.opts))
 
+# %% ../nbs/12_policy.ipynb #8d098298
 def _choice(label, fmt, **opts) -> Choice: return Choice(label, fmt, tuple(sorted(opts.items())))
 
+# %% ../nbs/12_policy.ipynb #df58c238
 # the choices name their formats through the declarations (data, never a name test)
 _INT8 = _choice('INT8', INT8_TENSORWISE.name, per_row=True)
 _INT8_CONVROT = _choice('INT8 ConvRot', INT8_TENSORWISE.name, convrot=True, convrot_groupsize=256)
@@ -230,6 +243,7 @@ _NVFP4 = _choice('NVFP4', NVFP4.name)
 _MXFP8 = _choice('MXFP8', MXFP8.name)
 CHOICES = {c.label: c for c in (_INT8, _INT8_CONVROT, _W4A4, _W4A8, _FP8, _NVFP4, _MXFP8)}   # by label
 
+# %% ../nbs/12_policy.ipynb #4166fc12
 @dataclass(frozen=True)
 class Mode:
     "A quantization mode: the chain of choices for a layer, and (int4_mixed) the chain inside the INT8 budget."
@@ -238,6 +252,7 @@ class Mode:
     budget: tuple = ()
     doc: str = ''
 
+# %% ../nbs/12_policy.ipynb #dc59716f
 MODES: dict[str, Mode] = {m.name: m for m in [
     Mode('int8', (_INT8,), doc='per-row INT8 W8A8 everywhere'),
     Mode('int8_convrot', (_INT8_CONVROT, _INT8), doc='ConvRot INT8 where K % 256 == 0, else per-row INT8'),
@@ -253,6 +268,7 @@ MODES: dict[str, Mode] = {m.name: m for m in [
 # %% ../nbs/12_policy.ipynb #269c933b
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
+# %% ../nbs/12_policy.ipynb #582f3c3e
 @dataclass(frozen=True)
 class LayerInfo:
     "One weight seen by a policy."
@@ -262,6 +278,7 @@ class LayerInfo:
     kind: str = 'weight'            # 'linear' (a Linear module), 'weight' (a state-dict entry) or a module class name
     source_format: str|None = None  # comfy_quant format of an already quantized weight
 
+# %% ../nbs/12_policy.ipynb #b08cabc0
 def ineligible(info:LayerInfo) -> str|None:
     "Why `info` cannot be quantized (None if it can): not a Linear, not 2-D, a dim <= 1, not a float dtype."
     s = tuple(info.shape)
@@ -283,7 +300,8 @@ class LayerSource:
 
     def weight(self, name:str) -> torch.Tensor:
         "The weight of layer `name` as a float tensor (quantized weights dequantized in fp32, fp8 upcast to bf16)."
-        if self._read is None: raise ValueError("this layer source has shapes only; pass a state dict, a model or a file to read weights")
+        if self._read is None:
+            raise ValueError("this layer source has shapes only; pass a state dict, a model or a file to read weights")
         w = self._read(name)
         if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2): w = w.to(torch.bfloat16)
         return w
@@ -293,14 +311,17 @@ class LayerSource:
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
 
+# %% ../nbs/12_policy.ipynb #6a6e97a7
 def natural_key(name:str) -> tuple:
     "Sort key that orders digit runs numerically: `blocks.2` before `blocks.10`."
     return tuple((0, int(t), '') if t.isdigit() else (1, 0, t) for t in re.split(r'(\d+)', name))
 
+# %% ../nbs/12_policy.ipynb #566e4912
 def _from_checkpoint(ck:Checkpoint, close=None) -> LayerSource:
     groups, infos = ck.groups(), {}
     mods = ck.modules() if any('comfy_quant' in keys for keys in groups.values()) else {}
-    order = sorted(groups, key=natural_key) if getattr(ck, '_file', None) else list(groups)   # a file's order is not the model's
+    # a file's order is not the model's
+    order = sorted(groups, key=natural_key) if getattr(ck, '_file', None) else list(groups)
     for m in order:
         keys = groups[m]
         if 'weight' not in keys: continue
@@ -314,10 +335,11 @@ def _from_checkpoint(ck:Checkpoint, close=None) -> LayerSource:
         info, keys = infos[name], groups[name]
         if info.source_format is None: return ck[keys['weight']]
         w = ck.quantized(name, info.shape).dequantize(torch.float32)
-        if 'pre_quant_scale' in keys: w = w * ck[keys['pre_quant_scale']].float().reshape(1, -1)   # fold the smoothing back in
+        if 'pre_quant_scale' in keys: w = w * ck[keys['pre_quant_scale']].float().reshape(1, -1)   # smoothing folded in
         return w
     return LayerSource(infos, order, read, close, 'checkpoint')
 
+# %% ../nbs/12_policy.ipynb #5a8f5bbf
 def _from_module(model:nn.Module) -> LayerSource:
     infos, mods = {}, {}
     for n, m in model.named_modules():
@@ -331,6 +353,7 @@ def _from_module(model:nn.Module) -> LayerSource:
         return w.dequantize(torch.float32) if isinstance(w, QuantizedTensor) else w
     return LayerSource(infos, [n for n, _ in model.named_modules() if n], read, None, 'module')
 
+# %% ../nbs/12_policy.ipynb #d072e2bf
 def _from_shapes(shapes:Mapping) -> LayerSource:
     keys = [str(k) for k in shapes]
     weights = any(k.endswith('.weight') for k in keys)
@@ -342,6 +365,7 @@ def _from_shapes(shapes:Mapping) -> LayerSource:
         infos[name] = LayerInfo(name, tuple(int(d) for d in s), None, 'linear')
     return LayerSource(infos, list(infos), None, None, 'shapes')
 
+# %% ../nbs/12_policy.ipynb #e178243d
 def layer_source(layers) -> LayerSource:
     "A `LayerSource` for a shape mapping, a state dict, a `Checkpoint`, a safetensors path or an `nn.Module`."
     if isinstance(layers, LayerSource): return layers
@@ -352,30 +376,37 @@ def layer_source(layers) -> LayerSource:
         return _from_checkpoint(ck, ck.close)
     if isinstance(layers, Mapping):
         vals = list(layers.values())
-        if vals and all(isinstance(v, torch.Tensor) for v in vals): return _from_checkpoint(Checkpoint.from_state_dict(layers))
+        if vals and all(isinstance(v, torch.Tensor) for v in vals):
+            return _from_checkpoint(Checkpoint.from_state_dict(layers))
         if all(isinstance(v, (tuple, list, torch.Size)) for v in vals): return _from_shapes(layers)
         raise TypeError("plan: a mapping must hold either weight shapes (name -> (out, in)) or tensors (a state dict)")
-    raise TypeError(f"plan: expected a shape mapping, a state dict, a Checkpoint, a path or an nn.Module, found {type(layers).__name__}")
+    raise TypeError("plan: expected a shape mapping, a state dict, a Checkpoint, a path or an nn.Module, "
+                    f"found {type(layers).__name__}")
 
 # %% ../nbs/12_policy.ipynb #fdc8a86d
 SELECTIONS = ('structural', 'measured')
 PRESET_ALIASES = {'hidream': 'hidream o1', 'hidream_o1': 'hidream o1', 'hidream-o1': 'hidream o1', 'z_image': 'z-image',
                   'zimage': 'z-image', 'minimax': 'minimax_h3', 'conservative': 'auto-conservative'}
 
+# %% ../nbs/12_policy.ipynb #bdfc033d
 def canonical_preset(name) -> str:
     "The preset's canonical name (aliases like `z_image`, `hidream` accepted); 'auto' and 'auto-conservative' included."
-    if not isinstance(name, str): raise ValueError(f"Policy.preset: expected a preset name, found {type(name).__name__} {name!r}")
+    if not isinstance(name, str):
+        raise ValueError(f"Policy.preset: expected a preset name, found {type(name).__name__} {name!r}")
     n = PRESET_ALIASES.get(name.strip().lower(), name.strip().lower())
     if n in PRESETS or n in ('auto', 'auto-conservative'): return n
     raise ValueError(f"Policy.preset: expected 'auto' or one of {sorted(PRESETS) + ['auto-conservative']}, found {name!r}")
 
+# %% ../nbs/12_policy.ipynb #56aaaa1e
 def _patterns(v, what:str) -> tuple:
     if isinstance(v, str): v = (v,)
     out = tuple(v)
     for p in out:
-        if not isinstance(p, str) or not p: raise ValueError(f"Policy.{what}: expected non-empty strings (substrings of layer names), found {p!r}")
+        if not isinstance(p, str) or not p:
+            raise ValueError(f"Policy.{what}: expected non-empty strings (substrings of layer names), found {p!r}")
     return out
 
+# %% ../nbs/12_policy.ipynb #c9ba58b4
 def _overrides(v) -> tuple:
     out = []
     for o in v or ():
@@ -383,13 +414,16 @@ def _overrides(v) -> tuple:
         o = tuple(o)
         if len(o) == 2: o = o + ({},)
         pat, fmt, opts = o if len(o) == 3 else (None, None, None)
-        if not isinstance(pat, str) or not pat or not (fmt is None or isinstance(fmt, str)) or not isinstance(opts, (Mapping, tuple)):
+        ok = isinstance(pat, str) and pat and (fmt is None or isinstance(fmt, str)) and isinstance(opts, (Mapping, tuple))
+        if not ok:
             raise ValueError(f"Policy.overrides: expected (pattern, format or None, options) items, found {o!r}")
         opts = tuple(sorted(dict(opts).items()))
-        if fmt is None and opts: raise ValueError(f"Policy.overrides: options {dict(opts)} given for pattern {pat!r} kept float")
+        if fmt is None and opts:
+            raise ValueError(f"Policy.overrides: options {dict(opts)} given for pattern {pat!r} kept float")
         out.append((pat, fmt, opts))
     return tuple(out)
 
+# %% ../nbs/12_policy.ipynb #c3830509
 @dataclass(frozen=True)
 class Decision:
     "What a policy decided for one layer."
@@ -405,8 +439,10 @@ class Decision:
         return dict(format=self.format, config=self.config, options=self.options, label=self.label, tier=self.tier,
                     shape=list(self.shape), reason=self.reason)
 
+# %% ../nbs/12_policy.ipynb #111005e4
 def _float(reason, tier, shape) -> Decision: return Decision(None, None, reason, {}, 'float', tier, tuple(shape))
 
+# %% ../nbs/12_policy.ipynb #6f2c328a
 def _take(choice:Choice, reason:str, tier:str, shape) -> Decision:
     return Decision(choice.format, choice.config(), reason, choice.opts, choice.label, tier, tuple(shape))
 
@@ -415,6 +451,7 @@ def _db(e:float) -> float:
     "A relative error energy in dB (SQNR): -10·log10(e)."
     return math.inf if e == 0 else -10 * math.log10(e) if e > 0 and math.isfinite(e) else -math.inf
 
+# %% ../nbs/12_policy.ipynb #027cf082
 @torch.no_grad()
 def layer_errors(w:torch.Tensor, # float weight [N, K] (quantized in its own dtype)
                  choices, # the `Choice`s to measure
@@ -448,31 +485,18 @@ class Policy:
     selection: str = 'structural'       # 'structural' (the Toolkit's nested order) or 'measured' (worst layers first)
     overrides: tuple = ()               # ((pattern, format or None, options), ...): first match wins
 
-    def __post_init__(self):
-        s = lambda k, v: object.__setattr__(self, k, v)
-        if self.mode not in MODES: raise ValueError(f"Policy.mode: expected one of {list(MODES)}, found {self.mode!r}")
-        s('preset', canonical_preset(self.preset))
-        r = self.int4_mixed_ratio
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0 <= r <= 1:
-            raise ValueError(f"Policy.int4_mixed_ratio: expected a number in [0, 1], found {r!r}")
-        s('int4_mixed_ratio', float(r))
-        s('keep_float', _patterns(self.keep_float, 'keep_float'))
-        s('int4_sensitive', _patterns(self.int4_sensitive, 'int4_sensitive'))
-        if self.selection not in SELECTIONS: raise ValueError(f"Policy.selection: expected one of {list(SELECTIONS)}, found {self.selection!r}")
-        s('overrides', _overrides(self.overrides))
+    def __post_init__(self): _validate(self)
 
     # plain data
     def to_dict(self) -> dict:
-        return dict(mode=self.mode, preset=self.preset, int4_mixed_ratio=self.int4_mixed_ratio, keep_float=list(self.keep_float),
-                    int4_sensitive=list(self.int4_sensitive), selection=self.selection,
+        "The policy as plain data (JSON-ready)."
+        return dict(mode=self.mode, preset=self.preset, int4_mixed_ratio=self.int4_mixed_ratio,
+                    keep_float=list(self.keep_float), int4_sensitive=list(self.int4_sensitive), selection=self.selection,
                     overrides=[dict(pattern=p, format=f, options=dict(o)) for p, f, o in self.overrides])
     @classmethod
     def from_dict(cls, d:Mapping) -> 'Policy':
-        if not isinstance(d, Mapping): raise ValueError(f"Policy.from_dict: expected an object, found {type(d).__name__}")
-        known = {'mode', 'preset', 'int4_mixed_ratio', 'keep_float', 'int4_sensitive', 'selection', 'overrides'}
-        extra = sorted(set(d) - known)
-        if extra: raise ValueError(f"Policy.from_dict: unknown field(s) {extra}; expected some of {sorted(known)}")
-        return cls(**d)
+        "The policy of `to_dict`'s data (unknown fields refused)."
+        return cls(**_policy_fields(d))
     def to_json(self, indent=None) -> str: return json.dumps(self.to_dict(), indent=indent)
     @classmethod
     def from_json(cls, s:str) -> 'Policy':
@@ -482,88 +506,128 @@ class Policy:
 
     def resolve_preset(self, names, shapes=None) -> tuple:
         "(preset name, keep_float [(pattern, source)], int4_sensitive patterns, note) for a model with these module names."
-        note = ''
-        if self.preset == 'auto':
-            found, scores = detect_preset(names, shapes)
-            if found is None:
-                best = sorted(((v, k) for k, v in scores.items() if v), reverse=True)[:3]
-                warnings.warn(f"auto preset: no architecture recognised (no preset scores 2 markers{'; best ' + str([(k, v) for v, k in best]) if best else ''}); "
-                              f"using the conservative union of every preset ({len(CONSERVATIVE.keep_float)} keep_float and "
-                              f"{len(CONSERVATIVE.int4_sensitive)} int4_sensitive patterns)", PolicyWarning, stacklevel=4)
-                p, note = CONSERVATIVE, 'auto: no architecture recognised'
-            else: p, note = PRESETS[found], f'auto-detected {found}'
-        else: p = CONSERVATIVE if self.preset == 'auto-conservative' else PRESETS[self.preset]
-        keep = list(dict.fromkeys([(k, f'preset {p.name}') for k in p.keep_float]))
-        keep += [(k, 'user') for k in self.keep_float if k not in p.keep_float]
-        return p.name, keep, _dedup(p.int4_sensitive + self.int4_sensitive), note
+        return _resolve_preset(self, names, shapes)
 
     def plan(self, layers, # {name: (out, in)}, a state dict, a Checkpoint, a safetensors path, or an nn.Module
              calibration=None, # measured selection: {name: inputs [..., K]}, or batches for an nn.Module
             ) -> 'Plan':
         "The decision for every weight of `layers`, in model order."
         src = layer_source(layers)
-        try: return self._plan(src, calibration, layers if isinstance(layers, nn.Module) else None)
+        try: return _plan(self, src, calibration, layers if isinstance(layers, nn.Module) else None)
         finally:
             if src is not layers: src.close()
 
-    def _plan(self, src:LayerSource, calibration, model) -> 'Plan':
-        mode = MODES[self.mode]
-        preset, keep, sens, note = self.resolve_preset(src.names, {n: i.shape for n, i in src.infos.items()})
-        out, pending, cands = {}, [], []
-        for name, info in src.infos.items():
-            why = ineligible(info)
-            if why is not None: out[name] = _float(why, 'ineligible', info.shape); continue
-            ov = next((o for o in self.overrides if o[0] in name), None)
-            if ov is not None: out[name] = self._override(name, info, ov); continue
-            k = next(((p, s) for p, s in keep if p in name), None)
-            if k is not None: out[name] = _float(f"keep_float pattern {k[0]!r} ({k[1]})", 'keep_float', info.shape); continue
-            out[name] = None; pending.append(name)
-            if mode.budget and mode.chain[0].check(info.shape, name + '.') is None: cands.append(name)
-        budget = self._budget(mode, cands, sens, src, calibration, model)
-        for name in pending:
-            info, sel = src.infos[name], budget['why'].get(name)
-            in_budget = name in budget['chosen']
-            out[name] = _walk(mode.budget if in_budget else mode.chain, info, name, self.mode, sel, in_budget)
-        for name, d in out.items():
-            if d.format is None and src.infos[name].source_format and d.tier != 'ineligible':
-                out[name] = replace(d, reason=d.reason + f"; kept as stored ({src.infos[name].source_format})")
-        idx = {n: i for i, n in enumerate(src.infos)}
-        budget.pop('why'); budget['chosen'] = sorted(budget['chosen'], key=idx.__getitem__)
-        return Plan(out, self, preset, [k for k, _ in keep], sens, note, budget)
+# %% ../nbs/12_policy.ipynb #be7243c4
+def _validate(p:Policy):
+    "Check and normalise the fields of the frozen `p` in place."
+    s = lambda k, v: object.__setattr__(p, k, v)
+    if p.mode not in MODES: raise ValueError(f"Policy.mode: expected one of {list(MODES)}, found {p.mode!r}")
+    s('preset', canonical_preset(p.preset))
+    r = p.int4_mixed_ratio
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not 0 <= r <= 1:
+        raise ValueError(f"Policy.int4_mixed_ratio: expected a number in [0, 1], found {r!r}")
+    s('int4_mixed_ratio', float(r))
+    s('keep_float', _patterns(p.keep_float, 'keep_float'))
+    s('int4_sensitive', _patterns(p.int4_sensitive, 'int4_sensitive'))
+    if p.selection not in SELECTIONS:
+        raise ValueError(f"Policy.selection: expected one of {list(SELECTIONS)}, found {p.selection!r}")
+    s('overrides', _overrides(p.overrides))
 
-    def _override(self, name, info, ov) -> Decision:
-        pat, fmt, opts = ov
-        if fmt is None: return _float(f"override {pat!r}: keep float", 'override', info.shape)
-        c = Choice(fmt, fmt, opts)
-        msg = c.check(info.shape, name + '.')
-        if msg is not None: raise QuantFormatError(f"Policy override {pat!r} asks for {fmt} on {name!r} {tuple(info.shape)}, which does not fit: {msg}")
-        return _take(c, f"override {pat!r}", 'override', info.shape)
+def _policy_fields(d:Mapping) -> Mapping:
+    "`d` checked to be a mapping of `Policy` fields."
+    if not isinstance(d, Mapping): raise ValueError(f"Policy.from_dict: expected an object, found {type(d).__name__}")
+    known = {'mode', 'preset', 'int4_mixed_ratio', 'keep_float', 'int4_sensitive', 'selection', 'overrides'}
+    extra = sorted(set(d) - known)
+    if extra: raise ValueError(f"Policy.from_dict: unknown field(s) {extra}; expected some of {sorted(known)}")
+    return d
 
-    def _budget(self, mode:Mode, cands:list, sens:tuple, src:LayerSource, calibration, model) -> dict:
-        ratio = self.int4_mixed_ratio if mode.budget else 0.0
-        N = len(cands); target = budget_target(N, ratio)
-        b = dict(mode=mode.name, ratio=ratio, selection=self.selection, candidates=N, target=target, chosen=set(), why={},
-                 priority=list(sens))
-        if not mode.budget or not N: return b
-        if self.selection == 'structural':
-            order = budget_order(cands, sens)
-            for i, (n, blk) in enumerate(order):
-                pat = _match(n, sens)
-                how = f"int4_sensitive {pat!r}" if pat else 'spread over depth'
-                b['why'][n] = (f"INT8 budget: {blk}, {how}, order {i + 1}/{N}" if i < target else f"outside the INT8 budget (order {i + 1}/{N})")
-            b['chosen'] = {n for n, _ in order[:target]}
-            b['order'] = [n for n, _ in order]
-            return b
-        low, high = mode.chain[0], mode.budget[0]
-        errs = measure_layers(src, cands, low, high, calibration, model)
-        order = sorted(cands, key=lambda n: (-(errs[n]['low'] - errs[n]['high']), cands.index(n)))
-        for i, n in enumerate(order):
-            e = errs[n]
-            m = f"{e['metric']} SQNR {low.label} {_db(e['low']):.1f} dB, {high.label} {_db(e['high']):.1f} dB"
-            b['why'][n] = (f"INT8 budget: measured rank {i + 1}/{N} ({m})" if i < target else f"outside the INT8 budget (measured rank {i + 1}/{N}, {m})")
-        b['chosen'], b['order'], b['measurements'] = set(order[:target]), order, errs
+# %% ../nbs/12_policy.ipynb #190caf3d
+def _resolve_preset(policy:Policy, names, shapes=None) -> tuple:
+    "`Policy.resolve_preset`."
+    note = ''
+    if policy.preset == 'auto':
+        found, scores = detect_preset(names, shapes)
+        if found is None:
+            best = sorted(((v, k) for k, v in scores.items() if v), reverse=True)[:3]
+            warnings.warn(f"auto preset: no architecture recognised (no preset scores 2 markers"
+                          f"{'; best ' + str([(k, v) for v, k in best]) if best else ''}); "
+                          f"using the conservative union of every preset ({len(CONSERVATIVE.keep_float)} keep_float and "
+                          f"{len(CONSERVATIVE.int4_sensitive)} int4_sensitive patterns)", PolicyWarning, stacklevel=4)
+            p, note = CONSERVATIVE, 'auto: no architecture recognised'
+        else: p, note = PRESETS[found], f'auto-detected {found}'
+    else: p = CONSERVATIVE if policy.preset == 'auto-conservative' else PRESETS[policy.preset]
+    keep = list(dict.fromkeys([(k, f'preset {p.name}') for k in p.keep_float]))
+    keep += [(k, 'user') for k in policy.keep_float if k not in p.keep_float]
+    return p.name, keep, _dedup(p.int4_sensitive + policy.int4_sensitive), note
+
+# %% ../nbs/12_policy.ipynb #08b768da
+def _plan(policy:Policy, src:LayerSource, calibration, model) -> Plan:
+    "`Policy.plan` on a `LayerSource` (`model`: the nn.Module it came from, for calibration batches)."
+    mode = MODES[policy.mode]
+    preset, keep, sens, note = _resolve_preset(policy, src.names, {n: i.shape for n, i in src.infos.items()})
+    out, pending, cands = {}, [], []
+    for name, info in src.infos.items():
+        why = ineligible(info)
+        if why is not None: out[name] = _float(why, 'ineligible', info.shape); continue
+        ov = next((o for o in policy.overrides if o[0] in name), None)
+        if ov is not None: out[name] = _override(name, info, ov); continue
+        k = next(((p, s) for p, s in keep if p in name), None)
+        if k is not None: out[name] = _float(f"keep_float pattern {k[0]!r} ({k[1]})", 'keep_float', info.shape); continue
+        out[name] = None; pending.append(name)
+        if mode.budget and mode.chain[0].check(info.shape, name + '.') is None: cands.append(name)
+    budget = _budget(policy, mode, cands, sens, src, calibration, model)
+    for name in pending:
+        info, sel = src.infos[name], budget['why'].get(name)
+        in_budget = name in budget['chosen']
+        out[name] = _walk(mode.budget if in_budget else mode.chain, info, name, policy.mode, sel, in_budget)
+    for name, d in out.items():
+        if d.format is None and src.infos[name].source_format and d.tier != 'ineligible':
+            out[name] = replace(d, reason=d.reason + f"; kept as stored ({src.infos[name].source_format})")
+    idx = {n: i for i, n in enumerate(src.infos)}
+    budget.pop('why'); budget['chosen'] = sorted(budget['chosen'], key=idx.__getitem__)
+    return Plan(out, policy, preset, [k for k, _ in keep], sens, note, budget)
+
+# %% ../nbs/12_policy.ipynb #b1f1e62d
+def _override(name, info, ov) -> Decision:
+    pat, fmt, opts = ov
+    if fmt is None: return _float(f"override {pat!r}: keep float", 'override', info.shape)
+    c = Choice(fmt, fmt, opts)
+    msg = c.check(info.shape, name + '.')
+    if msg is not None:
+        raise QuantFormatError(f"Policy override {pat!r} asks for {fmt} on {name!r} {tuple(info.shape)}, "
+                               f"which does not fit: {msg}")
+    return _take(c, f"override {pat!r}", 'override', info.shape)
+
+# %% ../nbs/12_policy.ipynb #5ca450fe
+def _budget(policy:Policy, mode:Mode, cands:list, sens:tuple, src:LayerSource, calibration, model) -> dict:
+    "The INT8 budget of a plan: its counts, the chosen layers and, per candidate, why (`why`)."
+    ratio = policy.int4_mixed_ratio if mode.budget else 0.0
+    N = len(cands); target = budget_target(N, ratio)
+    b = dict(mode=mode.name, ratio=ratio, selection=policy.selection, candidates=N, target=target, chosen=set(), why={},
+             priority=list(sens))
+    if not mode.budget or not N: return b
+    if policy.selection == 'structural':
+        order = budget_order(cands, sens)
+        for i, (n, blk) in enumerate(order):
+            pat = _match(n, sens)
+            how = f"int4_sensitive {pat!r}" if pat else 'spread over depth'
+            b['why'][n] = (f"INT8 budget: {blk}, {how}, order {i + 1}/{N}" if i < target
+                           else f"outside the INT8 budget (order {i + 1}/{N})")
+        b['chosen'] = {n for n, _ in order[:target]}
+        b['order'] = [n for n, _ in order]
         return b
+    low, high = mode.chain[0], mode.budget[0]
+    errs = measure_layers(src, cands, low, high, calibration, model)
+    order = sorted(cands, key=lambda n: (-(errs[n]['low'] - errs[n]['high']), cands.index(n)))
+    for i, n in enumerate(order):
+        e = errs[n]
+        m = f"{e['metric']} SQNR {low.label} {_db(e['low']):.1f} dB, {high.label} {_db(e['high']):.1f} dB"
+        b['why'][n] = (f"INT8 budget: measured rank {i + 1}/{N} ({m})" if i < target
+                       else f"outside the INT8 budget (measured rank {i + 1}/{N}, {m})")
+    b['chosen'], b['order'], b['measurements'] = set(order[:target]), order, errs
+    return b
 
+# %% ../nbs/12_policy.ipynb #fb524e25
 def _short(msg:str, prefix:str='') -> str:
     "A registry message `'<where>': expected E, found F` shortened to `<key>: F; expected E` (the layer is named elsewhere)."
     m = re.match(r"^'(.*?)': expected (.*), found (.*)$", msg, re.S)
@@ -571,6 +635,7 @@ def _short(msg:str, prefix:str='') -> str:
     where = m.group(1)[len(prefix):] if m.group(1).startswith(prefix) else m.group(1)
     return f"{where}: {m.group(3)}; expected {m.group(2)}"
 
+# %% ../nbs/12_policy.ipynb #4d55f8dc
 def _walk(chain, info:LayerInfo, name:str, mode:str, why:str|None, in_budget:bool) -> Decision:
     "The first choice of `chain` that fits `info.shape` (asking the registry), with the reason."
     first = None
@@ -585,6 +650,7 @@ def _walk(chain, info:LayerInfo, name:str, mode:str, why:str|None, in_budget:boo
         first = first or msg
     return _float(f"{mode}: no format fits: {first}", 'no_fit', info.shape)
 
+# %% ../nbs/12_policy.ipynb #1edc7215
 def measure_layers(src, # a LayerSource (or anything `layer_source` accepts) with weights
                    names, # layers to measure
                    low:Choice, high:Choice, # the two choices the budget decides between
@@ -593,9 +659,12 @@ def measure_layers(src, # a LayerSource (or anything `layer_source` accepts) wit
                   ) -> dict: # {name: {'low', 'high', 'metric'}}
     "Measured relative error energy of each layer under `low` and `high` (output error where inputs are known)."
     src = layer_source(src)
-    if not src.has_weights: raise ValueError("selection='measured' needs the weights: plan a state dict, a checkpoint path or an nn.Module, not shapes")
+    if not src.has_weights:
+        raise ValueError("selection='measured' needs the weights: plan a state dict, a checkpoint path or an nn.Module, "
+                         "not shapes")
     if calibration is not None and not isinstance(calibration, Mapping):
-        if model is None: raise ValueError("calibration batches need the model; with a state dict or file pass {layer name: inputs}")
+        if model is None:
+            raise ValueError("calibration batches need the model; with a state dict or file pass {layer name: inputs}")
         calibration = collect_inputs(model, calibration, set(names))
     missing = [n for n in names if calibration is not None and n not in calibration]
     if missing: warnings.warn(f"measured selection: no calibration inputs for {len(missing)} layer(s) (e.g. {missing[:3]}); "
@@ -610,11 +679,14 @@ def measure_layers(src, # a LayerSource (or anything `layer_source` accepts) wit
 # %% ../nbs/12_policy.ipynb #e3451bc0
 def _shape_str(s) -> str: return 'x'.join(str(d) for d in s) if s else '-'
 
+# %% ../nbs/12_policy.ipynb #8e8815ab
 class Plan(dict):
     "`{layer name: Decision}` in model order, with the policy, resolved preset and INT8 budget that produced it."
-    def __init__(self, decisions:dict, policy:Policy, preset:str, keep_float:list, int4_sensitive:tuple, note:str, budget:dict):
+    def __init__(self, decisions:dict, policy:Policy, preset:str, keep_float:list, int4_sensitive:tuple, note:str,
+                 budget:dict):
         super().__init__(decisions)
-        self.policy, self.preset, self.keep_float, self.int4_sensitive, self.note, self.budget = policy, preset, keep_float, int4_sensitive, note, budget
+        self.policy, self.preset, self.keep_float, self.int4_sensitive = policy, preset, keep_float, int4_sensitive
+        self.note, self.budget = note, budget
 
     def counts(self) -> dict:
         "Number of layers per label (INT8, W4A4, float, ...)."
@@ -628,24 +700,40 @@ class Plan(dict):
 
     def summary(self) -> str:
         p, b = self.policy, self.budget
-        s = f"mode {p.mode}, preset {p.preset}" + (f" -> {self.preset}" if self.preset != p.preset else '') + (f" ({self.note})" if self.note else '')
+        s = (f"mode {p.mode}, preset {p.preset}" + (f" -> {self.preset}" if self.preset != p.preset else '')
+             + (f" ({self.note})" if self.note else ''))
         if MODES[p.mode].budget:
-            s += f"; INT8 budget {b['target']} of {b['candidates']} W4-compatible layers (ratio {b['ratio']:g}, {b['selection']})"
+            s += (f"; INT8 budget {b['target']} of {b['candidates']} W4-compatible layers "
+                  f"(ratio {b['ratio']:g}, {b['selection']})")
         return s + '; ' + ', '.join(f"{k} {v}" for k, v in sorted(self.counts().items()))
 
     def table(self, width:int=110) -> str:
         "The plan as a text table: layer, shape, format, reason (reasons cut to fit `width`)."
-        n = max([len('layer')] + [len(k) for k in self])
-        rows = [f"{'layer':<{n}}  {'shape':>11}  {'format':<12}  reason", '-' * (n + 29 + min(width, max([6] + [len(d.reason) for d in self.values()])))]
-        for k, d in self.items():
-            r = d.reason if len(d.reason) <= width else d.reason[:width - 3] + '...'
-            rows.append(f"{k:<{n}}  {_shape_str(d.shape):>11}  {d.label:<12}  {r}")
-        return '\n'.join(rows + ['', self.summary()])
+        return _plan_table(self, width)
 
     def to_dict(self) -> dict:
-        b = {k: v for k, v in self.budget.items() if k != 'measurements'}
-        if 'measurements' in self.budget: b['measurements'] = {n: {**e, 'low_db': _db(e['low']), 'high_db': _db(e['high'])} for n, e in self.budget['measurements'].items()}
-        return dict(policy=self.policy.to_dict(), preset=self.preset, note=self.note, keep_float=list(self.keep_float),
-                    int4_sensitive=list(self.int4_sensitive), budget=b, layers={k: d.to_dict() for k, d in self.items()})
+        "The plan as JSON-ready data: policy, resolved preset, budget (measurements in dB too), decisions."
+        return _plan_dict(self)
 
     def __repr__(self): return self.table()
+
+# %% ../nbs/12_policy.ipynb #827a42ad
+def _plan_table(plan:Plan, width:int=110) -> str:
+    "`Plan.table`."
+    n = max([len('layer')] + [len(k) for k in plan])
+    rule = '-' * (n + 29 + min(width, max([6] + [len(d.reason) for d in plan.values()])))
+    rows = [f"{'layer':<{n}}  {'shape':>11}  {'format':<12}  reason", rule]
+    for k, d in plan.items():
+        r = d.reason if len(d.reason) <= width else d.reason[:width - 3] + '...'
+        rows.append(f"{k:<{n}}  {_shape_str(d.shape):>11}  {d.label:<12}  {r}")
+    return '\n'.join(rows + ['', plan.summary()])
+
+# %% ../nbs/12_policy.ipynb #23f99a4e
+def _plan_dict(plan:Plan) -> dict:
+    "`Plan.to_dict`."
+    b = {k: v for k, v in plan.budget.items() if k != 'measurements'}
+    if 'measurements' in plan.budget:
+        b['measurements'] = {n: {**e, 'low_db': _db(e['low']), 'high_db': _db(e['high'])}
+                             for n, e in plan.budget['measurements'].items()}
+    return dict(policy=plan.policy.to_dict(), preset=plan.preset, note=plan.note, keep_float=list(plan.keep_float),
+                int4_sensitive=list(plan.int4_sensitive), budget=b, layers={k: d.to_dict() for k, d in plan.items()})
