@@ -515,7 +515,6 @@ def plot_error_map(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
                   ): # matplotlib Figure
     "Heatmap of the per-block error (rows x blocks) beside the per-row profile of the same metric."
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
     a = _analysis(w, fmt, opts, max_elems)
     K = a.shape[1]
     own = a.block
@@ -539,13 +538,19 @@ def plot_error_map(w, # an `Analysis`, or a 2-D weight (then give `fmt`)
     if a.sampled:
         ticks = [int(t) for t in torch.linspace(0, len(a.w) - 1, min(6, len(a.w))).round()]
         ax.set_yticks(ticks, [str(a.row_index(t)) for t in ticks])
-    pr = torch.where(torch.isfinite(per_row), per_row, math.nan).numpy()
-    ax2.plot(pr, range(len(pr)), color='C0', lw=0.8)
-    ax2.set_title('per row', fontsize=10); ax2.set_xlabel(what)
-    ax2.xaxis.set_major_locator(MaxNLocator(nbins=3))         # a narrow panel: a few ticks, small labels
-    ax2.tick_params(axis='x', labelsize=7)
-    ax2.grid(alpha=0.3)
+    _per_row_panel(ax2, per_row, what)
     return fig
+
+# %% ../nbs/14_explore.ipynb #a868e8e0
+def _per_row_panel(ax, per_row:torch.Tensor, what:str):
+    "The narrow panel of `plot_error_map`: the metric of each whole row."
+    from matplotlib.ticker import MaxNLocator
+    pr = torch.where(torch.isfinite(per_row), per_row, math.nan).numpy()
+    ax.plot(pr, range(len(pr)), color='C0', lw=0.8)
+    ax.set_title('per row', fontsize=10); ax.set_xlabel(what)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=3))         # a narrow panel: a few ticks, small labels
+    ax.tick_params(axis='x', labelsize=7)
+    ax.grid(alpha=0.3)
 
 # %% ../nbs/14_explore.ipynb #aec4376f
 def _kitchen():
@@ -706,26 +711,10 @@ def plot_convrot(w, # 2-D float weight
     wr = rotate(w, group)
     before, after = _int_rows(w, bits), rotate(_int_rows(wr, bits), group)
     db_b, db_a = block_error(w, before, K, 'sqnr')[:, 0], block_error(w, after, K, 'sqnr')[:, 0]
-    qmax = 2 ** (bits - 1) - 1
     fig, (a0, a1, a2) = plt.subplots(1, 3, figsize=figsize, gridspec_kw={'width_ratios': [1.3, 1, 1]})
     plt.close(fig)
-    g0 = col // group * group
-    a0.axvspan(g0, g0 + group, color='C2', alpha=0.12, label=f'rotation group of channel {col}')
-    a0.plot(w[row].abs().numpy(), color='C3', lw=0.7, label='before')
-    a0.plot(wr[row].abs().numpy(), color='C0', lw=0.7, label=f'after ConvRot {group}')
-    a0.set_yscale('log'); a0.set_xlabel('input channel'); a0.set_ylabel('|value|')
-    sd = float(w.std())
-    a0.set_title(f"row {row}: channel {col} is {float(w[row, col].abs()) / sd:.0f} σ; row max "
-                 f"{float(w[row].abs().max()):.3g} → {float(wr[row].abs().max()):.3g}", fontsize=9)
-    a0.legend(fontsize=7)
-    ub, ua = w[row] / w[row].abs().max(), wr[row] / wr[row].abs().max()
-    lv_b = len(torch.unique((ub * qmax).round())); lv_a = len(torch.unique((ua * qmax).round()))
-    a1.hist(ub.numpy(), bins=101, range=(-1, 1), color='C3', alpha=0.6, label=f'before: {lv_b} levels used')
-    a1.hist(ua.numpy(), bins=101, range=(-1, 1), color='C0', alpha=0.6, label=f'after: {lv_a} levels used')
-    a1.vlines((torch.arange(-qmax, qmax + 1) / qmax).numpy(), 0, 1, transform=a1.get_xaxis_transform(), colors='0.4',
-              lw=0.4)
-    a1.set_yscale('log'); a1.set_xlabel('value / row max'); a1.legend(fontsize=7)
-    a1.set_title(f"row {row} vs the int{bits} levels (grey)", fontsize=9)
+    _convrot_row_panel(a0, w, wr, row, col, group)
+    _convrot_levels_panel(a1, w, wr, row, bits)
     a2.plot(db_b.numpy(), color='C3', lw=0.8, label=f'before (mean {float(db_b[torch.isfinite(db_b)].mean()):.1f} dB)')
     a2.plot(db_a.numpy(), color='C0', lw=0.8, label=f'after (mean {float(db_a[torch.isfinite(db_a)].mean()):.1f} dB)')
     a2.axvline(row, color='C2', lw=0.6)
@@ -733,6 +722,32 @@ def plot_convrot(w, # 2-D float weight
     a2.set_title(f"per-row int{bits}: row {row} {float(db_b[row]):.1f} → {float(db_a[row]):.1f} dB", fontsize=9)
     fig.tight_layout()
     return fig
+
+# %% ../nbs/14_explore.ipynb #e565a9d8
+def _convrot_row_panel(ax, w:torch.Tensor, wr:torch.Tensor, row:int, col:int, group:int):
+    "The first panel of `plot_convrot`: the magnitudes of row `row` before and after the rotation."
+    g0 = col // group * group
+    ax.axvspan(g0, g0 + group, color='C2', alpha=0.12, label=f'rotation group of channel {col}')
+    ax.plot(w[row].abs().numpy(), color='C3', lw=0.7, label='before')
+    ax.plot(wr[row].abs().numpy(), color='C0', lw=0.7, label=f'after ConvRot {group}')
+    ax.set_yscale('log'); ax.set_xlabel('input channel'); ax.set_ylabel('|value|')
+    sd = float(w.std())
+    ax.set_title(f"row {row}: channel {col} is {float(w[row, col].abs()) / sd:.0f} σ; row max "
+                 f"{float(w[row].abs().max()):.3g} → {float(wr[row].abs().max()):.3g}", fontsize=9)
+    ax.legend(fontsize=7)
+
+# %% ../nbs/14_explore.ipynb #e54cc70b
+def _convrot_levels_panel(ax, w:torch.Tensor, wr:torch.Tensor, row:int, bits:int):
+    "The second panel of `plot_convrot`: row `row` scaled to its max, before and after, against the int levels."
+    qmax = 2 ** (bits - 1) - 1
+    ub, ua = w[row] / w[row].abs().max(), wr[row] / wr[row].abs().max()
+    lv_b = len(torch.unique((ub * qmax).round())); lv_a = len(torch.unique((ua * qmax).round()))
+    ax.hist(ub.numpy(), bins=101, range=(-1, 1), color='C3', alpha=0.6, label=f'before: {lv_b} levels used')
+    ax.hist(ua.numpy(), bins=101, range=(-1, 1), color='C0', alpha=0.6, label=f'after: {lv_a} levels used')
+    ax.vlines((torch.arange(-qmax, qmax + 1) / qmax).numpy(), 0, 1, transform=ax.get_xaxis_transform(), colors='0.4',
+              lw=0.4)
+    ax.set_yscale('log'); ax.set_xlabel('value / row max'); ax.legend(fontsize=7)
+    ax.set_title(f"row {row} vs the int{bits} levels (grey)", fontsize=9)
 
 # %% ../nbs/14_explore.ipynb #1a9e623f
 def _checkpoint(source):
