@@ -455,6 +455,7 @@ def _to_copy(func, args, kwargs):
     if kwargs.get('dtype') is not None: params = replace(params, orig_dtype=kwargs['dtype'])
     return qt._with(qdata=move(qt._qdata), params=params)
 
+# %% ../nbs/01_tensor.ipynb #ade3234c
 @implements([aten.t.default, aten.transpose.int])
 def _transpose(func, args, kwargs):
     qt = args[0]
