@@ -261,8 +261,8 @@ MODES: dict[str, Mode] = {m.name: m for m in [
     Mode('int4_full', (_W4A4, _INT8), doc='ConvRot W4A4 wherever it fits, else per-row INT8'),
     Mode('w4a8', (_W4A8, _INT8), doc='asymmetric 4-bit weights with INT8 ConvRot activations, else per-row INT8'),
     Mode('fp8', (_FP8,), doc='float8_e4m3fn with a per-tensor scale'),
-    Mode('nvfp4', (_NVFP4, _FP8), doc='NVFP4 (E2M1 blocks of 16), else FP8'),
-    Mode('mxfp8', (_MXFP8, _FP8), doc='MXFP8 (E4M3 blocks of 32), else FP8'),
+    Mode(NVFP4.name, (_NVFP4, _FP8), doc='NVFP4 (E2M1 blocks of 16), else FP8'),
+    Mode(MXFP8.name, (_MXFP8, _FP8), doc='MXFP8 (E4M3 blocks of 32), else FP8'),
 ]}
 
 # %% ../nbs/12_policy.ipynb #269c933b

@@ -1,6 +1,6 @@
 """Architecture rules of issue 15: every per-format fact lives in the format's declaration, and nothing outside
 the format modules tests a format's name."""
-import ast
+import ast, inspect
 from pathlib import Path
 import pytest
 import torch
@@ -12,11 +12,7 @@ from cquant.formats import format_module_names
 PKG = Path(cq.__file__).parent
 FORMAT_MODULES = {f'{m}.py' for m in format_module_names()} | {'tensor.py', '_modidx.py'}   # found by their declarations
 # (file, top-level name assigned) -> why a format name may appear there as a string constant
-ALLOWED = {
-    # the CLI's mode names 'nvfp4' and 'mxfp8' are mode vocabulary (data) that happen to equal their format's name;
-    # each mode's formats are named through the format declarations (NVFP4.name, ...), never as strings
-    ('policy.py', 'MODES'),
-}
+ALLOWED = set()      # none: the policy modes named after a format take the name from its declaration (NVFP4.name)
 
 
 def _assigned(stmt) -> set:
@@ -215,3 +211,29 @@ def test_the_import_checks_find_violations(tmp_path):
     assert cycles(g) == ['checkpoint -> tensor -> checkpoint', 'fp8 -> int8 -> fp8']
     assert upward(g) == ['fp8 -> __init__ (formats imports package)', 'tensor -> checkpoint (core imports checkpoint and modules)']
     assert inner == ['checkpoint.py:4: policy']
+
+
+# ---- Issue 15, third rule: `import cquant as cq` shows the public API ----
+# SPEC §2 (and the §4 names that exist so far): the contract that checks outside the project call
+SPEC_NAMES = ('FORMATS', 'quantize', 'QuantizedTensor', 'encode_json', 'decode_json', 'load_quantized', 'load_file',
+              'save_file', 'quantize_checkpoint', 'Policy', 'load_quantized_model')
+
+
+def public_names(mod=cq) -> set:
+    "The names `dir(mod)` shows a user, less the submodules."
+    return {n for n in dir(mod) if not n.startswith('_') and not inspect.ismodule(getattr(mod, n))}
+
+
+def test_public_api_is_small_and_complete():
+    names = public_names()
+    assert not [n for n in SPEC_NAMES if n not in names]
+    internals = sorted(n for n in names if n.startswith(('cmd_', 'add_', 'check_')) or n.endswith('_parser'))
+    assert not internals, f'CLI internals and argument checkers in cq.: {internals}'
+    assert len(names) <= 200, f'{len(names)} public names: trim the modules\' __all__ (#| exporti for helpers)'
+
+
+def test_every_public_name_is_documented():
+    "Each public function and class carries a docstring (what `doc(cq.x)` shows)."
+    bare = sorted(n for n in public_names() if callable(o := getattr(cq, n)) and (inspect.isfunction(o) or inspect.isclass(o))
+                  and o.__module__.startswith('cquant') and not inspect.getdoc(o))
+    assert not bare, f'public names without a docstring: {bare}'
