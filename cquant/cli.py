@@ -11,6 +11,7 @@ __all__ = ['cmd_inspect', 'add_inspect_parser', 'policy_from_args', 'cmd_quantiz
 
 # %% ../nbs/20_cli.ipynb #a82e8daa
 import argparse, json, os, signal, sys, threading, warnings
+from pathlib import Path
 from ._version import __version__
 from .formats import FORMATS
 from .checkpoint import format_inspect, inspect_checkpoint, load_file, open_checkpoint
@@ -142,7 +143,7 @@ def add_report_parser(subparsers):
 def cmd_demo(args) -> int:
     "Run `cquant demo`."
     paths = demo(args.out, args.source, progress=not args.quiet, file=sys.stderr if args.json else None)
-    if args.json: print(json.dumps({**paths, 'totals': json.load(open(paths['report']))['totals']}, indent=1))
+    if args.json: print(json.dumps({**paths, 'totals': json.loads(Path(paths['report']).read_text())['totals']}, indent=1))
     return 0
 
 def add_demo_parser(subparsers):
