@@ -60,7 +60,7 @@ def _add_output_args(p, json_help:str='print the result as JSON on stdout (nothi
 def policy_from_args(args) -> Policy:
     "The `Policy` of parsed CLI arguments (`--policy FILE` wins over the individual options)."
     if getattr(args, 'policy', None):
-        text = open(args.policy).read() if os.path.exists(args.policy) else args.policy
+        text = Path(args.policy).read_text() if os.path.exists(args.policy) else args.policy
         return Policy.from_json(text)
     return Policy(args.mode, args.preset, args.ratio, tuple(args.keep_float), tuple(args.int4_sensitive), args.selection)
 

@@ -150,7 +150,7 @@ class Report:
     @classmethod
     def load(cls, path) -> 'Report':
         "Read a report written by `save`."
-        d = json.load(open(path))
+        with open(path) as f: d = json.load(f)
         inf = lambda r: {**r, 'sqnr_db': math.inf if r.get('sqnr_db') is None and r.get('format') is None else r.get('sqnr_db')}
         return cls(d['src'], d['dst'], [inf(r) for r in d['layers']], d['totals'], d['policy'], d['summary'], d['seconds'], d['kind'])
 
