@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/checkpoint.html.md"""
 
 # %% ../nbs/10_checkpoint.ipynb #4006f88f
 from __future__ import annotations
-import json, math, os, struct, tempfile, textwrap, warnings
+import errno, itertools, json, math, os, re, socket, struct, tempfile, textwrap, warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -18,11 +18,12 @@ from .comfy import expert_tensors, file_value, split_bank
 
 # %% auto #0
 __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'LEGACY_QMETA', 'LEGACY_MARKER', 'ATTENTION_KEY',
-           'ATTENTION_METHODS', 'CheckpointError', 'CheckpointWarning', 'TensorInfo', 'read_header', 'convert_legacy',
-           'Checkpoint', 'open_checkpoint', 'AttentionChoice', 'attention_entries', 'encode_attention',
-           'decode_attention', 'select_attention', 'attention_available', 'sol_applicable', 'split_key',
-           'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'save_file', 'comfy_unread', 'load_file',
-           'inspect_checkpoint', 'size_ratio', 'text_table', 'format_inspect']
+           'ATTENTION_METHODS', 'HOLD_MAX', 'CheckpointError', 'CheckpointWarning', 'TensorInfo', 'read_header',
+           'convert_legacy', 'Checkpoint', 'open_checkpoint', 'AttentionChoice', 'attention_entries',
+           'encode_attention', 'decode_attention', 'select_attention', 'attention_available', 'sol_applicable',
+           'split_key', 'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'stale_temp_files', 'temp_file',
+           'DiskFullError', 'save_file', 'comfy_unread', 'load_file', 'StreamingWriter', 'inspect_checkpoint',
+           'size_ratio', 'text_table', 'format_inspect']
 
 # %% ../nbs/10_checkpoint.ipynb #750ad511
 class CheckpointError(QuantFormatError):
@@ -283,6 +284,7 @@ class Checkpoint(Mapping):
         self._handle = self._fh = None
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
+    def __del__(self): self.close()     # a checkpoint dropped without close() releases its file
     def __repr__(self):
         leg = f', legacy {self.legacy} converted' if self.legacy else ''
         return f"Checkpoint({self.path!r}, {len(self)} tensors{leg})"
@@ -576,22 +578,74 @@ def _quantized(self:Checkpoint, name:str, shape=None, dtype:torch.dtype=torch.bf
 
 Checkpoint.modules, Checkpoint.quantized, Checkpoint.groups = _modules, _quantized, _groups
 
+# %% ../nbs/10_checkpoint.ipynb #1a9293a1
+_TEMP = re.compile(r'\.cquant-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[a-z0-9_]+\.tmp$')
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+def _host() -> str: return re.sub(r'[^A-Za-z0-9_.]', '_', socket.gethostname()) or 'localhost'
+
+def _unlink(p:str):
+    try: os.unlink(p)
+    except FileNotFoundError: pass
+
+def _alive(pid:int) -> bool:
+    "Whether process `pid` still runs (a zombie does not; another user's process does)."
+    if pid == os.getpid(): return True
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except PermissionError: return True
+    try:
+        with open(f'/proc/{pid}/stat') as f: return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except (OSError, IndexError): return True
+
+def stale_temp_files(folder) -> list[str]:
+    "cquant temporary files in `folder` left by processes of this host that no longer run (killed mid-save)."
+    folder, host = os.fspath(folder), _host()
+    try: names = os.listdir(folder)
+    except OSError: return []
+    hits = [(n, _TEMP.search(n)) for n in names if n.startswith('.')]
+    return sorted(os.path.join(folder, n) for n, m in hits if m and m['host'] == host and not _alive(int(m['pid'])))
+
+def temp_file(path) -> tuple[int, str]:
+    "`(fd, name)` of a new temporary file beside `path`, `.<name>.cquant-<host>-<pid>-<random>.tmp`; stale ones are removed first."
+    d, base = os.path.split(os.path.abspath(path))
+    for p in stale_temp_files(d): _unlink(p)
+    return tempfile.mkstemp(prefix=f'.{base}.cquant-{_host()}-{os.getpid()}-', suffix='.tmp', dir=d)
+
+class DiskFullError(OSError):
+    "A full disk (or file-size limit) while writing a file; the message names the file, the bytes needed and the space free."
+
+def _disk_full(path, tmp:str, e:OSError, need:int, at_least:bool=False) -> DiskFullError:
+    d = os.path.dirname(os.path.abspath(path))
+    try: st = os.statvfs(d); free = f", {st.f_bavail * st.f_frsize:,} bytes free in {d}"
+    except OSError: free = ''
+    return DiskFullError(e.errno, f"{path}: {e.strerror} while writing its temporary file {os.path.basename(tmp)}: "
+                                  f"the file needs {'at least ' if at_least else ''}{need:,} bytes{free}")
+
 # %% ../nbs/10_checkpoint.ipynb #5412b24e
+def _st_entry(i:TensorInfo, start:int) -> dict:
+    "The header entry of `i` with its data at `start` (relative to the data section)."
+    dt = _TORCH_TO_ST[i.dtype]; bits = ST_DTYPES[dt][1]
+    shape = list(i.shape)
+    if bits < 8: shape[-1] *= 8 // bits
+    return {'dtype': dt, 'shape': shape, 'data_offsets': [start, start + i.nbytes]}
+
+def _check_storable(path, i:TensorInfo):
+    if i.dtype not in _TORCH_TO_ST: raise CheckpointError(path, f"'{i.name}': expected a dtype safetensors can store, found {i.dtype}")
+    if i.name == '__metadata__': raise CheckpointError(path, "'__metadata__': expected a tensor name, found the reserved header key")
+
+def _header_json(placed:list, metadata:dict) -> bytes:
+    "Compact header JSON (metadata sorted) of `[(TensorInfo, start)]` in file order, unpadded."
+    hdr = {'__metadata__': {k: metadata[k] for k in sorted(metadata)}} if metadata else {}
+    for i, start in placed: hdr[i.name] = _st_entry(i, start)
+    return json.dumps(hdr, separators=(',', ':'), ensure_ascii=False).encode('utf-8')
+
 def _header_bytes(ck:Checkpoint, metadata:dict) -> tuple[bytes, list]:
     infos = [replace(ck.info(k), name=k) for k in ck]    # renamed legacy entries: the name they are saved under
-    for i in infos:
-        if i.dtype not in _TORCH_TO_ST: raise CheckpointError(ck.path, f"'{i.name}': expected a dtype safetensors can store, found {i.dtype}")
-        if i.name == '__metadata__': raise CheckpointError(ck.path, "'__metadata__': expected a tensor name, found the reserved header key")
+    for i in infos: _check_storable(ck.path, i)
     order = sorted(infos, key=lambda i: (-max(1, ST_DTYPES[_TORCH_TO_ST[i.dtype]][1] // 8), i.name))
-    hdr, pos = {}, 0
-    if metadata: hdr['__metadata__'] = {k: metadata[k] for k in sorted(metadata)}
-    for i in order:
-        dt = _TORCH_TO_ST[i.dtype]; bits = ST_DTYPES[dt][1]
-        shape = list(i.shape)
-        if bits < 8: shape[-1] *= 8 // bits
-        hdr[i.name] = {'dtype': dt, 'shape': shape, 'data_offsets': [pos, pos + i.nbytes]}
-        pos += i.nbytes
-    hb = json.dumps(hdr, separators=(',', ':'), ensure_ascii=False).encode('utf-8')
+    starts = itertools.accumulate((i.nbytes for i in order), initial=0)
+    hb = _header_json(list(zip(order, starts)), metadata)
     return hb + b' ' * (-len(hb) % 8), order
 
 def _write_tensor(f, t:torch.Tensor, i:TensorInfo, path):
@@ -610,23 +664,25 @@ def _fsync_dir(d:str):
         finally: os.close(fd)
     except OSError: pass        # not every platform/filesystem can fsync a directory
 
+def _target(path) -> tuple[str, int]:
+    "The file to replace (a link's target: the link stays) and the permission bits the new file gets."
+    path = os.fspath(path)
+    if os.path.islink(path): path = os.path.realpath(path)
+    return path, os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o666 & ~_umask()
+
 def save_file(sd, path, metadata:dict|None=None, *, validate:bool=True):
     "Atomically write `sd` (tensors, QuantizedTensors, or a `Checkpoint`) to `path` as a modern Comfy quantized file."
-    path = os.fspath(path)
-    if os.path.islink(path): path = os.path.realpath(path)     # replace the target, keep the link
+    path, mode = _target(path)
     if isinstance(sd, Checkpoint):      # converted unless it was opened with convert=False
         entries, meta, kind = _legacy(sd._entries, sd.metadata if metadata is None else metadata, sd.__getitem__, sd.path)
         ck = sd if kind is None else Checkpoint(entries, meta, sd.path, kind, sd._file, sd.device, sd._mmap)
     else:
         ck = Checkpoint.from_state_dict(sd, metadata, name=path)
         meta = ck.metadata
-    for k, v in meta.items():
-        if not isinstance(k, str) or not isinstance(v, str): raise CheckpointError(path, f"metadata {k!r}: expected a string, found {type(v).__name__}")
+    _check_metadata(path, meta)
     if validate: _warn_comfy_unread(path, ck.modules())
     hb, order = _header_bytes(ck, meta)
-    d = os.path.dirname(os.path.abspath(path))
-    mode = os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o666 & ~_umask()
-    fd, tmp = tempfile.mkstemp(prefix='.' + os.path.basename(path) + '.', suffix='.tmp', dir=d)
+    fd, tmp = temp_file(path)
     try:
         with os.fdopen(fd, 'wb') as f:
             if hasattr(os, 'fchmod'): os.fchmod(f.fileno(), mode)
@@ -634,12 +690,17 @@ def save_file(sd, path, metadata:dict|None=None, *, validate:bool=True):
             for i in order: _write_tensor(f, ck[i.name], i, path)
             f.flush(); os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        try: os.unlink(tmp)
-        except OSError: pass
+    except BaseException as e:
+        _unlink(tmp)
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            raise _disk_full(path, tmp, e, 8 + len(hb) + sum(i.nbytes for i in order)) from None
         raise
-    _fsync_dir(d)
+    _fsync_dir(os.path.dirname(path))
     return path
+
+def _check_metadata(path, meta:dict):
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str): raise CheckpointError(path, f"metadata {k!r}: expected a string, found {type(v).__name__}")
 
 def _umask() -> int:
     "The process umask (read without changing it where /proc allows)."
@@ -672,6 +733,141 @@ def load_file(path, device='cpu', *, with_metadata:bool=False, convert:bool=True
         if validate: ck.modules()
         sd = ck.state_dict()
         return (sd, dict(ck.metadata)) if with_metadata else sd
+
+# %% ../nbs/10_checkpoint.ipynb #74a07bb9
+class _RowStream:
+    "Appends row blocks of one tensor to the file; its shape is known when it closes."
+    def __init__(self, w:'StreamingWriter', name:str): self.w, self.name, self.rows, self.tail, self.dtype, self.start = w, name, 0, None, None, w._pos
+    def append(self, t:torch.Tensor):
+        t = t.detach().cpu().contiguous()
+        if self.dtype is None: self.dtype, self.tail = t.dtype, tuple(t.shape[1:])
+        if t.dtype != self.dtype or tuple(t.shape[1:]) != self.tail:
+            raise CheckpointError(self.w.path, f"'{self.name}': expected row blocks of {self.dtype}[..., {self.tail}], found {t.dtype}{list(t.shape)}")
+        self.w._write(t); self.rows += t.shape[0]
+    def close(self):
+        if self.dtype is None: raise CheckpointError(self.w.path, f"'{self.name}': expected at least one row block, found none")
+        self.w._entries[self.name] = TensorInfo(self.name, self.dtype, (self.rows,) + self.tail, self.w._pos - self.start, (self.start, self.w._pos))
+        self.w._open = None
+
+# %% ../nbs/10_checkpoint.ipynb #d46abf5b
+HOLD_MAX = 1 << 20     # tensors up to this size whose byte count is not a multiple of 8 wait in memory for the end
+
+class StreamingWriter:
+    "Write a safetensors file tensor by tensor, straight into its final place (memory: one tensor; disk: the output once), atomically."
+    def __init__(self, path, # destination file
+                 metadata:dict|None=None, # header metadata (strings)
+                 validate:bool=True, # check every module against the format registry before renaming
+                 reserve:int=1 << 16, # header bytes reserved before the data (a larger header moves the data once)
+                ):
+        self.path, mode = _target(path)
+        self.metadata, self.validate = dict(metadata or {}), validate
+        _check_metadata(self.path, self.metadata)
+        fd, self.tmp = temp_file(self.path)
+        self._f, self._entries, self._held, self._pos, self._open = os.fdopen(fd, 'wb'), {}, {}, 0, None
+        if hasattr(os, 'fchmod'): os.fchmod(fd, mode)
+        self._start = max(16, reserve + -reserve % 8)
+        self._f.seek(self._start)
+
+    def _write(self, t:torch.Tensor):
+        n = t.numel() * t.element_size()
+        try:
+            if n: self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        except OSError as e: raise self._failed(e, self._start + self._pos + n) from None
+        self._pos += n
+
+    def _failed(self, e:OSError, need:int) -> OSError:
+        "Remove the temporary file; a full disk becomes a `DiskFullError` naming the path and the space needed."
+        self.abort()
+        full = e.errno in _DISK_FULL and not isinstance(e, DiskFullError)
+        return _disk_full(self.path, self.tmp, e, need, at_least=True) if full else e
+
+    def _check_name(self, name:str):
+        if self._f is None: raise CheckpointError(self.path, f"'{name}': the writer is closed")
+        if self._open is not None: raise CheckpointError(self.path, f"'{name}': tensor {self._open.name!r} is still being streamed")
+        if not isinstance(name, str) or name in self._entries or name in self._held or name == '__metadata__':
+            raise CheckpointError(self.path, f"'{name}': expected a new tensor name, found a duplicate or reserved one")
+
+    def add(self, name:str, t:torch.Tensor):
+        "Append tensor `t` under `name`."
+        self._check_name(name)
+        if not isinstance(t, torch.Tensor) or isinstance(t, QuantizedTensor):
+            raise CheckpointError(self.path, f"'{name}': expected a plain torch.Tensor (use qt.state_dict(prefix) for a QuantizedTensor), found {type(t).__name__}")
+        _check_storable(self.path, TensorInfo.of(name, t))
+        t = t.detach().cpu().contiguous()
+        n = t.numel() * t.element_size()
+        if n % 8 and n <= HOLD_MAX: self._held[name] = t.clone(); return    # written last, so the data after it stays aligned
+        start = self._pos
+        self._write(t)
+        self._entries[name] = TensorInfo(name, t.dtype, tuple(t.shape), n, (start, self._pos))
+
+    def stream(self, name:str) -> _RowStream:
+        "A handle that appends row blocks of tensor `name` (`append(block)` ..., then `close()`)."
+        self._check_name(name)
+        self._open = _RowStream(self, name)
+        return self._open
+
+    @property
+    def nbytes(self) -> int: return self._pos + sum(t.numel() * t.element_size() for t in self._held.values())
+
+    def entry(self, name:str) -> TensorInfo:
+        "The `TensorInfo` (dtype, shape, bytes; offsets once written) of tensor `name`, from `add` or a closed `stream`."
+        if name in self._held: return TensorInfo.of(name, self._held[name])
+        try: return self._entries[name]
+        except KeyError: raise CheckpointError(self.path, f"'{name}': expected a tensor written so far, found none") from None
+
+    def abort(self):
+        "Drop everything written so far and remove the temporary file (the destination is not touched)."
+        f, self._f, self._held = self._f, None, {}
+        if f is not None:
+            try: f.close()
+            except OSError: pass          # a full disk fails the last flush too
+        _unlink(self.tmp)
+
+    def __enter__(self): return self
+    def __exit__(self, typ, *exc):
+        if typ is None: self.commit()
+        else: self.abort()
+    def __del__(self):                    # dropped without commit: leave no temporary file behind
+        if getattr(self, '_f', None) is not None:
+            try: self.abort()
+            except Exception: pass        # interpreter shutdown: os may be gone
+
+# %% ../nbs/10_checkpoint.ipynb #938dcbe1
+def _shift(self:StreamingWriter, delta:int):
+    "Move the data `delta` bytes further into the file (the header outgrew its reserve), from the end, 16 MiB at a time."
+    self._f.flush()
+    fd, lo, pos = self._f.fileno(), self._start, self._start + self._pos
+    while pos > lo:
+        n = min(1 << 24, pos - lo); pos -= n
+        buf, done = os.pread(fd, n, pos), 0
+        while done < n: done += os.pwrite(fd, buf[done:], pos + delta + done)
+    self._start += delta
+
+def _commit(self:StreamingWriter) -> str:
+    "Write the held tensors and the header, validate every module, fsync and rename over the destination."
+    if self._open is not None: raise CheckpointError(self.path, f"'{self._open.name}': still being streamed at commit")
+    if self._f is None: raise CheckpointError(self.path, "commit: the writer is closed")
+    try:
+        for name, t in sorted(self._held.items(), key=lambda kv: (-kv[1].element_size(), kv[0])):
+            start = self._pos; self._write(t)
+            self._entries[name] = TensorInfo(name, t.dtype, tuple(t.shape), self._pos - start, (start, self._pos))
+        self._held = {}
+        infos = sorted(self._entries.values(), key=lambda i: i.offsets)
+        hb = _header_json([(i, i.offsets[0]) for i in infos], self.metadata)
+        if 8 + len(hb) > self._start: self._shift(8 + len(hb) + -len(hb) % 8 - self._start)
+        self._f.seek(0); self._f.write(struct.pack('<Q', self._start - 8) + hb + b' ' * (self._start - 8 - len(hb)))
+        self._f.flush(); os.fsync(self._f.fileno()); self._f.close(); self._f = None
+        if self.validate:
+            s = self._start
+            files = {i.name: replace(i, offsets=(s + i.offsets[0], s + i.offsets[1])) for i in infos}
+            with Checkpoint(files, self.metadata, self.path, None, self.tmp) as ck: _warn_comfy_unread(self.path, ck.modules())
+        os.replace(self.tmp, self.path)
+    except OSError as e: raise self._failed(e, self._start + self._pos) from None
+    except BaseException: self.abort(); raise
+    _fsync_dir(os.path.dirname(self.path))
+    return self.path
+
+StreamingWriter.commit, StreamingWriter._shift = _commit, _shift
 
 # %% ../nbs/10_checkpoint.ipynb #600e3574
 def _row(ck:Checkpoint, e:ModuleEntry) -> dict:

@@ -7,10 +7,11 @@ Docs: https://cquant-dev.github.io/cquant/cli.html.md"""
 # %% auto #0
 __all__ = ['cmd_inspect', 'add_inspect_parser', 'policy_from_args', 'cmd_quantize', 'add_quantize_parser', 'cmd_plan',
            'add_plan_parser', 'cmd_report', 'add_report_parser', 'cmd_demo', 'add_demo_parser', 'cmd_convert',
-           'add_convert_parser', 'formats_table', 'presets_table', 'build_parser', 'main']
+           'add_convert_parser', 'formats_table', 'presets_table', 'build_parser', 'Terminated', 'main']
 
 # %% ../nbs/20_cli.ipynb #a82e8daa
-import argparse, json, os, sys, warnings
+import argparse, json, os, signal, sys, threading, warnings
+from pathlib import Path
 from ._version import __version__
 from .formats import FORMATS
 from .checkpoint import format_inspect, inspect_checkpoint, load_file, open_checkpoint
@@ -59,7 +60,7 @@ def _add_output_args(p, json_help:str='print the result as JSON on stdout (nothi
 def policy_from_args(args) -> Policy:
     "The `Policy` of parsed CLI arguments (`--policy FILE` wins over the individual options)."
     if getattr(args, 'policy', None):
-        text = open(args.policy).read() if os.path.exists(args.policy) else args.policy
+        text = Path(args.policy).read_text() if os.path.exists(args.policy) else args.policy
         return Policy.from_json(text)
     return Policy(args.mode, args.preset, args.ratio, tuple(args.keep_float), tuple(args.int4_sensitive), args.selection)
 
@@ -142,7 +143,7 @@ def add_report_parser(subparsers):
 def cmd_demo(args) -> int:
     "Run `cquant demo`."
     paths = demo(args.out, args.source, progress=not args.quiet, file=sys.stderr if args.json else None)
-    if args.json: print(json.dumps({**paths, 'totals': json.load(open(paths['report']))['totals']}, indent=1))
+    if args.json: print(json.dumps({**paths, 'totals': json.loads(Path(paths['report']).read_text())['totals']}, indent=1))
     return 0
 
 def add_demo_parser(subparsers):
@@ -233,9 +234,16 @@ def _drop_stdout():
     try: os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError): pass
 
+class Terminated(KeyboardInterrupt):
+    "SIGTERM, raised where the program is, so files being written are cleaned up as on Ctrl-C."
+
+def _terminate(signum, frame): raise Terminated()
+
 def main(argv=None) -> int:
     "Entry point of the `cquant` console script."
     args = build_parser().parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     with warnings.catch_warnings():
         warnings.showwarning = _one_line
         try:
@@ -244,10 +252,13 @@ def main(argv=None) -> int:
             return rc
         except BrokenPipeError:
             _drop_stdout(); return 141
-        except KeyboardInterrupt:
-            print(f'cquant {args.command}: interrupted', file=sys.stderr); return 130
+        except KeyboardInterrupt as e:
+            how = 'terminated' if isinstance(e, Terminated) else 'interrupted'
+            print(f'cquant {args.command}: {how}', file=sys.stderr); return 143 if how == 'terminated' else 130
         except (ValueError, OSError) as e:
             print(f'cquant {args.command}: error: {e}', file=sys.stderr); return 1
+        finally:
+            if old is not None: signal.signal(signal.SIGTERM, old)
 
 # %% ../nbs/20_cli.ipynb #ea14cdb8
 if __name__ == '__main__' and 'get_ipython' not in globals(): sys.exit(main())     # python -m cquant.cli (not in a notebook)

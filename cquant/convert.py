@@ -12,7 +12,8 @@ import ctypes, dataclasses, json, math, os, sys, tempfile, time, warnings
 from dataclasses import dataclass, field
 import torch
 from .tensor import FORMATS, QuantizedTensor, check_finite, encode_json, format_color, get_format, quantize, same_bits
-from .checkpoint import (Checkpoint, CheckpointError, TensorInfo, open_checkpoint, save_file, split_key, scale_keys,
+from .checkpoint import (Checkpoint, CheckpointError, StreamingWriter, TensorInfo, open_checkpoint, save_file,
+                               split_key, scale_keys,
                                size_ratio, text_table, _fmt_bytes, read_header)
 from ._version import __version__
 from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, Plan, layer_source
@@ -21,90 +22,7 @@ from .calibrate import Calibration
 from .minilm import minilm_path, fetch_minilm
 
 # %% auto #0
-__all__ = ['StreamingWriter', 'Report', 'plot_report', 'quantize_checkpoint', 'report_error', 'convert_checkpoint', 'plan_table',
-           'demo']
-
-# %% ../nbs/13_quantize_checkpoint.ipynb #483822d9
-class _RowStream:
-    "Appends row blocks of one tensor to the spool; its shape is known when it closes."
-    def __init__(self, w:'StreamingWriter', name:str): self.w, self.name, self.rows, self.tail, self.dtype, self.start = w, name, 0, None, None, w._pos
-    def append(self, t:torch.Tensor):
-        t = t.detach().cpu().contiguous()
-        if self.dtype is None: self.dtype, self.tail = t.dtype, tuple(t.shape[1:])
-        if t.dtype != self.dtype or tuple(t.shape[1:]) != self.tail:
-            raise CheckpointError(self.w.path, f"'{self.name}': expected row blocks of {self.dtype}[..., {self.tail}], found {t.dtype}{list(t.shape)}")
-        self.w._write(t); self.rows += t.shape[0]
-    def close(self):
-        if self.dtype is None: raise CheckpointError(self.w.path, f"'{self.name}': expected at least one row block, found none")
-        self.w._entries[self.name] = TensorInfo(self.name, self.dtype, (self.rows,) + self.tail, self.w._pos - self.start, (self.start, self.w._pos))
-        self.w._open = None
-
-class StreamingWriter:
-    "Write a safetensors file tensor by tensor (memory: one tensor); atomic through `checkpoint.save_file`."
-    def __init__(self, path, # destination file
-                 metadata:dict|None=None, # header metadata (strings)
-                 validate:bool=True, # check every module against the format registry before renaming
-                ):
-        self.path, self.metadata, self.validate = os.fspath(path), dict(metadata or {}), validate
-        d = os.path.dirname(os.path.abspath(self.path))
-        fd, self.spool = tempfile.mkstemp(prefix='.' + os.path.basename(self.path) + '.', suffix='.spool', dir=d)
-        self._f, self._entries, self._pos, self._open = os.fdopen(fd, 'wb'), {}, 0, None
-
-    def _write(self, t:torch.Tensor):
-        n = t.numel() * t.element_size()
-        if n: self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-        self._pos += n
-
-    def _check_name(self, name:str):
-        if self._f is None: raise CheckpointError(self.path, f"'{name}': the writer is closed")
-        if self._open is not None: raise CheckpointError(self.path, f"'{name}': tensor {self._open.name!r} is still being streamed")
-        if not isinstance(name, str) or name in self._entries: raise CheckpointError(self.path, f"'{name}': expected a new tensor name, found a duplicate")
-
-    def add(self, name:str, t:torch.Tensor):
-        "Append tensor `t` under `name`."
-        self._check_name(name)
-        if not isinstance(t, torch.Tensor) or isinstance(t, QuantizedTensor):
-            raise CheckpointError(self.path, f"'{name}': expected a plain torch.Tensor (use qt.state_dict(prefix) for a QuantizedTensor), found {type(t).__name__}")
-        t = t.detach().cpu().contiguous()
-        start = self._pos
-        self._write(t)
-        self._entries[name] = TensorInfo(name, t.dtype, tuple(t.shape), self._pos - start, (start, self._pos))
-
-    def stream(self, name:str) -> _RowStream:
-        "A handle that appends row blocks of tensor `name` (`append(block)` ..., then `close()`)."
-        self._check_name(name)
-        self._open = _RowStream(self, name)
-        return self._open
-
-    @property
-    def nbytes(self) -> int: return self._pos
-
-    def entry(self, name:str) -> TensorInfo:
-        "The `TensorInfo` (dtype, shape, bytes, offsets) of tensor `name`, written by `add` or a closed `stream`."
-        try: return self._entries[name]
-        except KeyError: raise CheckpointError(self.path, f"'{name}': expected a tensor written so far, found none") from None
-
-    def commit(self) -> str:
-        "Write the final file atomically (header, tensors from the spool, validation, rename) and remove the spool."
-        if self._open is not None: raise CheckpointError(self.path, f"'{self._open.name}': still being streamed at commit")
-        self._f.flush(); self._f.close(); self._f = None
-        ck = Checkpoint(self._entries, self.metadata, self.path, None, self.spool)
-        try: return save_file(ck, self.path, self.metadata, validate=self.validate)
-        finally:
-            ck.close(); self.abort()
-
-    def abort(self):
-        "Drop everything written so far (the destination is not touched)."
-        if self._f is not None: self._f.close(); self._f = None
-        try: os.unlink(self.spool)
-        except FileNotFoundError: pass
-
-    def __enter__(self): return self
-    def __exit__(self, typ, *exc):
-        if typ is None: self.commit()
-        else: self.abort()
-    def __del__(self):                      # dropped without commit: leave no spool behind
-        if getattr(self, '_f', None) is not None: self.abort()
+__all__ = ['Report', 'plot_report', 'quantize_checkpoint', 'report_error', 'convert_checkpoint', 'plan_table', 'demo']
 
 # %% ../nbs/13_quantize_checkpoint.ipynb #7afae215
 def _rowwise(fmt, options:dict) -> dict|None:
@@ -260,7 +178,7 @@ class Report:
     @classmethod
     def load(cls, path) -> 'Report':
         "Read a report written by `save`."
-        d = json.load(open(path))
+        with open(path) as f: d = json.load(f)
         inf = lambda r: {**r, 'sqnr_db': math.inf if r.get('sqnr_db') is None and r.get('format') is None
                          else r.get('sqnr_db')}
         return cls(d['src'], d['dst'], [inf(r) for r in d['layers']], d['totals'], d['policy'], d['summary'], d['seconds'],
@@ -510,7 +428,8 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
         meta = {**ck.metadata, **(metadata or {}), 'cquant_policy': policy.to_json(), 'cquant_version': __version__}
         drop = {m: _module_drop(groups[m]) for m, d in plan.items() if d.format and m in groups}
         rows, before, stored = {}, 0, scale_keys() | {'comfy_quant'}
-        with StreamingWriter(dst, meta) as w, tqdm(total=sum(ck.info(k).nbytes for k in ck), unit='B', unit_scale=True,
+        reserve = max(1 << 16, 512 * len(ck) + len(json.dumps(meta)))   # ~4x a source entry: header written in place
+        with StreamingWriter(dst, meta, reserve=reserve) as w, tqdm(total=sum(ck.info(k).nbytes for k in ck), unit='B', unit_scale=True,
                                                     unit_divisor=1024, desc='quantize', disable=not progress,
                                                     file=sys.stderr, leave=False) as bar:
             for n, key in enumerate(ck):

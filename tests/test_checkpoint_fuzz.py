@@ -53,8 +53,9 @@ def _hwm_reset():
 
 
 def _status(key):
-    for line in open('/proc/self/status'):
-        if line.startswith(key + ':'): return int(line.split()[1]) * 1024
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith(key + ':'): return int(line.split()[1]) * 1024
     return 0
 
 
@@ -236,7 +237,7 @@ NASTY_SCRIPT = textwrap.dedent('''
     warnings.simplefilter('ignore')
     import cquant as cq
     from cquant.checkpoint import CheckpointError, load_file, inspect_checkpoint
-    vm = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize:'))
+    with open('/proc/self/status') as f: vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith('VmSize:'))
     resource.setrlimit(resource.RLIMIT_AS, (vm + (768 << 20), resource.RLIM_INFINITY))   # 768 MiB of headroom
     signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(TimeoutError('hang')))
     out = {}

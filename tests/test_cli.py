@@ -77,7 +77,7 @@ def test_json_on_stdout_for_every_command(dit, quantized, tmp_path):
         rc, out, err = cquant(*argv, '--json')
         assert rc == 0, (name, err)
         got[name] = json.loads(out)                              # the whole of stdout is one JSON document
-    assert got['quantize'] == json.load(open(tmp_path / 'j.json')) and got['quantize']['kind'] == 'quantize'
+    assert got['quantize'] == json.loads((tmp_path / 'j.json').read_text()) and got['quantize']['kind'] == 'quantize'
     assert got['report']['kind'] == 'error' and got['report']['totals']['quantized'] == quantized[1].totals['quantized']
     assert got['inspect']['total']['modules'] == quantized[1].totals['layers'] == 20 and got['convert']['legacy'] is None
     assert got['demo']['dst'].endswith('dit_int4_mixed.safetensors') and got['demo']['totals']['quantized'] > 0
@@ -148,7 +148,7 @@ def test_closed_stdout_ends_quietly(dit):
     p = subprocess.Popen([sys.executable, '-m', 'cquant.cli', 'plan', str(dit), '--preset', 'none'], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, env=ENV, cwd=ROOT)
     p.stdout.close()                                # like `| head` that has already exited
-    err = p.stderr.read().decode(); rc = p.wait(timeout=120)
+    err = p.stderr.read().decode(); rc = p.wait(timeout=120); p.stderr.close()
     assert rc == 141 and err == '', err
 
 

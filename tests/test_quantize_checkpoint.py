@@ -1,7 +1,7 @@
 """Whole-checkpoint quantization: streaming convert of a small mixed file, row-block bit-exactness, atomicity,
 refusal to overwrite the source, report contents (table, JSON, plot), `report_error`, and the CLI commands
 through their functions."""
-import argparse, contextlib, io, json, math, os, warnings
+import argparse, contextlib, io, json, math, os, pathlib, warnings
 
 import pytest
 import torch
@@ -82,7 +82,7 @@ def test_report_contents(mixed, tmp_path):
     assert all(set(r) >= {'name', 'shape', 'format', 'label', 'reason', 'tier', 'sqnr_db', 'bytes_before', 'bytes_after'} for r in rep.layers)
     tot = rep.totals['formats']
     assert sum(c['layers'] for c in tot.values()) == rep.totals['quantized'] == len(q)
-    j = json.load(open(tmp_path / 'r.json'))
+    j = json.loads((tmp_path / 'r.json').read_text())
     assert j['kind'] == 'quantize' and j['policy'] == POL.to_dict() and len(j['layers']) == len(rep.layers)
     assert Report.load(tmp_path / 'r.json').layers == rep.layers
     table = rep.table()
@@ -127,11 +127,11 @@ def test_atomic_and_refuses_source(mixed, tmp_path):
     assert dst.read_bytes() == b'previous output'
     assert sorted(os.listdir(tmp_path)) == ['bad.safetensors', 'out.safetensors']
     os.symlink(src, tmp_path / 'link.safetensors')
-    before = open(src, 'rb').read()
+    before = pathlib.Path(src).read_bytes()
     for d in (src, str(src), tmp_path / 'link.safetensors', os.path.relpath(src)):
         with pytest.raises(ValueError, match='is the source file'):
             quantize_checkpoint(src, d, POL, progress=False)
-    assert open(src, 'rb').read() == before
+    assert pathlib.Path(src).read_bytes() == before
     _quiet(quantize_checkpoint, src, dst, POL, progress=False, requantize=True)           # success replaces the old output
     assert cq.load_file(dst)
 
@@ -174,13 +174,13 @@ def test_cli_commands(mixed, tmp_path):
     dst = tmp_path / 'c.safetensors'
     rc, txt = _cli('quantize', src, dst, '--mode', 'int8', '--preset', 'none', '--quiet', '--requantize', '--report', tmp_path / 'c.json', '--plot', tmp_path / 'c.png')
     assert rc == 0 and os.path.getsize(tmp_path / 'c.png') > 5000 and 'wrote' in txt
-    assert {r['label'] for r in json.load(open(tmp_path / 'c.json'))['layers'] if r['format']} == {'INT8'}
+    assert {r['label'] for r in json.loads((tmp_path / 'c.json').read_text())['layers'] if r['format']} == {'INT8'}
     (tmp_path / 'p.json').write_text(Policy('fp8', 'none').to_json())
     rc, txt = _cli('quantize', src, tmp_path / 'f.safetensors', '--policy', tmp_path / 'p.json', '--quiet', '--no-sqnr', '--requantize')
     assert 'FP8' in txt and 'aggregate SQNR not measured' in txt and 'inf dB' not in txt
     assert quantize_checkpoint(src, tmp_path / 'g.safetensors', Policy('int8', 'none'), progress=False, measure=False, requantize=True).plot() and cq.inspect_checkpoint(str(tmp_path / 'f.safetensors'))['totals'].get('float8_e4m3fn')
     rc, txt = _cli('report', src, dst, '--report', tmp_path / 'e.json', '--plot', tmp_path / 'e.png')
-    assert rc == 0 and json.load(open(tmp_path / 'e.json'))['kind'] == 'error' and 'aggregate SQNR' in txt
+    assert rc == 0 and json.loads((tmp_path / 'e.json').read_text())['kind'] == 'error' and 'aggregate SQNR' in txt
 
 
 def test_demo_dit(tmp_path):
