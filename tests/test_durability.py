@@ -5,7 +5,7 @@ Each run is a real `cquant` process (`cquant.cli.main`) on a ~5 MB synthetic che
 the writer down by 5 ms per write (a wrapper patches `StreamingWriter._write`), so the signal lands while the
 temporary file is being written, not after the rename. The full-disk case uses `RLIMIT_FSIZE`, which gives
 EFBIG ("File too large"), not ENOSPC: the same error path (`DiskFullError`), a different errno; ENOSPC itself is
-simulated in-process in nbs/10_checkpoint.ipynb."""
+simulated in-process in nbs/11_checkpoint.ipynb."""
 import hashlib, os, resource, signal, subprocess, sys, time
 import pytest, torch
 import cquant as cq

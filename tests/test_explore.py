@@ -1,4 +1,4 @@
-"""The exploration layer (`cquant.explore`, nbs/14_explore.ipynb): plots, comparison table, explorer.
+"""The exploration layer (`cquant.explore`, nbs/20_explore.ipynb): plots, comparison table, explorer.
 
 Plots are checked through the data they plot (artists' arrays, titles, labels), never through pixels. The explorer
 is driven through `set` (as a user changes a control) and its callbacks must run once per change and update

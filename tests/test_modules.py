@@ -1,4 +1,4 @@
-"""The module layer (cquant.modules, nbs/11_modules.ipynb) on a DiT-shaped model with all eight formats.
+"""The module layer (cquant.modules, nbs/12_modules.ipynb) on a DiT-shaped model with all eight formats.
 
 - A small DiT-shaped reference model (`moe_dit_model`: cquant.policy's `dit_model` at dim 128 with its MoE on
   expert banks; attention, MLP, adaLN, timestep MLP, class embedding, random weights with outlier channels) is
