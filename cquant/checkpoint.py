@@ -6,14 +6,14 @@ Docs: https://cquant-dev.github.io/cquant/checkpoint.html.md"""
 
 # %% ../nbs/11_checkpoint.ipynb #4006f88f
 from __future__ import annotations
-import errno, itertools, json, math, os, re, socket, struct, tempfile, textwrap, warnings
+import errno, itertools, json, math, os, re, socket, stat, struct, tempfile, textwrap, warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 import torch
 from .formats import FORMATS
 from .tensor import (FormatSpec, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
-                           get_format, load_quantized)
+                           get_format, load_quantized, unique_keys)
 from .comfy import expert_tensors, file_value, split_bank
 
 # %% auto #0
@@ -99,10 +99,18 @@ def _check_entry(path, name, e, data_len:int) -> TensorInfo:
         tshape = tuple(shape[:-1]) + (shape[-1] // (8 // bits),)
     return TensorInfo(name, tdt, tshape, offs[1] - offs[0], tuple(offs))
 
+def _check_name(path, k:str):
+    "Reject a tensor name with an empty module part (`.weight`): no loader can tell its module."
+    if k.startswith('.'): raise CheckpointError(path, f"{k!r}: expected a tensor name like '<module>.{k[1:]}' or "
+                                                      f"'{k[1:]}', found a leading '.' (empty module name)")
+
 def read_header(path) -> tuple[dict, dict]:
     "Validate the safetensors container at `path`; return `({name: TensorInfo}, metadata)` without reading tensor data."
     path = os.fspath(path)
-    size = os.path.getsize(path)
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode): raise CheckpointError(path, "expected a regular file, found a "
+                                                           + ('directory' if stat.S_ISDIR(st.st_mode) else 'FIFO, socket or device'))
+    size = st.st_size
     with open(path, 'rb') as f:
         head = f.read(8)
         if len(head) < 8: raise CheckpointError(path, f"expected at least the 8-byte header length of a safetensors file, found {size} bytes (truncated?)")
@@ -114,7 +122,8 @@ def read_header(path) -> tuple[dict, dict]:
     try: text = raw.decode('utf-8')
     except UnicodeDecodeError as e: raise CheckpointError(path, f"header: expected UTF-8 JSON, found invalid UTF-8 at byte {e.start}") from None
     if not text.startswith('{'): raise CheckpointError(path, f"header: expected a JSON object, found {text[:40]!r}")
-    try: hdr = json.loads(text)
+    try: hdr = json.loads(text, object_pairs_hook=lambda ps: unique_keys(ps, 'header'))
+    except QuantFormatError as e: raise CheckpointError(path, str(e)) from None
     except (ValueError, RecursionError) as e: raise CheckpointError(path, f"header: expected valid JSON, found {type(e).__name__}: {str(e)[:120]}") from None
     if not isinstance(hdr, dict): raise CheckpointError(path, f"header: expected a JSON object, found {type(hdr).__name__}")
     meta = hdr.pop('__metadata__', None)
@@ -122,6 +131,7 @@ def read_header(path) -> tuple[dict, dict]:
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise CheckpointError(path, "header __metadata__: expected an object of strings, found " + (type(meta).__name__ if not isinstance(meta, dict) else 'non-string values'))
     data_start, data_len = 8 + n, size - 8 - n
+    for k in hdr: _check_name(path, k)
     infos = [_check_entry(path, k, e, data_len) for k, e in hdr.items()]
     pos, prev = 0, None
     for i in sorted(infos, key=lambda i: i.offsets):
@@ -142,7 +152,8 @@ def _shape_of(v) -> tuple: return tuple(v.shape)
 
 def _parse_qmeta(s:str, path) -> dict:
     where = f'header __metadata__[{LEGACY_QMETA!r}]'
-    try: q = json.loads(s)
+    try: q = json.loads(s, object_pairs_hook=lambda ps: unique_keys(ps, LEGACY_QMETA))
+    except QuantFormatError as e: raise CheckpointError(path, f"{where}: {e}") from None
     except (ValueError, RecursionError) as e: raise CheckpointError(path, f"{where}: expected valid JSON, found {type(e).__name__}: {str(e)[:120]}") from None
     if not isinstance(q, dict) or not isinstance(q.get('layers'), dict):
         raise CheckpointError(path, f"{where}: expected an object with a \"layers\" object, found {str(q)[:80]}")
@@ -150,12 +161,20 @@ def _parse_qmeta(s:str, path) -> dict:
         if not isinstance(conf, dict): raise CheckpointError(path, f"{where}[\"layers\"][{name!r}]: expected a JSON object, found {type(conf).__name__}")
     return q['layers']
 
-def _match_layer(name:str, mods:set, prefixes:list, path) -> str|None:
-    "The module in `mods` that layer `name` of a `_quantization_metadata` header refers to."
+def _by_suffix(mods:set) -> dict:
+    "`{dotted suffix: [modules ending in '.' + it]}`, so a layer name finds its modules in one lookup."
+    out = {}
+    for m in mods:
+        parts = m.split('.')
+        for i in range(1, len(parts)): out.setdefault('.'.join(parts[i:]), []).append(m)
+    return out
+
+def _match_layer(name:str, mods:set, prefixes:list, path, by_suffix:dict) -> str|None:
+    "The module in `mods` (`by_suffix`: its `_by_suffix`) that layer `name` of a `_quantization_metadata` header means."
     if name in mods: return name
     for p in prefixes:                    # a model prefix seen before
         if p + name in mods: return p + name
-    hits = [m for m in mods if m.endswith('.' + name)]
+    hits = by_suffix.get(name, [])
     if len(hits) > 1: raise CheckpointError(path, f"header {LEGACY_QMETA} layer {name!r}: expected one matching module, found {sorted(hits)[:4]}")
     if hits:
         prefixes.append(hits[0][:-len(name)]); return hits[0]
@@ -172,12 +191,22 @@ def _legacy(entries:dict, metadata:dict, get, path) -> tuple[dict, dict, str|Non
         layers = _parse_qmeta(metadata.pop(LEGACY_QMETA), path)
         out = dict(entries)
         mods, prefixes = {k[:-len('.weight')] for k in entries if k.endswith('.weight')}, []
+        by_suffix, unmatched = _by_suffix(mods), []
         for name, conf in layers.items():
-            m = _match_layer(name, mods, prefixes, path)
-            if m is None:
-                warnings.warn(f"{path}: {LEGACY_QMETA} layer {name!r} matches no '<module>.weight' tensor; skipped", CheckpointWarning)
-                continue
-            out[m + '.comfy_quant'] = encode_json(conf)
+            m = _match_layer(name, mods, prefixes, path, by_suffix)
+            if m is None: unmatched.append(name); continue
+            key = m + '.comfy_quant'
+            if key in entries:
+                have = decode_json(get(key), key)
+                if not isinstance(have, dict) or have.get('format') != conf.get('format'):
+                    raise CheckpointError(path, f"{LEGACY_QMETA} layer {name!r}: expected the format of the existing "
+                                          f"'{key}' ({have.get('format') if isinstance(have, dict) else have!r}), "
+                                          f"found {conf.get('format')!r}")
+            out[key] = encode_json(conf)
+        if unmatched:
+            more = f' and {len(unmatched) - 3} more' if len(unmatched) > 3 else ''
+            warnings.warn(f"{path}: {len(unmatched)} {LEGACY_QMETA} layer(s) match no '<module>.weight' tensor, skipped: "
+                          f"{unmatched[:3]}{more}", CheckpointWarning)
         for k in markers:
             warnings.warn(f"{path}: {k!r} ignored: the {LEGACY_QMETA} header takes precedence (as in ComfyUI)", CheckpointWarning)
             del out[k]
@@ -237,6 +266,7 @@ class Checkpoint(Mapping):
         for k, v in sd.items():
             if not isinstance(k, str): raise CheckpointError(name, f"key {k!r}: expected a string, found {type(k).__name__}")
             if not isinstance(v, torch.Tensor): raise CheckpointError(name, f"'{k}': expected a torch.Tensor, found {type(v).__name__}")
+            _check_name(name, k)
             if isinstance(v, QuantizedTensor) and not k.endswith('weight'):
                 raise CheckpointError(name, f"'{k}': expected a QuantizedTensor only at a '<module>.weight' key, found one at {k!r}")
         sd = _expand_quantized(dict(sd), name)
@@ -325,15 +355,25 @@ class AttentionChoice:
     options: dict = field(default_factory=dict)
     source: str = 'checkpoint'      # 'checkpoint' or 'override'
 
+def _check_attention_entry(c:dict, where:str):
+    "An entry's `attention` is a string and each option of its method a finite number > 0 (errors name the field)."
+    if not isinstance(c.get('attention'), str):
+        raise QuantFormatError(f"{where}['attention']: expected a method name string, found {c.get('attention')!r}")
+    for k in ATTENTION_METHODS.get(c['attention'], {}):
+        v = c.get(k, 1.0)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            raise QuantFormatError(f"{where}[{k!r}]: expected a finite number > 0, found {type(v).__name__} {v!r}")
+
 def attention_entries(config, key:str=ATTENTION_KEY) -> list:
     "The preference list of an attention config (an object becomes a one-element list); clear errors otherwise."
     if config is None: return []
-    if isinstance(config, dict): return [config]
+    if isinstance(config, dict): config = [config]
     if not isinstance(config, list):
         raise QuantFormatError(f"'{key}': expected a JSON object or a list of objects, found {type(config).__name__} {str(config)[:60]}")
     for i, c in enumerate(config):
         if not isinstance(c, dict):
             raise QuantFormatError(f"'{key}'[{i}]: expected an object like {{\"attention\": \"comfy_kitchen_sol\"}}, found {type(c).__name__} {str(c)[:60]}")
+        _check_attention_entry(c, f"'{key}'[{i}]")
     return list(config)
 
 def encode_attention(config) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 # %% auto #0
-__all__ = ['FORMATS', 'QuantFormatError', 'encode_json', 'decode_json', 'Option', 'Params', 'Layout', 'FormatSpec',
+__all__ = ['FORMATS', 'QuantFormatError', 'encode_json', 'unique_keys', 'decode_json', 'Option', 'Params', 'Layout', 'FormatSpec',
            'register_format', 'ScaleRule', 'get_format', 'QuantizedTensor', 'quantize', 'load_quantized']
 
 # %% ../nbs/01_tensor.ipynb #464385b5
@@ -64,13 +64,21 @@ def encode_json(obj) -> torch.Tensor:
     data = json.dumps(obj).encode('utf-8')
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
 
+def unique_keys(pairs:list, key:str='comfy_quant') -> dict:
+    "A JSON `object_pairs_hook`: the object of `pairs`, or a `QuantFormatError` naming `key` and a repeated name."
+    out = {}
+    for k, v in pairs:
+        if k in out: raise format_error('', key, 'a JSON object with distinct keys', f'{k!r} twice')
+        out[k] = v
+    return out
+
 def decode_json(t:torch.Tensor, key:str='comfy_quant'):
     "Decode a 1-D uint8 UTF-8 JSON tensor; errors name `key`."
     if not isinstance(t, torch.Tensor): raise format_error('', key, 'a 1-D uint8 tensor', type(t).__name__)
     if t.dtype != torch.uint8: raise format_error('', key, 'a 1-D uint8 tensor', f'dtype {t.dtype}')
     if t.dim() != 1: raise format_error('', key, 'a 1-D uint8 tensor', f'shape {tuple(t.shape)}')
     raw = t.detach().cpu().numpy().tobytes()
-    try: return json.loads(raw.decode('utf-8'))
+    try: return json.loads(raw.decode('utf-8'), object_pairs_hook=lambda ps: unique_keys(ps, key))
     except UnicodeDecodeError as e: raise format_error('', key, 'UTF-8 JSON bytes',
                                                        f'invalid UTF-8 ({e.reason} at byte {e.start})') from None
     except json.JSONDecodeError as e: raise format_error('', key, 'valid JSON',
@@ -560,6 +568,10 @@ def check_comfy_quant(config, # a decoded `comfy_quant`
     if not isinstance(config, dict): raise format_error(prefix, 'comfy_quant', 'a JSON object',
                                                         f'{type(config).__name__} {str(config)[:60]}')
     if 'format' not in config: raise format_error(prefix, 'comfy_quant', 'a "format" field', f'keys {sorted(config)}')
+    for where, d in (('', config), ('["params"]', config.get('params'))):
+        v = d.get('full_precision_matrix_mult', False) if isinstance(d, dict) else False
+        if not isinstance(v, bool): raise format_error(prefix, f'comfy_quant{where}["full_precision_matrix_mult"]',
+                                                       'JSON true or false', f'{type(v).__name__} {v!r}')
     return config
 
 # %% ../nbs/01_tensor.ipynb #0835e0ca

@@ -1,0 +1,143 @@
+"Malformed checkpoints built in the test: every entry point rejects them with a message naming the key."
+import json, math, os, struct, time, warnings
+import pytest, torch
+import cquant as cq
+from cquant.cli import main
+
+def raw_file(path, header:str, data:bytes=b''):
+    "A safetensors file with the header text `header` (duplicate keys kept) and data section `data`."
+    h = header.encode()
+    with open(path, 'wb') as f: f.write(struct.pack('<Q', len(h)) + h + data)
+    return path
+
+def fp8_module(prefix:str, cq_json:str, offset:int=0) -> tuple[list, bytes]:
+    "Header entries (as text) and data of one 2x16 float8_e4m3fn module whose comfy_quant bytes are `cq_json`."
+    w, s, c = torch.ones(2, 16).to(torch.float8_e4m3fn), torch.ones((), dtype=torch.float32), cq_json.encode()
+    ents, data, pos = [], b'', offset
+    for k, dt, shape, b in (('weight', 'F8_E4M3', [2, 16], w.view(torch.uint8).numpy().tobytes()),
+                            ('weight_scale', 'F32', [], s.numpy().tobytes()), ('comfy_quant', 'U8', [len(c)], c)):
+        ents.append(f'"{prefix}{k}": {{"dtype": "{dt}", "shape": {json.dumps(shape)}, "data_offsets": [{pos}, {pos + len(b)}]}}')
+        data, pos = data + b, pos + len(b)
+    return ents, data
+
+def module_file(path, cq_json:str, prefix:str='blk.', extra:list=(), meta:dict|None=None):
+    ents, data = fp8_module(prefix, cq_json)
+    if meta: ents = [f'"__metadata__": {json.dumps(meta)}'] + ents
+    return raw_file(path, '{' + ', '.join(ents + list(extra)) + '}', data)
+
+def readers(path):
+    "Each file entry point, as a callable."
+    return {'load_file': lambda: cq.load_file(path), 'open_checkpoint': lambda: cq.open_checkpoint(path).modules(),
+            'inspect': lambda: _inspect(path)}
+
+def _inspect(path):
+    rc = main(['inspect', str(path)])
+    if rc: raise ValueError(f'cquant inspect exit {rc}')
+
+def assert_all_fail(path, match, capsys=None):
+    for name, f in readers(path).items():
+        if name == 'inspect' and capsys is not None:
+            capsys.readouterr(); assert main(['inspect', str(path)]) == 1, name
+            assert match in capsys.readouterr().err, name
+        else:
+            with pytest.raises(ValueError) as e: f()
+            assert match in str(e.value), (name, str(e.value))
+
+# 1. full_precision_matrix_mult must be JSON true/false
+@pytest.mark.parametrize('v', ['"false"', '0', '1', 'null'])
+def test_fpmm_must_be_bool(tmp_path, capsys, v):
+    p = module_file(tmp_path / 'a.safetensors', f'{{"format": "float8_e4m3fn", "full_precision_matrix_mult": {v}}}')
+    assert_all_fail(p, 'blk.comfy_quant["full_precision_matrix_mult"]', capsys)
+    assert_all_fail(p, 'expected JSON true or false', capsys)
+    sd = {'blk.weight': torch.ones(2, 16).to(torch.float8_e4m3fn), 'blk.weight_scale': torch.ones(())}
+    with pytest.raises(ValueError, match=r'full_precision_matrix_mult.*expected JSON true or false'):
+        cq.load_quantized(sd, 'blk', config={'format': 'float8_e4m3fn', 'full_precision_matrix_mult': json.loads(v)})
+    nested = {'format': 'float8_e4m3fn', 'params': {'full_precision_matrix_mult': json.loads(v)}}
+    with pytest.raises(ValueError, match=r'comfy_quant\["params"\]\["full_precision_matrix_mult"\]'):
+        cq.load_quantized(sd, 'blk', config=nested)
+
+def test_fpmm_true_still_loads(tmp_path):
+    p = module_file(tmp_path / 'a.safetensors', '{"format": "float8_e4m3fn", "full_precision_matrix_mult": true}')
+    assert cq.load_file(p)['blk.weight'].shape == (2, 16)
+
+# 2. duplicate keys
+def test_duplicate_comfy_quant_key(tmp_path, capsys):
+    p = module_file(tmp_path / 'a.safetensors', '{"format": "float8_e4m3fn", "format": "nvfp4"}')
+    assert_all_fail(p, "'blk.comfy_quant': expected a JSON object with distinct keys, found 'format' twice", capsys)
+
+def test_duplicate_tensor_name(tmp_path, capsys):
+    ents, data = fp8_module('blk.', '{"format": "float8_e4m3fn"}')
+    p = raw_file(tmp_path / 'a.safetensors', '{' + ', '.join(ents + [ents[1]]) + '}', data)
+    assert_all_fail(p, "expected a JSON object with distinct keys, found 'blk.weight_scale' twice", capsys)
+
+def test_duplicate_qmeta_layer(tmp_path):
+    meta = {'_quantization_metadata': '{"layers": {"blk": {"format": "float8_e4m3fn"}, "blk": {"format": "nvfp4"}}}'}
+    p = module_file(tmp_path / 'a.safetensors', '{"format": "float8_e4m3fn"}', meta=meta)
+    with pytest.raises(ValueError, match="_quantization_metadata.*found 'blk' twice"): cq.open_checkpoint(p)
+
+# 3. _quantization_metadata must not override a comfy_quant of another format
+def test_qmeta_overrides_other_format(tmp_path, capsys):
+    meta = {'_quantization_metadata': json.dumps({'layers': {'blk': {'format': 'float8_e5m2'}}})}
+    p = module_file(tmp_path / 'a.safetensors', '{"format": "float8_e4m3fn"}', meta=meta)
+    assert_all_fail(p, "layer 'blk': expected the format of the existing 'blk.comfy_quant' ('float8_e4m3fn'), "
+                       "found 'float8_e5m2'", capsys)
+    meta = {'_quantization_metadata': json.dumps({'layers': {'blk': {'format': 'float8_e4m3fn'}}})}
+    p = module_file(tmp_path / 'b.safetensors', '{"format": "float8_e4m3fn"}', meta=meta)
+    assert cq.load_file(p)['blk.weight'].shape == (2, 16)     # the same format: accepted
+
+# 4. attention preferences
+def attn_file(path, cfg:str):
+    c = cfg.encode()
+    ent = f'"blk.comfy_attention.config": {{"dtype": "U8", "shape": [{len(c)}], "data_offsets": [0, {len(c)}]}}'
+    return raw_file(path, '{' + ent + '}', c)
+
+@pytest.mark.parametrize('tau', ['-1', '0', 'NaN', 'Infinity', '"1"', 'true'])
+def test_attention_tau(tmp_path, capsys, tau):
+    p = attn_file(tmp_path / 'a.safetensors', f'[{{"attention": "comfy_kitchen_sol", "tau": {tau}}}]')
+    assert_all_fail(p, "'blk.comfy_attention.config'[0]['tau']: expected a finite number > 0", capsys)
+    with pytest.raises(ValueError, match=r"\['tau'\]: expected a finite number > 0"):
+        cq.checkpoint.select_attention(json.loads(f'{{"attention": "comfy_kitchen_sol", "tau": {tau}}}'),
+                                       {'comfy_kitchen_sol'}, 'blk')
+
+def test_attention_method_type(tmp_path, capsys):
+    p = attn_file(tmp_path / 'a.safetensors', '{"attention": 3}')
+    assert_all_fail(p, "'blk.comfy_attention.config'[0]['attention']: expected a method name string, found 3", capsys)
+
+def test_attention_valid_tau_selected():
+    got = cq.checkpoint.select_attention({'attention': 'comfy_kitchen_sol', 'tau': 0.5}, {'comfy_kitchen_sol'}, 'blk')
+    assert got.options == {'tau': 0.5}
+
+# 5. a leading '.' (empty module name)
+def test_leading_dot_names(tmp_path, capsys):
+    p = module_file(tmp_path / 'a.safetensors', '{"format": "float8_e4m3fn"}', prefix='.')
+    assert_all_fail(p, "'.weight': expected a tensor name like '<module>.weight' or 'weight', found a leading '.'", capsys)
+    sd = {'.weight': torch.ones(2, 2)}
+    with pytest.raises(ValueError, match="'.weight': expected a tensor name like"):
+        cq.save_file(sd, tmp_path / 'b.safetensors')
+
+# 6. non-regular files
+def test_fifo_refused(tmp_path, capsys):
+    p = tmp_path / 'pipe.safetensors'; os.mkfifo(p)
+    assert_all_fail(p, 'expected a regular file, found a FIFO', capsys)
+    assert_all_fail(tmp_path, 'expected a regular file, found a directory', capsys)
+
+# 7. _quantization_metadata layer names with a prefix the tensors lack: linear time, one warning
+def test_qmeta_prefix_linear(tmp_path):
+    n, meta_layers, ents, data = 20_000, {}, [], b''
+    c = torch.ones(()).numpy().tobytes()
+    for i in range(n):
+        ents.append(f'"m{i}.weight": {{"dtype": "F32", "shape": [], "data_offsets": [{4 * i}, {4 * i + 4}]}}')
+        meta_layers[f'model.diffusion_model.m{i}'] = {'format': 'float8_e4m3fn'}
+    meta_layers['model.nowhere'] = {'format': 'float8_e4m3fn'}
+    hdr = '{' + f'"__metadata__": {json.dumps({"_quantization_metadata": json.dumps({"layers": meta_layers})})}, '
+    p = raw_file(tmp_path / 'a.safetensors', hdr + ', '.join(ents) + '}', c * n)
+    t = time.perf_counter()
+    with pytest.warns(cq.checkpoint.CheckpointWarning) as w:
+        ck = cq.open_checkpoint(p, convert=True)
+    dt = time.perf_counter() - t
+    assert dt < 2.0, dt
+    assert 'm19999.comfy_quant' in ck and 'm0.comfy_quant' in ck
+    msgs = [str(x.message) for x in w]
+    assert len(msgs) == 1 and "1 _quantization_metadata layer(s) match no '<module>.weight' tensor" in msgs[0]
+    assert "'model.nowhere'" in msgs[0]
+    ck.close()
