@@ -436,9 +436,8 @@ class W4A8Layout(Layout):
 
     @classmethod
     def logical_shape(cls, tensors, opts):
-        w, s = tensors['weight'], tensors.get('weight_s_rel')
-        if s is None or s.dim() != 2 or w.dim() != 2: return tuple(w.shape)
-        return (w.shape[0], s.shape[1] * opts.get('group_size', 16))
+        w = tensors['weight']       # K from the packed codes, so a wrong group_size is blamed on the option
+        return (w.shape[0], w.shape[1] * 8 // cls.bits) if w.dim() == 2 else tuple(w.shape)
 
     @classmethod
     def quantize(cls, w, stochastic_rounding=0, bits=None, group_size=16, convrot_groupsize=256, convrot=True,

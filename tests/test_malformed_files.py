@@ -141,3 +141,36 @@ def test_qmeta_prefix_linear(tmp_path):
     assert len(msgs) == 1 and "1 _quantization_metadata layer(s) match no '<module>.weight' tensor" in msgs[0]
     assert "'model.nowhere'" in msgs[0]
     ck.close()
+
+# 8. options are checked before shapes when the logical shape is inferred from the file
+def saved(tmp_path, sd:dict, name='m.safetensors'):
+    p = tmp_path / name; cq.save_file(sd, p, validate=False); return p
+
+def quantized_sd(fmt:str, shape:tuple, **cfg) -> dict:
+    torch.manual_seed(0)
+    qt = cq.tensor.quantize(torch.randn(*shape, dtype=torch.bfloat16), fmt)
+    return {**qt.state_dict('blk.'), 'blk.comfy_quant': cq.tensor.encode_json({**qt.config, **cfg})}
+
+@pytest.mark.parametrize('g', [-16, 0, 2**40])
+def test_w4a8_bad_group_size(tmp_path, capsys, g):
+    sd = quantized_sd('asym_w4a8_int8', (32, 256), group_size=g)
+    msg = f"'blk.comfy_quant['group_size']': expected a group size G >= 4 that divides 16 or is a multiple of 16, " \
+          f"dividing K=256 of weight shape (32, 256), found G={g}"
+    assert_all_fail(saved(tmp_path, sd), msg, capsys)
+    with pytest.raises(ValueError) as e: cq.load_quantized(sd, 'blk')
+    assert msg in str(e.value)
+
+def test_w4a8_group_size_mismatch(tmp_path, capsys):
+    sd = quantized_sd('asym_w4a8_int8', (32, 256), group_size=32)     # stored with G=16
+    msg = "'blk.weight_s_rel': expected one scale per group of G=32: shape (32, 8) for weight (32, 256), found shape (32, 16)"
+    assert_all_fail(saved(tmp_path, sd), msg, capsys)
+    with pytest.raises(ValueError) as e: cq.load_quantized(sd, 'blk')
+    assert msg in str(e.value)
+
+def test_nvfp4_1d_storage_names_module(tmp_path, capsys):
+    sd = quantized_sd('nvfp4', (32, 64))
+    sd['blk.weight'] = sd['blk.weight'].reshape(-1)
+    msg = "'blk.weight': expected a non-empty 2-D (out_features, in_features) weight for nvfp4, found shape (1024,)"
+    assert_all_fail(saved(tmp_path, sd), msg, capsys)
+    with pytest.raises(ValueError) as e: cq.load_quantized(sd, 'blk')
+    assert msg in str(e.value)
