@@ -523,7 +523,7 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
     if extra: raise CheckpointError(path, f"'{p}{extra[0]}': expected only {spec.name} tensors {sorted(allowed)}, found extra {[p + s for s in extra]}")
     lopts = {**spec.layout_kwargs, **e.options}
     metas = {s: _meta(infos[s]) for s in spec.weight_keys if s in infos}
-    if e.num_experts is not None: return _scan_bank(ck, e, metas, shape)
+    if e.num_experts is not None: return _check_bias(path, _scan_bank(ck, e, metas, shape), infos)
     try:
         if shape is None:
             shape, e.shape_inferred = spec.layout.logical_shape(metas, lopts), True
@@ -537,6 +537,19 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
         raise CheckpointError(path, f"'{p}input_scale': expected one value, found shape {infos['input_scale'].shape}")
     if 'pre_quant_scale' in infos and infos['pre_quant_scale'].numel != K:
         raise CheckpointError(path, f"'{p}pre_quant_scale': expected {K} values (one per input feature), found shape {infos['pre_quant_scale'].shape}")
+    return _check_bias(path, e, infos)
+
+def _check_bias(path, e:ModuleEntry, infos:dict) -> ModuleEntry:
+    """`e` if its bias (if any) has one value per output row: `[N]`, or `[E, N]` for an expert bank. With an inferred
+    (maybe padded) shape, any N the format stores in the same storage rows is accepted."""
+    if 'bias' not in infos: return e
+    b, k = tuple(infos['bias'].shape), 1 if e.num_experts is not None else 0
+    lead, rows = tuple(e.shape[:k]), tuple(e.shape[k:])
+    N, lay, lopts = rows[0], e.spec.layout, {**e.spec.layout_kwargs, **e.options}
+    same = lambda n: n == N or e.shape_inferred and 0 < n < N and lay.storage_shape((n, *rows[1:]), lopts) == lay.storage_shape(rows, lopts)
+    if len(b) != len(lead) + 1 or b[:-1] != lead or not same(b[-1]):
+        raise CheckpointError(path, f"'{e.prefix}bias': expected shape {list(lead + (N,))} (one value per output feature of "
+                                    f"{e.format} weight {list(e.shape)}), found {list(b)}")
     return e
 
 def _bank_config(path, e:ModuleEntry, infos:dict):

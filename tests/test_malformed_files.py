@@ -174,3 +174,34 @@ def test_nvfp4_1d_storage_names_module(tmp_path, capsys):
     assert_all_fail(saved(tmp_path, sd), msg, capsys)
     with pytest.raises(ValueError) as e: cq.load_quantized(sd, 'blk')
     assert msg in str(e.value)
+
+# 9. bias shape at file level
+@pytest.mark.parametrize('bias', [(3,), (1, 2), ()])
+def test_linear_bias_shape(tmp_path, capsys, bias):
+    sd = quantized_sd('float8_e4m3fn', (2, 16))
+    sd['blk.bias'] = torch.zeros(bias)
+    assert_all_fail(saved(tmp_path, sd), f"'blk.bias': expected shape [2] (one value per output feature of "
+                                         f"float8_e4m3fn weight [2, 16]), found {list(bias)}", capsys)
+    sd['blk.bias'] = torch.zeros(2)
+    assert cq.load_file(saved(tmp_path, sd, 'ok.safetensors'))['blk.bias'].shape == (2,)
+
+def test_bank_bias_shape(tmp_path, capsys):
+    from cquant.modules import QuantMoEExperts
+    torch.manual_seed(0)
+    sd = QuantMoEExperts(3, 256, 32).quantize_('float8_e4m3fn').state_dict(prefix='moe.up.')
+    assert cq.load_file(saved(tmp_path, sd, 'ok.safetensors'))['moe.up.bias'].shape == (3, 32)
+    sd['moe.up.bias'] = torch.zeros(4, 32)
+    assert_all_fail(saved(tmp_path, sd), "'moe.up.bias': expected shape [3, 32] (one value per output feature of "
+                                         "float8_e4m3fn weight [3, 32, 256]), found [4, 32]", capsys)
+
+def test_conv_and_padded_bias(tmp_path):
+    "A 4-D fp8 weight's bias is [out_channels]; a padded nvfp4 weight accepts the bias of its unpadded rows."
+    sd = quantized_sd('float8_e4m3fn', (4, 2, 3, 3))
+    sd['blk.bias'] = torch.zeros(4)
+    assert cq.load_file(saved(tmp_path, sd))['blk.bias'].shape == (4,)
+    sd = quantized_sd('nvfp4', (60, 128))                          # stored as 64 rows
+    sd['blk.bias'] = torch.zeros(60)
+    assert cq.load_file(saved(tmp_path, sd, 'b.safetensors'))['blk.bias'].shape == (60,)
+    sd['blk.bias'] = torch.zeros(65)
+    with pytest.raises(ValueError, match=r"'blk.bias': expected shape \[64\].*found \[65\]"):
+        cq.load_file(saved(tmp_path, sd, 'c.safetensors'))
