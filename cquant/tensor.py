@@ -66,11 +66,11 @@ def encode_json(obj) -> torch.Tensor:
 
 def unique_keys(pairs:list, key:str='comfy_quant') -> dict:
     "A JSON `object_pairs_hook`: the object of `pairs`, or a `QuantFormatError` naming `key` and a repeated name."
-    out = {}
-    for k, v in pairs:
-        if k in out: raise format_error('', key, 'a JSON object with distinct keys', f'{k!r} twice')
-        out[k] = v
-    return out
+    out = dict(pairs)
+    if len(out) == len(pairs): return out
+    seen = set()
+    k = next(k for k, _ in pairs if k in seen or seen.add(k))
+    raise format_error('', key, 'a JSON object with distinct keys', f'{k!r} twice')
 
 def decode_json(t:torch.Tensor, key:str='comfy_quant'):
     "Decode a 1-D uint8 UTF-8 JSON tensor; errors name `key`."
