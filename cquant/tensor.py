@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 # %% auto #0
-__all__ = ['FORMATS', 'QuantFormatError', 'encode_json', 'unique_keys', 'decode_json', 'Option', 'Params', 'Layout', 'FormatSpec',
+__all__ = ['FORMATS', 'QuantFormatError', 'encode_json', 'decode_json', 'unique_keys', 'Option', 'Params', 'Layout', 'FormatSpec',
            'register_format', 'ScaleRule', 'get_format', 'QuantizedTensor', 'quantize', 'load_quantized']
 
 # %% ../nbs/01_tensor.ipynb #464385b5
@@ -64,14 +64,6 @@ def encode_json(obj) -> torch.Tensor:
     data = json.dumps(obj).encode('utf-8')
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
 
-def unique_keys(pairs:list, key:str='comfy_quant') -> dict:
-    "A JSON `object_pairs_hook`: the object of `pairs`, or a `QuantFormatError` naming `key` and a repeated name."
-    out = dict(pairs)
-    if len(out) == len(pairs): return out
-    seen = set()
-    k = next(k for k, _ in pairs if k in seen or seen.add(k))
-    raise format_error('', key, 'a JSON object with distinct keys', f'{k!r} twice')
-
 def decode_json(t:torch.Tensor, key:str='comfy_quant'):
     "Decode a 1-D uint8 UTF-8 JSON tensor; errors name `key`."
     if not isinstance(t, torch.Tensor): raise format_error('', key, 'a 1-D uint8 tensor', type(t).__name__)
@@ -84,6 +76,15 @@ def decode_json(t:torch.Tensor, key:str='comfy_quant'):
     except json.JSONDecodeError as e: raise format_error('', key, 'valid JSON',
                                                          f'{e.msg} at char {e.pos} in {raw[:80]!r}') from None
     except RecursionError: raise format_error('', key, 'valid JSON', 'nesting too deep to decode') from None
+
+# %% ../nbs/01_tensor.ipynb #72cc8474
+def unique_keys(pairs:list, key:str='comfy_quant') -> dict:
+    "A JSON `object_pairs_hook`: the object of `pairs`, or a `QuantFormatError` naming `key` and a repeated name."
+    out = dict(pairs)
+    if len(out) == len(pairs): return out
+    seen = set()
+    k = next(k for k, _ in pairs if k in seen or seen.add(k))
+    raise format_error('', key, 'a JSON object with distinct keys', f'{k!r} twice')
 
 # %% ../nbs/01_tensor.ipynb #d3a64bbe
 @dataclass(frozen=True)
