@@ -525,7 +525,9 @@ def _w4a8_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
         raise format_error(prefix, 'weight_s_rel', 'float8_e4m3fn, float32, or uint8 (e4m3 bytes)', f'dtype {s.dtype}')
     if tuple(s.shape) != (N, K // G):
         raise format_error(prefix, 'weight_s_rel',
-                           f'one scale per group of G={G}: shape ({N}, {K // G}) for weight ({N}, {K})', f'shape {tuple(s.shape)}')
+                           f'one scale per group of G={G}: shape ({N}, {K // G}) for weight ({N}, {K})', f'shape {tuple(s.shape)}'
+                           + (f" (the scales of G={K // s.shape[1]}: is comfy_quant['group_size']={G} right?)"
+                              if s.dim() == 2 and s.shape[0] == N and s.shape[1] and K % s.shape[1] == 0 else ''))
     _check_finite(s, prefix, 'weight_s_rel')
     sc = tensors['weight_s_channel']
     if sc.dtype not in _FLOATS or tuple(sc.shape) != (N,):

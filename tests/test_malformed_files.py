@@ -162,7 +162,8 @@ def test_w4a8_bad_group_size(tmp_path, capsys, g):
 
 def test_w4a8_group_size_mismatch(tmp_path, capsys):
     sd = quantized_sd('asym_w4a8_int8', (32, 256), group_size=32)     # stored with G=16
-    msg = "'blk.weight_s_rel': expected one scale per group of G=32: shape (32, 8) for weight (32, 256), found shape (32, 16)"
+    msg = ("'blk.weight_s_rel': expected one scale per group of G=32: shape (32, 8) for weight (32, 256), "
+           "found shape (32, 16) (the scales of G=16: is comfy_quant['group_size']=32 right?)")
     assert_all_fail(saved(tmp_path, sd), msg, capsys)
     with pytest.raises(ValueError) as e: cq.load_quantized(sd, 'blk')
     assert msg in str(e.value)
