@@ -16,7 +16,8 @@ def fp8_module(prefix:str, cq_json:str, offset:int=0) -> tuple[list, bytes]:
     ents, data, pos = [], b'', offset
     for k, dt, shape, b in (('weight', 'F8_E4M3', [2, 16], w.view(torch.uint8).numpy().tobytes()),
                             ('weight_scale', 'F32', [], s.numpy().tobytes()), ('comfy_quant', 'U8', [len(c)], c)):
-        ents.append(f'"{prefix}{k}": {{"dtype": "{dt}", "shape": {json.dumps(shape)}, "data_offsets": [{pos}, {pos + len(b)}]}}')
+        ents.append(f'"{prefix}{k}": {{"dtype": "{dt}", "shape": {json.dumps(shape)}, '
+                    f'"data_offsets": [{pos}, {pos + len(b)}]}}')
         data, pos = data + b, pos + len(b)
     return ents, data
 
@@ -110,7 +111,8 @@ def test_attention_valid_tau_selected():
 # 5. a leading '.' (empty module name)
 def test_leading_dot_names(tmp_path, capsys):
     p = module_file(tmp_path / 'a.safetensors', '{"format": "float8_e4m3fn"}', prefix='.')
-    assert_all_fail(p, "'.weight': expected a tensor name like '<module>.weight' or 'weight', found a leading '.'", capsys)
+    assert_all_fail(p, "'.weight': expected a tensor name like '<module>.weight' or 'weight', found a leading '.'",
+                    capsys)
     sd = {'.weight': torch.ones(2, 2)}
     with pytest.raises(ValueError, match="'.weight': expected a tensor name like"):
         cq.save_file(sd, tmp_path / 'b.safetensors')
