@@ -113,6 +113,8 @@ def test_leading_dot_names(tmp_path, capsys):
     p = module_file(tmp_path / 'a.safetensors', '{"format": "float8_e4m3fn"}', prefix='.')
     assert_all_fail(p, "'.weight': expected a tensor name like '<module>.weight' or 'weight', found a leading '.'",
                     capsys)
+    capsys.readouterr(); assert main(['convert', str(p), str(tmp_path / 'out.safetensors')]) == 1
+    assert "'.weight': expected a tensor name like" in capsys.readouterr().err
     sd = {'.weight': torch.ones(2, 2)}
     with pytest.raises(ValueError, match="'.weight': expected a tensor name like"):
         cq.save_file(sd, tmp_path / 'b.safetensors')
