@@ -645,6 +645,18 @@ def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dt
     qdata, params = spec.layout.from_tensors(tensors, {**spec.layout_kwargs, **opts}, shape, dtype, prefix)
     return QuantizedTensor(qdata, params, spec)
 
+# %% ../nbs/01_tensor.ipynb #5a7c0e02
+def check_stray_scales(keys, caller:str):
+    "Raise a `QuantFormatError` naming the first `<module>.<scale key>` in `keys` whose module has no `comfy_quant`."
+    keys = set(keys)
+    known = {k for s in FORMATS.values() for k in s.keys + s.optional_keys + s.extra_keys}
+    stray = sorted(k for k in keys if k.rpartition('.')[2] in known
+                   and k[:len(k) - len(k.rpartition('.')[2])] + 'comfy_quant' not in keys)
+    if stray:
+        p = stray[0][:len(stray[0]) - len(stray[0].rpartition('.')[2])]
+        raise QuantFormatError(f"{caller}: '{stray[0]}': expected no scale tensors on module {p.rstrip('.')!r} without a "
+                               f"comfy_quant entry, found {stray[:8]} (a stray scale: add {p}comfy_quant or remove it)")
+
 # %% ../nbs/01_tensor.ipynb #6b9066ed
 # The shared palette: one fixed colour per registered format, in registry order (tab10, its grey swapped
 # for indigo), grey for float.
