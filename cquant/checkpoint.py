@@ -25,6 +25,9 @@ __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'LEGACY_QMETA', 'L
            'DiskFullError', 'save_file', 'comfy_unread', 'load_file', 'StreamingWriter', 'inspect_checkpoint',
            'size_ratio', 'text_table', 'format_inspect']
 
+# %% ../nbs/11_checkpoint.ipynb #5a7c0e11
+from .tensor import check_stray_scales
+
 # %% ../nbs/11_checkpoint.ipynb #750ad511
 class CheckpointError(QuantFormatError):
     "A malformed checkpoint (file or state dict); the message starts with its name."
@@ -211,6 +214,7 @@ def _legacy(entries:dict, metadata:dict, get, path) -> tuple[dict, dict, str|Non
 def convert_legacy(sd:dict, metadata:dict|None=None, name:str='state dict') -> tuple[dict, dict]:
     "Convert a `_quantization_metadata` header or `scaled_fp8` marker in `sd` to per-module `comfy_quant` entries."
     out, meta, kind = _legacy(sd, metadata or {}, sd.__getitem__, name)
+    check_stray_scales(out, f'convert_legacy({name})')
     return out, meta
 
 # %% ../nbs/11_checkpoint.ipynb #6dcf9d78

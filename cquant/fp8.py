@@ -7,7 +7,7 @@ Docs: https://cquant-dev.github.io/cquant/fp8.html.md"""
 
 # %% ../nbs/02_fp8.ipynb #eeba83be
 from __future__ import annotations
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import torch
 
 from .numerics import FP8_DTYPES, FP16_MIN_NORMAL, fp8_max, absmax
@@ -145,6 +145,18 @@ class FP8Layout(Layout):
         xq = quantize_per_tensor_fp8(x2, sx, qdata.dtype)
         out = fp8_linear_fp32(xq, sx, qdata, params.scale, bias, x.dtype)
         return out.reshape(*x.shape[:-1], qdata.shape[0])
+
+    @classmethod
+    def linear_quantized(cls, xq, qdata, params, bias=None):
+        "Both operands FP8 of one dtype: the scaled matmul with the activation's own storage and scale."
+        if qdata.dim() != 2 or xq.qdata.dtype != qdata.dtype: return super().linear_quantized(xq, qdata, params, bias)
+        out = fp8_linear_fp32(xq.qdata.reshape(-1, qdata.shape[1]), xq.params.scale, qdata, params.scale, bias, xq.dtype)
+        return out.reshape(*xq.shape[:-1], qdata.shape[0])
+
+    @classmethod
+    def reshape(cls, func, qdata, params, shape):
+        "Any view/reshape: elements map 1:1 to storage and the one scale means the same for every shape."
+        return func(qdata, list(shape)), replace(params, orig_shape=tuple(shape))
 
 # %% ../nbs/02_fp8.ipynb #b6a52696
 _SCALE_OPTION = Option('scale', None, (float, int, torch.Tensor, type(None)),
