@@ -514,6 +514,9 @@ def key_report(result, # `load_state_dict`'s result (missing_keys, unexpected_ke
                                                         if len(lines) > limit else [])
     return '\n'.join([f"{title} does not match the model:"] + parts) if parts else ''
 
+# %% ../nbs/12_modules.ipynb #a1b2c3d4
+from .tensor import check_stray_scales
+
 # %% ../nbs/12_modules.ipynb #c0f8bdc4
 def load_quantized_model(model:nn.Module, # a model; its Linear/Embedding modules are swapped where `state_dict` has comfy_quant
                          state_dict, # a Comfy state dict (`cq.load_file(path)`, a dict, a Checkpoint)
@@ -525,6 +528,7 @@ def load_quantized_model(model:nn.Module, # a model; its Linear/Embedding module
     """Load a Comfy quantized state dict into `model`, swapping each module that has a `comfy_quant` for its quantized
     version."""
     sd = dict(state_dict)
+    check_stray_scales(sd, 'load_quantized_model')      # fp8 values must never load into a float Linear
     for name in quantized_names(sd):
         m = submodule(model, name)
         if m is None: continue                                    # its keys are reported as unexpected
