@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 import torch
-from .tensor import int8_compute
+from .tensor import ValueRule, int8_compute
 from .tensor import (Params, Layout, Option, FormatSpec, register_format, format_error, check_2d,
                            round_stochastic)
 from .numerics import absmax, rotate, FP16_MIN_NORMAL, SCALE_DTYPES, is_power_of_4
@@ -331,6 +331,7 @@ INT8_TENSORWISE = register_format(FormatSpec(
              Option('convrot_groupsize', 256, int, 'ConvRot group: a power of 4 dividing K',
                     write=lambda o: bool(o['convrot']))),
     quantize_input=False, extra_keys=(), aliases=('int8', 'int8_convrot', 'w8a8'),
+    value_rules={'weight_scale': ValueRule('the tensor or row scale multiplies the int8 values')},
     doc='Symmetric absmax INT8, tensor-wise or per-row scale, optional ConvRot; per-token INT8 activations in the linear.',
     row_gather=True, embedding=True, row_independent=int8_per_row, flat_banks=_int8_flat_banks,
     kitchen_layout='TensorWiseINT8Layout', native_compute=int8_compute,

@@ -9,7 +9,7 @@ Docs: https://cquant-dev.github.io/cquant/convrot_w4a4.html.md"""
 from __future__ import annotations
 from dataclasses import dataclass
 import torch
-from .tensor import int8_compute
+from .tensor import ValueRule, int8_compute
 from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, check_2d, round_stochastic
 from .numerics import absmax, rotate, pack_int4, unpack_int4, is_power_of_4, SCALE_DTYPES
 from .int8 import int_mm, quantize_rows_int8
@@ -184,6 +184,7 @@ CONVROT_W4A4 = register_format(FormatSpec(
              Option('linear_dtype', 'int4', str, "activations in the linear: 'int4' or 'int8' per token",
                     choices=W4A4_LINEAR_DTYPES, write='non_default')),
     quantize_input=False, extra_keys=(), aliases=('w4a4', 'int4', 'int4_full', 'int4_mixed'),
+    value_rules={'weight_scale': ValueRule('a row scale multiplies its int4 values')},
     doc='ConvRot-rotated symmetric int4, one scale per output row, packed low nibble first; int4 or int8 activations.',
     row_independent=True, kitchen_layout='TensorCoreConvRotW4A4Layout', native_compute=int8_compute,
     kitchen_kwargs=lambda o: dict(convrot_groupsize=o.get('convrot_groupsize', 256),
