@@ -562,7 +562,7 @@ def check_values(spec:FormatSpec, # the format whose `value_rules` apply
     for k, rule in spec.value_rules.items():
         t = tensors.get(k)
         if t is None: continue
-        if t.device.type == 'meta': raise NotImplementedError(f"{prefix}{k}: checking its values needs the data")
+        if t.device.type == 'meta': raise NotImplementedError(f"{prefix}{k}: checking its values needs its data, not a meta tensor")
         v = t.detach().float()
         bad = rule.bad(v)
         if bool(bad.any()): raise format_error(prefix, k, rule.expected, _found(v, bad) + hint)
