@@ -131,7 +131,8 @@ class FP8Layout(Layout):
     @classmethod
     def from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
         q = tensors['weight']
-        s = _check_fp8_scale(tensors['weight_scale'], prefix).to(q.device)
+        s = _check_fp8_scale(tensors['weight_scale'], prefix)
+        if q.device.type != 'meta': s = s.to(q.device)      # a meta weight (the file validator): values stay checkable
         return q, FP8Params(tuple(shape), dtype, s)
 
     @classmethod

@@ -12,9 +12,8 @@ from typing import Any, Callable
 import torch
 
 # %% auto #0
-__all__ = ['FORMATS', 'ACTIVATION_RULES', 'ACTIVATION_DTYPES', 'QuantFormatError', 'encode_json', 'decode_json', 'Option',
-           'Params', 'Layout', 'FormatSpec', 'register_format', 'ScaleRule', 'ValueRule', 'get_format',
-           'QuantizedTensor', 'check_values', 'check_activations', 'quantize', 'load_quantized']
+__all__ = ['FORMATS', 'QuantFormatError', 'encode_json', 'decode_json', 'Option', 'Params', 'Layout', 'FormatSpec',
+           'register_format', 'ScaleRule', 'ValueRule', 'get_format', 'QuantizedTensor', 'quantize', 'load_quantized']
 
 # %% ../nbs/01_tensor.ipynb #464385b5
 log = logging.getLogger("cquant")
