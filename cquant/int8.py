@@ -282,11 +282,22 @@ def _int8_layout_check_shape(cls, shape, opts, prefix=''):
                                f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {tuple(shape)}',
                                f'{g} ({why})')
 
+# %% ../nbs/05_int8.ipynb #c2cae2a6
+def _requantize_overflow_rows(w, q, scale, group, stochastic_rounding):
+    "ConvRot rows whose rotation overflows w's dtype (fp16 near 65504; kitchen's scale is inf): redo them in fp32."
+    over = ~torch.isfinite(scale).reshape(-1)
+    if not over.any(): return q, scale
+    q, scale = q.clone(), scale.clone()
+    q[over], scale[over] = quantize_int8(rotate(w[over].float(), group, as_weight=True), per_row=True,
+                                         stochastic_rounding=stochastic_rounding)
+    return q, scale
+
 # %% ../nbs/05_int8.ipynb #7a0019bf
 def _int8_layout_quantize(cls, w, stochastic_rounding=0, per_row=False, convrot=False, convrot_groupsize=256):
     per_row = bool(per_row or convrot)
     if convrot: q, s = quantize_int8_convrot(w, convrot_groupsize, stochastic_rounding)
     else: q, s = quantize_int8(w, per_row=per_row, stochastic_rounding=stochastic_rounding)
+    if convrot: q, s = _requantize_overflow_rows(w, q, s, convrot_groupsize, stochastic_rounding)
     if w.dtype == torch.float16: q = _requantize_subnormal_rows(w, q, s, convrot, convrot_groupsize,
                                                                 stochastic_rounding)
     return q, Int8Params(tuple(w.shape), w.dtype, s, per_row, bool(convrot), int(convrot_groupsize))

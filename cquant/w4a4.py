@@ -43,7 +43,12 @@ def quantize_w4a4_weight(w:torch.Tensor, # [N, K] float weight, K % 64 == 0
         raise ValueError(f"quantize_w4a4_weight: expected a 2-D weight with K % 64 == 0 and a power-of-4 group dividing K, "
                          f"got shape {tuple(w.shape)} and convrot_groupsize={convrot_groupsize}")
     q, s = quantize_rows_int4(rotate(w, convrot_groupsize, as_weight=True), stochastic_rounding)
-    return pack_int4(q), s.reshape(-1).float()
+    s = s.reshape(-1).float()
+    over = ~torch.isfinite(s)      # the rotation overflowed w's dtype (fp16 near 65504; kitchen writes inf): redo in fp32
+    if bool(over.any()):
+        q[over], so = quantize_rows_int4(rotate(w[over].float(), convrot_groupsize, as_weight=True), stochastic_rounding)
+        s[over] = so.reshape(-1)
+    return pack_int4(q), s
 
 def dequantize_w4a4_weight(qdata:torch.Tensor, # int8 [N, K/2] packed values
                            scale:torch.Tensor, # [N] (or [N, 1]) per-row scales, fp32

@@ -143,17 +143,31 @@ def test_legacy_negative_scale_weight(entry, tmp_path, capsys):
             fn(save(tmp_path, bad))
 
 
-def _overflowing_fp16(K=64, G=16):
-    "fp16 rows along one Hadamard row, |w| = 65504: their fp16 rotation overflows (kitchen writes an inf scale)."
-    return (65504 * hadamard(G, torch.float32)[0].sign()).repeat(4, K // G).half()
+def _overflowing(value, dtype, K=64, G=16):
+    "Rows along one Hadamard row, |w| = value: their rotation in `dtype` overflows (kitchen writes an inf scale)."
+    return (value * hadamard(G, torch.float32)[0].sign()).repeat(4, K // G).to(dtype)
 
 
-@pytest.mark.parametrize('fmt,opts', [(W4, {'convrot_groupsize': 16}), (I8, {'convrot': True, 'convrot_groupsize': 16})])
+CONVROT = [(W4, {'convrot_groupsize': 16}), (I8, {'convrot': True, 'convrot_groupsize': 16})]
+
+
+@pytest.mark.parametrize('fmt,opts', CONVROT)
 def test_quantize_never_writes_inf(fmt, opts):
-    w = _overflowing_fp16()
-    with pytest.raises(QuantFormatError, match=r"'blk\.lin\.weight_scale': expected finite and >=? 0.*found 4 inf of 4.*"
-                                               r"after quantizing blk\.lin\.weight \(torch\.float16, max \|w\| 65504\)"):
-        cq.quantize(w, fmt, name=P + 'weight', **opts)
-    s = cq.quantize(w.float(), fmt, name=P + 'weight', **opts).state_dict()['weight_scale']   # fp32: finite
+    "fp16 near 65504: the overflowing rows rotate in fp32 (finite scale, exact decode); the other rows keep fp16 bytes."
+    w = _overflowing(65504, torch.float16)
+    ok = torch.randn(8, 64, generator=torch.Generator().manual_seed(2)).half()
+    qt = cq.quantize(torch.cat([ok, w]), fmt, name=P + 'weight', **opts)
+    s = qt.state_dict()['weight_scale'].reshape(-1)
     assert bool(torch.isfinite(s).all()) and float(s.min()) > 0
+    err = (qt.dequantize(torch.float32)[8:] - w.float()).abs().max()
+    assert float(err) < 65504 / 100, float(err)
+    assert torch.equal(qt.state_dict()['weight'][:8], cq.quantize(ok, fmt, **opts).state_dict()['weight'])
+    assert torch.equal(s[:8], cq.quantize(ok, fmt, **opts).state_dict()['weight_scale'].reshape(-1))
 
+
+@pytest.mark.parametrize('fmt,opts', CONVROT)
+def test_quantize_refuses_inf_scale(fmt, opts):
+    "fp32 near its max overflows in fp32 too: refused, naming the key and the weight, never written."
+    with pytest.raises(QuantFormatError, match=r"'blk\.lin\.weight_scale': expected finite and >=? 0.*found 4 inf of 4.*"
+                                               r"after quantizing blk\.lin\.weight \(torch\.float32"):
+        cq.quantize(_overflowing(3e38, torch.float32), fmt, name=P + 'weight', **opts)
