@@ -171,3 +171,21 @@ def test_quantize_refuses_inf_scale(fmt, opts):
     with pytest.raises(QuantFormatError, match=r"'blk\.lin\.weight_scale': expected finite and >=? 0.*found 4 inf of 4.*"
                                                r"after quantizing blk\.lin\.weight \(torch\.float32"):
         cq.quantize(_overflowing(3e38, torch.float32), fmt, name=P + 'weight', **opts)
+
+
+@pytest.mark.parametrize('fmt,opts', [(I8, {'per_row': True}), (FP8, {}), (NV, {})])
+@pytest.mark.parametrize('entry', ['load_file', 'QuantMoEExperts'])
+def test_bad_bank_expert_scale(fmt, opts, entry, tmp_path):
+    "An MoE bank whose last expert's scales hold NaN: refused when each expert is split and loaded."
+    from cquant.modules import QuantMoEExperts
+    torch.manual_seed(0)
+    sd = QuantMoEExperts(3, 64, 32).quantize_(fmt, **opts).state_dict(prefix='moe.up.')
+    key = 'moe.up.weight_scale_2' if fmt == NV else 'moe.up.weight_scale'
+    s = sd[key].clone(); s.view(-1)[-1] = NAN
+    bad = {**sd, key: s}
+    load = {'load_file': lambda d: cq.load_file(save(tmp_path, d)),
+            'QuantMoEExperts': lambda d: QuantMoEExperts(3, 64, 32).load_state_dict({k[7:]: v for k, v in d.items()})}[entry]
+    load(sd)
+    where = key if entry == 'load_file' else key[len('moe.up.'):]      # a root module has no prefix
+    with pytest.raises(ValueError, match=rf"'{where}': expected finite and >=? 0.*found .*nan"):
+        load(bad)
