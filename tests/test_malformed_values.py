@@ -61,6 +61,9 @@ WEIGHT_CASES = {   # id: (format, options, mutation, substring of the error)
     'int8_negative': (I8, {'per_row': True}, at('weight_scale', slice(4, 6), -1.0), "found 2 negative of 32, first at row 4 (-1.0)"),
     'int8_tensorwise_zero': (I8, {}, with_value('weight_scale', 0.0), f"'{P}weight_scale': {POS}"),
     'convrot_w4a4_nan': (W4, {'convrot_groupsize': 16}, at('weight_scale', 0, NAN), f"'{P}weight_scale': {NONNEG}: a row scale multiplies its int4 values (an all-zero fp16 row has 0: kitchen's 1e-10 floor underflows), found 1 NaN of 32, first at row 0"),
+    'w4a8_s_rel_nan': ('asym_w4a8_int8', {'convrot_groupsize': 64}, code_bytes('weight_s_rel', (2, 1), 0x7F), f"'{P}weight_s_rel': {NONNEG}: a group scale multiplies its codes"),
+    'w4a8_s_channel_negative': ('asym_w4a8_int8', {'convrot_groupsize': 64}, at('weight_s_channel', 7, -1.0), "found 1 negative of 32, first at row 7 (-1.0)"),
+    'w6a8_s_channel_zero': ('w6a8_int8', {'convrot_groupsize': 64}, at('weight_s_channel', 0, 0.0), f"'{P}weight_s_channel': {POS}: the row scale multiplies every group scale of its row, found 1 zero of 32"),
 }
 ACTIVATION_CASES = {
     'input_scale_nan': (NV, {}, add('input_scale', torch.tensor(NAN)), f"'{P}input_scale': {POS}: the activation is divided by it"),
