@@ -552,6 +552,13 @@ def _found(v:torch.Tensor, bad:torch.Tensor) -> str:
     return f'{counts} of {v.numel()}, first at {at} ({v[idx].item()})'
 
 # %% ../nbs/01_tensor.ipynb #1b9ef02b
+def _check_rule(rule:ValueRule, t:torch.Tensor, prefix:str, key:str, hint:str=''):
+    "Raise naming `prefix+key` if `t` holds a value `rule` forbids (one min/max pass when all are legal)."
+    v = t.detach().float()
+    if not v.numel() or not bool(rule.bad(torch.stack(torch.aminmax(v.reshape(-1)))).any()): return  # NaN survives
+    bad = rule.bad(v)
+    raise format_error(prefix, key, rule.expected, _found(v, bad) + hint)
+
 def check_values(spec:FormatSpec, # the format whose `value_rules` apply
                  tensors:dict, # key (module-relative, e.g. 'weight_scale') -> tensor
                  prefix:str='', # module prefix, for the message
@@ -562,9 +569,7 @@ def check_values(spec:FormatSpec, # the format whose `value_rules` apply
         t = tensors.get(k)
         if t is None: continue
         if t.device.type == 'meta': raise NotImplementedError(f"{prefix}{k}: checking its values needs its data, not a meta tensor")
-        v = t.detach().float()
-        bad = rule.bad(v)
-        if bool(bad.any()): raise format_error(prefix, k, rule.expected, _found(v, bad) + hint)
+        _check_rule(rule, t, prefix, k, hint)
 
 # %% ../nbs/01_tensor.ipynb #35b5e9e1
 ACTIVATION_RULES = {
@@ -582,9 +587,7 @@ def check_activations(spec:FormatSpec, # the format: its `extra_keys` say which 
         if t is None: continue
         if not isinstance(t, torch.Tensor) or t.dtype not in ACTIVATION_DTYPES:
             raise format_error(prefix, k, 'a float32, float16 or bfloat16 tensor', getattr(t, 'dtype', type(t).__name__))
-        v, rule = t.detach().float(), ACTIVATION_RULES[k]
-        bad = rule.bad(v)
-        if bool(bad.any()): raise format_error(prefix, k, rule.expected, _found(v, bad))
+        _check_rule(ACTIVATION_RULES[k], t, prefix, k)
 
 # %% ../nbs/01_tensor.ipynb #1d8e69ed
 def round_stochastic(x:torch.Tensor, seed:int) -> torch.Tensor:
