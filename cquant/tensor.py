@@ -552,24 +552,23 @@ def _found(v:torch.Tensor, bad:torch.Tensor) -> str:
     return f'{counts} of {v.numel()}, first at {at} ({v[idx].item()})'
 
 # %% ../nbs/01_tensor.ipynb #1b9ef02b
-def _check_rule(rule:ValueRule, t:torch.Tensor, prefix:str, key:str, hint:str=''):
+def _check_rule(rule:ValueRule, t:torch.Tensor, prefix:str, key:str):
     "Raise naming `prefix+key` if `t` holds a value `rule` forbids (one min/max pass when all are legal)."
     v = t.detach().float()
     if not v.numel() or not bool(rule.bad(torch.stack(torch.aminmax(v.reshape(-1)))).any()): return  # NaN survives
     bad = rule.bad(v)
-    raise format_error(prefix, key, rule.expected, _found(v, bad) + hint)
+    raise format_error(prefix, key, rule.expected, _found(v, bad))
 
 def check_values(spec:FormatSpec, # the format whose `value_rules` apply
                  tensors:dict, # key (module-relative, e.g. 'weight_scale') -> tensor
                  prefix:str='', # module prefix, for the message
-                 hint:str='', # appended to what was found
                 ):
     "Raise a `QuantFormatError` at the first tensor holding values its `spec.value_rules` rule forbids."
     for k, rule in spec.value_rules.items():
         t = tensors.get(k)
         if t is None: continue
         if t.device.type == 'meta': raise NotImplementedError(f"{prefix}{k}: checking its values needs its data, not a meta tensor")
-        _check_rule(rule, t, prefix, k, hint)
+        _check_rule(rule, t, prefix, k)
 
 # %% ../nbs/01_tensor.ipynb #35b5e9e1
 ACTIVATION_RULES = {
@@ -612,8 +611,10 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     spec.layout.check_shape(tuple(w.shape), opts, prefix)
     qdata, params = layout_op(spec.layout, 'quantize', w, stochastic_rounding=stochastic_rounding,
                               **spec.layout_kwargs, **opts)
-    check_values(spec, spec.layout.tensors(qdata, params), prefix,
-                 f' after quantizing {name} ({w.dtype}, max |w| {float(absmax_of(w)):.6g}); refusing to write it')
+    try: check_values(spec, spec.layout.tensors(qdata, params), prefix)
+    except QuantFormatError as e:
+        raise QuantFormatError(f'{e} after quantizing {name} ({w.dtype}, max |w| {float(absmax_of(w)):.6g}); '
+                               'refusing to write it') from None
     return QuantizedTensor(qdata, params, spec)
 
 # %% ../nbs/01_tensor.ipynb #96a9c534
