@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from .formats import FORMATS
 from .tensor import (FormatSpec, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
-                           get_format, load_quantized)
+                           get_format, load_quantized, check_activations)
 from .comfy import expert_tensors, file_value, split_bank
 
 # %% auto #0
@@ -501,6 +501,8 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
         raise CheckpointError(path, f"'{p}input_scale': expected one value, found shape {infos['input_scale'].shape}")
     if 'pre_quant_scale' in infos and infos['pre_quant_scale'].numel != K:
         raise CheckpointError(path, f"'{p}pre_quant_scale': expected {K} values (one per input feature), found shape {infos['pre_quant_scale'].shape}")
+    try: check_activations(spec, {s: ck[p + s] for s in spec.extra_keys if s in infos}, p)
+    except QuantFormatError as err: raise _in_file(path, err) from None
     return e
 
 def _bank_config(path, e:ModuleEntry, infos:dict):

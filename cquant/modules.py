@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 from .formats import FORMATS
 from .tensor import (QuantFormatError, QuantizedTensor, decode_json, encode_json, format_error, get_format,
-                           load_quantized, quantize)
+                           load_quantized, quantize, check_activations)
 from .comfy import (FPMM, comfy_config, dequantize_rows, file_value, flagged_formats,
                           nested_params, read_comfy_quant, row_dim, split_bank)
 
@@ -129,6 +129,7 @@ def _load_extras(self:QuantModule, sd, prefix, spec, K) -> dict:
         if t.numel() != want: raise format_error(prefix, k, f'{want} value(s)' + (' (one per input feature)'
             if k != 'input_scale' else ''), f'shape {tuple(t.shape)}')
         out[k] = t
+    check_activations(spec, out, prefix)
     return out
 
 # %% ../nbs/12_modules.ipynb #45c4af7d

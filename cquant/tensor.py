@@ -13,7 +13,7 @@ import torch
 
 # %% auto #0
 __all__ = ['FORMATS', 'QuantFormatError', 'encode_json', 'decode_json', 'Option', 'Params', 'Layout', 'FormatSpec',
-           'register_format', 'ScaleRule', 'get_format', 'QuantizedTensor', 'quantize', 'load_quantized']
+           'register_format', 'ScaleRule', 'ValueRule', 'get_format', 'QuantizedTensor', 'quantize', 'load_quantized']
 
 # %% ../nbs/01_tensor.ipynb #464385b5
 log = logging.getLogger("cquant")
@@ -220,6 +220,7 @@ class FormatSpec:
     native_compute: Any = None          # hook(device) -> bool: ComfyUI computes it natively there (None: never)
     study_variants: tuple = ()          # extra ((label, options), ...) the quality studies compare
     comfy_unread: tuple = ()            # stored keys ComfyUI's loader never reads
+    value_rules: dict = field(default_factory=dict)  # stored scale key -> `ValueRule`: the values it may hold
 
     @property
     def option_names(self) -> tuple: return tuple(o.name for o in self.options)
@@ -296,6 +297,20 @@ class ScaleRule:
     divisor: float
     grid: torch.dtype|None = None       # the element grid of the per-tensor quantizer (FP8), used by method='mse'
     def __call__(self, clip): return clip / self.divisor
+
+# %% ../nbs/01_tensor.ipynb #5fff9e6a
+@dataclass(frozen=True)
+class ValueRule:
+    "The legal values of a stored scale: finite and > 0 (>= 0 with `zero_ok`); `reason` says why."
+    reason: str
+    zero_ok: bool = False
+
+    @property
+    def expected(self) -> str: return f"finite and {'>= 0' if self.zero_ok else '> 0'}: {self.reason}"
+
+    def bad(self, v:torch.Tensor) -> torch.Tensor:
+        "Mask of the values of float tensor `v` this rule forbids."
+        return ~torch.isfinite(v) | (v < 0 if self.zero_ok else v <= 0)
 
 # %% ../nbs/01_tensor.ipynb #4e6f5926
 def torch_version() -> tuple:
@@ -574,6 +589,58 @@ def check_finite(w:torch.Tensor, name:str='weight'):
         raise ValueError(f"{name}: {n} non-finite value(s) (first at index {idx}: {w[idx].item()}); "
                          "quantizing them would poison the scales. Clean the tensor or pass allow_nonfinite=True.")
 
+# %% ../nbs/01_tensor.ipynb #758954e5
+def absmax_of(w:torch.Tensor) -> torch.Tensor:
+    "max |w| in fp32 (0 for an empty tensor)."
+    return w.detach().abs().amax().float() if w.numel() else torch.zeros(())
+
+def _found(v:torch.Tensor, bad:torch.Tensor) -> str:
+    "What the forbidden values `bad` of `v` are, e.g. '2 NaN of 64, first at row 3 (nan)'."
+    if v.numel() == 1: return repr(v.item())
+    kinds = ((torch.isnan(v), 'NaN'), (torch.isinf(v), 'inf'), (torch.isfinite(v) & (v < 0), 'negative'),
+             (v == 0, 'zero'))
+    counts = ', '.join(f'{int(n)} {what}' for m, what in kinds if (n := (m & bad).sum()))
+    idx = tuple(int(i) for i in bad.nonzero()[0])
+    at = f'row {idx[0]}' if v.dim() and all(d == 1 for d in v.shape[1:]) else f'index {list(idx)}'
+    return f'{counts} of {v.numel()}, first at {at} ({v[idx].item()})'
+
+# %% ../nbs/01_tensor.ipynb #1b9ef02b
+def _check_rule(rule:ValueRule, t:torch.Tensor, prefix:str, key:str):
+    "Raise naming `prefix+key` if `t` holds a value `rule` forbids (one min/max pass when all are legal)."
+    v = t.detach().float()
+    if not v.numel() or not bool(rule.bad(torch.stack(torch.aminmax(v.reshape(-1)))).any()): return  # NaN survives
+    bad = rule.bad(v)
+    raise format_error(prefix, key, rule.expected, _found(v, bad))
+
+def check_values(spec:FormatSpec, # the format whose `value_rules` apply
+                 tensors:dict, # key (module-relative, e.g. 'weight_scale') -> tensor
+                 prefix:str='', # module prefix, for the message
+                ):
+    "Raise a `QuantFormatError` at the first tensor holding values its `spec.value_rules` rule forbids."
+    for k, rule in spec.value_rules.items():
+        t = tensors.get(k)
+        if t is None: continue
+        if t.device.type == 'meta': raise NotImplementedError(f"{prefix}{k}: checking its values needs its data, not a meta tensor")
+        _check_rule(rule, t, prefix, k)
+
+# %% ../nbs/01_tensor.ipynb #35b5e9e1
+ACTIVATION_RULES = {
+    'input_scale': ValueRule('the activation is divided by it before it is quantized'),
+    'pre_quant_scale': ValueRule('it multiplies each input feature before quantization (0 erases the feature)')}
+ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+def check_activations(spec:FormatSpec, # the format: its `extra_keys` say which activation tensors it loads
+                      tensors:dict, # key ('input_scale', 'pre_quant_scale') -> tensor
+                      prefix:str='', # module prefix, for the message
+                     ):
+    "Raise a `QuantFormatError` unless each activation tensor `spec` loads is a float tensor of legal values."
+    for k in spec.extra_keys:
+        t = tensors.get(k)
+        if t is None: continue
+        if not isinstance(t, torch.Tensor) or t.dtype not in ACTIVATION_DTYPES:
+            raise format_error(prefix, k, 'a float32, float16 or bfloat16 tensor', getattr(t, 'dtype', type(t).__name__))
+        _check_rule(ACTIVATION_RULES[k], t, prefix, k)
+
 # %% ../nbs/01_tensor.ipynb #1d8e69ed
 def round_stochastic(x:torch.Tensor, seed:int) -> torch.Tensor:
     "`floor(x + U[0,1))` with noise from a generator seeded with `seed` (deterministic per seed, unbiased)."
@@ -597,6 +664,10 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     spec.layout.check_shape(tuple(w.shape), opts, prefix)
     qdata, params = layout_op(spec.layout, 'quantize', w, stochastic_rounding=stochastic_rounding,
                               **spec.layout_kwargs, **opts)
+    try: check_values(spec, spec.layout.tensors(qdata, params), prefix)
+    except QuantFormatError as e:
+        raise QuantFormatError(f'{e} after quantizing {name} ({w.dtype}, max |w| {float(absmax_of(w)):.6g}); '
+                               'refusing to write it') from None
     return QuantizedTensor(qdata, params, spec)
 
 # %% ../nbs/01_tensor.ipynb #96a9c534
@@ -643,6 +714,7 @@ def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dt
                                                          f'storage shape {tuple(want)} for logical shape {shape}', f'{tuple(w.shape)}')
     if w.dtype != spec.storage_dtype: tensors['weight'] = w.view(spec.storage_dtype)
     qdata, params = spec.layout.from_tensors(tensors, {**spec.layout_kwargs, **opts}, shape, dtype, prefix)
+    check_values(spec, spec.layout.tensors(qdata, params), prefix)
     return QuantizedTensor(qdata, params, spec)
 
 # %% ../nbs/01_tensor.ipynb #5a7c0e02
