@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from .formats import FORMATS
 from .tensor import (FormatSpec, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
-                           get_format, load_quantized, unique_keys)
+                           get_format, load_quantized, unique_keys, check_activations)
 from .comfy import expert_tensors, file_value, split_bank
 
 # %% auto #0
@@ -24,6 +24,9 @@ __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'LEGACY_QMETA', 'L
            'split_key', 'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'stale_temp_files', 'temp_file',
            'DiskFullError', 'save_file', 'comfy_unread', 'load_file', 'StreamingWriter', 'inspect_checkpoint',
            'size_ratio', 'text_table', 'format_inspect']
+
+# %% ../nbs/11_checkpoint.ipynb #5a7c0e11
+from .tensor import check_stray_scales
 
 # %% ../nbs/11_checkpoint.ipynb #750ad511
 class CheckpointError(QuantFormatError):
@@ -240,6 +243,7 @@ def _legacy(entries:dict, metadata:dict, get, path) -> tuple[dict, dict, str|Non
 def convert_legacy(sd:dict, metadata:dict|None=None, name:str='state dict') -> tuple[dict, dict]:
     "Convert a `_quantization_metadata` header or `scaled_fp8` marker in `sd` to per-module `comfy_quant` entries."
     out, meta, kind = _legacy(sd, metadata or {}, sd.__getitem__, name)
+    check_stray_scales(out, f'convert_legacy({name})')
     return out, meta
 
 # %% ../nbs/11_checkpoint.ipynb #6dcf9d78
@@ -537,6 +541,8 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
         raise CheckpointError(path, f"'{p}input_scale': expected one value, found shape {infos['input_scale'].shape}")
     if 'pre_quant_scale' in infos and infos['pre_quant_scale'].numel != K:
         raise CheckpointError(path, f"'{p}pre_quant_scale': expected {K} values (one per input feature), found shape {infos['pre_quant_scale'].shape}")
+    try: check_activations(spec, {s: ck[p + s] for s in spec.extra_keys if s in infos}, p)
+    except QuantFormatError as err: raise _in_file(path, err) from None
     return _check_bias(path, e, infos)
 
 def _check_bias(path, e:ModuleEntry, infos:dict) -> ModuleEntry:

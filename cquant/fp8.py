@@ -7,11 +7,11 @@ Docs: https://cquant-dev.github.io/cquant/fp8.html.md"""
 
 # %% ../nbs/02_fp8.ipynb #eeba83be
 from __future__ import annotations
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import torch
 
 from .numerics import FP8_DTYPES, FP16_MIN_NORMAL, fp8_max, absmax
-from .tensor import ScaleRule, nvidia_compute
+from .tensor import ScaleRule, ValueRule, nvidia_compute
 from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, round_stochastic
 
 # %% auto #0
@@ -86,7 +86,6 @@ def _check_fp8_scale(s, prefix:str='', key:str='weight_scale') -> torch.Tensor:
         raise format_error(prefix, key, want, f'dtype {s.dtype}')
     if tuple(s.shape) not in ((), (1,)): raise format_error(prefix, key, want, f'shape {tuple(s.shape)}')
     s = s.detach().to(torch.float32).reshape(())
-    if not bool(torch.isfinite(s)): raise format_error(prefix, key, 'a finite scale', s.item())
     return s
 
 # %% ../nbs/02_fp8.ipynb #a881a396
@@ -132,7 +131,8 @@ class FP8Layout(Layout):
     @classmethod
     def from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
         q = tensors['weight']
-        s = _check_fp8_scale(tensors['weight_scale'], prefix).to(q.device)
+        s = _check_fp8_scale(tensors['weight_scale'], prefix)
+        if q.device.type != 'meta': s = s.to(q.device)      # a meta weight (the file validator): values stay checkable
         return q, FP8Params(tuple(shape), dtype, s)
 
     @classmethod
@@ -146,12 +146,25 @@ class FP8Layout(Layout):
         out = fp8_linear_fp32(xq, sx, qdata, params.scale, bias, x.dtype)
         return out.reshape(*x.shape[:-1], qdata.shape[0])
 
+    @classmethod
+    def linear_quantized(cls, xq, qdata, params, bias=None):
+        "Both operands FP8 of one dtype: the scaled matmul with the activation's own storage and scale."
+        if qdata.dim() != 2 or xq.qdata.dtype != qdata.dtype: return super().linear_quantized(xq, qdata, params, bias)
+        out = fp8_linear_fp32(xq.qdata.reshape(-1, qdata.shape[1]), xq.params.scale, qdata, params.scale, bias, xq.dtype)
+        return out.reshape(*xq.shape[:-1], qdata.shape[0])
+
+    @classmethod
+    def reshape(cls, func, qdata, params, shape):
+        "Any view/reshape: elements map 1:1 to storage and the one scale means the same for every shape."
+        return func(qdata, list(shape)), replace(params, orig_shape=tuple(shape))
+
 # %% ../nbs/02_fp8.ipynb #b6a52696
 _SCALE_OPTION = Option('scale', None, (float, int, torch.Tensor, type(None)),
                        doc='per-tensor scale; None = max|w| / fp8 max (kitchen\'s absmax)', stored=False)
 
 # rows decode from their own storage and the one scale (embeddings); ComfyUI: NVIDIA Ada+ with torch >= 2.3
-_FP8_FACTS = dict(row_gather=True, embedding=True, kitchen_layout='TensorCoreFP8Layout',
+_FP8_FACTS = dict(value_rules={'weight_scale': ValueRule('the one scale multiplies every stored value')},
+                  row_gather=True, embedding=True, kitchen_layout='TensorCoreFP8Layout',
                   native_compute=nvidia_compute(FP8Layout.MIN_SM_VERSION, (2, 3)))
 
 FP8_E4M3 = register_format(FormatSpec(

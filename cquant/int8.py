@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 import torch
-from .tensor import int8_compute
+from .tensor import ValueRule, int8_compute
 from .tensor import (Params, Layout, Option, FormatSpec, register_format, format_error, check_2d,
                            round_stochastic)
 from .numerics import absmax, rotate, FP16_MIN_NORMAL, SCALE_DTYPES, is_power_of_4
@@ -282,11 +282,22 @@ def _int8_layout_check_shape(cls, shape, opts, prefix=''):
                                f'a power of 4 (4, 16, 64, 256, ...) that divides K={K} of weight shape {tuple(shape)}',
                                f'{g} ({why})')
 
+# %% ../nbs/05_int8.ipynb #c2cae2a6
+def _requantize_overflow_rows(w, q, scale, group, stochastic_rounding):
+    "ConvRot rows whose rotation overflows w's dtype (fp16 near 65504; kitchen's scale is inf): redo them in fp32."
+    over = ~torch.isfinite(scale).reshape(-1)
+    if not over.any(): return q, scale
+    q, scale = q.clone(), scale.clone()
+    q[over], scale[over] = quantize_int8(rotate(w[over].float(), group, as_weight=True), per_row=True,
+                                         stochastic_rounding=stochastic_rounding)
+    return q, scale
+
 # %% ../nbs/05_int8.ipynb #7a0019bf
 def _int8_layout_quantize(cls, w, stochastic_rounding=0, per_row=False, convrot=False, convrot_groupsize=256):
     per_row = bool(per_row or convrot)
     if convrot: q, s = quantize_int8_convrot(w, convrot_groupsize, stochastic_rounding)
     else: q, s = quantize_int8(w, per_row=per_row, stochastic_rounding=stochastic_rounding)
+    if convrot: q, s = _requantize_overflow_rows(w, q, s, convrot_groupsize, stochastic_rounding)
     if w.dtype == torch.float16: q = _requantize_subnormal_rows(w, q, s, convrot, convrot_groupsize,
                                                                 stochastic_rounding)
     return q, Int8Params(tuple(w.shape), w.dtype, s, per_row, bool(convrot), int(convrot_groupsize))
@@ -331,6 +342,7 @@ INT8_TENSORWISE = register_format(FormatSpec(
              Option('convrot_groupsize', 256, int, 'ConvRot group: a power of 4 dividing K',
                     write=lambda o: bool(o['convrot']))),
     quantize_input=False, extra_keys=(), aliases=('int8', 'int8_convrot', 'w8a8'),
+    value_rules={'weight_scale': ValueRule('the tensor or row scale multiplies the int8 values')},
     doc='Symmetric absmax INT8, tensor-wise or per-row scale, optional ConvRot; per-token INT8 activations in the linear.',
     row_gather=True, embedding=True, row_independent=int8_per_row, flat_banks=_int8_flat_banks,
     kitchen_layout='TensorWiseINT8Layout', native_compute=int8_compute,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 from .formats import FORMATS
 from .tensor import (QuantFormatError, QuantizedTensor, decode_json, encode_json, format_error, get_format,
-                           load_quantized, quantize)
+                           load_quantized, quantize, check_activations)
 from .comfy import (FPMM, comfy_config, dequantize_rows, file_value, flagged_formats,
                           nested_params, read_comfy_quant, row_dim, split_bank)
 
@@ -129,6 +129,7 @@ def _load_extras(self:QuantModule, sd, prefix, spec, K) -> dict:
         if t.numel() != want: raise format_error(prefix, k, f'{want} value(s)' + (' (one per input feature)'
             if k != 'input_scale' else ''), f'shape {tuple(t.shape)}')
         out[k] = t
+    check_activations(spec, out, prefix)
     return out
 
 # %% ../nbs/12_modules.ipynb #45c4af7d
@@ -514,6 +515,9 @@ def key_report(result, # `load_state_dict`'s result (missing_keys, unexpected_ke
                                                         if len(lines) > limit else [])
     return '\n'.join([f"{title} does not match the model:"] + parts) if parts else ''
 
+# %% ../nbs/12_modules.ipynb #a1b2c3d4
+from .tensor import check_stray_scales
+
 # %% ../nbs/12_modules.ipynb #c0f8bdc4
 def load_quantized_model(model:nn.Module, # a model; its Linear/Embedding modules are swapped where `state_dict` has comfy_quant
                          state_dict, # a Comfy state dict (`cq.load_file(path)`, a dict, a Checkpoint)
@@ -525,6 +529,7 @@ def load_quantized_model(model:nn.Module, # a model; its Linear/Embedding module
     """Load a Comfy quantized state dict into `model`, swapping each module that has a `comfy_quant` for its quantized
     version."""
     sd = dict(state_dict)
+    check_stray_scales(sd, 'load_quantized_model')      # fp8 values must never load into a float Linear
     for name in quantized_names(sd):
         m = submodule(model, name)
         if m is None: continue                                    # its keys are reported as unexpected

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .numerics import (E2M1_VALUES, FP16_MIN_NORMAL, round_up, absmax, cast_fp8, e2m1_encode, e2m1_decode,
                              pack_nibbles,
                              unpack_nibbles, pad_to_multiple, to_blocked, from_blocked)
-from .tensor import ScaleRule, nvidia_compute
+from .tensor import ScaleRule, ValueRule, nvidia_compute
 from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, check_2d, round_stochastic
 
 # %% auto #0
@@ -241,6 +241,9 @@ def nvfp4_linear(x:torch.Tensor, # activation [..., K], float (pre_quant_scale a
 NVFP4 = register_format(FormatSpec(
     'nvfp4', NVFP4Layout, torch.uint8, keys=('weight_scale', 'weight_scale_2'),
     extra_keys=('input_scale', 'pre_quant_scale'),
+    value_rules={'weight_scale': ValueRule('a block scale multiplies its 16 values (an all-zero block has 0)', zero_ok=True),
+                 'weight_scale_2': ValueRule('the global scale multiplies every block scale (an all-zero weight has 0)',
+                                             zero_ok=True)},
     options=(Option('scale', None, (float, int, type(None)), stored=False,
                     doc='global scale (weight_scale_2); None = amax(|w|)/(448*6) in the weight dtype'),),
     group_size=_GROUP, quantize_input=True,

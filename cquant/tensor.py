@@ -13,7 +13,7 @@ import torch
 
 # %% auto #0
 __all__ = ['FORMATS', 'QuantFormatError', 'encode_json', 'decode_json', 'unique_keys', 'Option', 'Params', 'Layout', 'FormatSpec',
-           'register_format', 'ScaleRule', 'get_format', 'QuantizedTensor', 'quantize', 'load_quantized']
+           'register_format', 'ScaleRule', 'ValueRule', 'get_format', 'QuantizedTensor', 'quantize', 'load_quantized']
 
 # %% ../nbs/01_tensor.ipynb #464385b5
 log = logging.getLogger("cquant")
@@ -163,6 +163,16 @@ class Layout:
         "Default linear: dequantize the weight to x's dtype and run a float `F.linear`."
         return torch.nn.functional.linear(x, cls.dequantize(qdata, params, x.dtype), bias)
 
+    @classmethod
+    def linear_quantized(cls, xq, qdata, params, bias=None):
+        "Linear with an activation `xq` that is a `QuantizedTensor` of this layout (default: dequantize it first)."
+        return layout_op(cls, 'linear', xq.dequantize(), qdata, params, bias)
+
+    @classmethod
+    def reshape(cls, func, qdata, params, shape:tuple):
+        "`(qdata, params)` of a view/reshape (`func`) to logical `shape`, or None when the storage cannot keep it."
+        return None
+
 # %% ../nbs/01_tensor.ipynb #734cf809
 FAST_PATH_OPS = ('quantize', 'dequantize', 'linear')
 FAST_PATHS: dict = {}
@@ -219,6 +229,7 @@ class FormatSpec:
     native_compute: Any = None          # hook(device) -> bool: ComfyUI computes it natively there (None: never)
     study_variants: tuple = ()          # extra ((label, options), ...) the quality studies compare
     comfy_unread: tuple = ()            # stored keys ComfyUI's loader never reads
+    value_rules: dict = field(default_factory=dict)  # stored scale key -> `ValueRule`: the values it may hold
 
     @property
     def option_names(self) -> tuple: return tuple(o.name for o in self.options)
@@ -295,6 +306,20 @@ class ScaleRule:
     divisor: float
     grid: torch.dtype|None = None       # the element grid of the per-tensor quantizer (FP8), used by method='mse'
     def __call__(self, clip): return clip / self.divisor
+
+# %% ../nbs/01_tensor.ipynb #5fff9e6a
+@dataclass(frozen=True)
+class ValueRule:
+    "The legal values of a stored scale: finite and > 0 (>= 0 with `zero_ok`); `reason` says why."
+    reason: str
+    zero_ok: bool = False
+
+    @property
+    def expected(self) -> str: return f"finite and {'>= 0' if self.zero_ok else '> 0'}: {self.reason}"
+
+    def bad(self, v:torch.Tensor) -> torch.Tensor:
+        "Mask of the values of float tensor `v` this rule forbids."
+        return ~torch.isfinite(v) | (v < 0 if self.zero_ok else v <= 0)
 
 # %% ../nbs/01_tensor.ipynb #4e6f5926
 def torch_version() -> tuple:
@@ -425,7 +450,19 @@ def implements(ops, layout:type|None=None):
 
 def _dequant(a): return a.dequantize() if isinstance(a, QuantizedTensor) else a
 
+def _written(func, args, kwargs) -> list:
+    "Names of the arguments `func` writes to (in-place `self`, `out=`) that hold a `QuantizedTensor`."
+    names = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write: continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        if any(isinstance(t, QuantizedTensor) for t in torch.utils._pytree.tree_leaves(v)): names.append(a.name)
+    return names
+
 def _fallback(func, args, kwargs):
+    written = _written(func, args, kwargs)
+    if written: raise TypeError(f"cquant: {func} writes to a QuantizedTensor (argument {written[0]!r}) and has no "
+                                "quantized handler; dequantize() it, or quantize the result")
     if func not in _logged_fallbacks:
         _logged_fallbacks.add(func)
         log.debug("cquant: %s has no quantized handler; dequantizing", func)
@@ -459,10 +496,19 @@ def _to_copy(func, args, kwargs):
     qt = args[0]
     if kwargs.get('dtype') is not None and not kwargs['dtype'].is_floating_point: return NotImplemented
     device = kwargs.get('device')
-    move = (lambda t: t.to(device)) if device is not None else (lambda t: t)
+    move = (lambda t: t.to(device, copy=True)) if device is not None else torch.clone   # _to_copy always copies
     params = qt._params.map_tensors(move)
     if kwargs.get('dtype') is not None: params = replace(params, orig_dtype=kwargs['dtype'])
     return qt._with(qdata=move(qt._qdata), params=params)
+
+@implements(aten.empty_like.default)
+def _empty_like(func, args, kwargs):
+    "Uninitialised storage of the same layout (scales copied), so `torch.empty_like(qt).copy_(qt)` works."
+    qt, dtype, device = args[0], kwargs.get('dtype'), kwargs.get('device')
+    if dtype is not None and not dtype.is_floating_point: return NotImplemented
+    params = qt._params.map_tensors(lambda t: t.to(device or t.device, copy=True))
+    if dtype is not None: params = replace(params, orig_dtype=dtype)
+    return qt._with(qdata=torch.empty_like(qt._qdata, device=device), params=params)
 
 # %% ../nbs/01_tensor.ipynb #ade3234c
 @implements([aten.t.default, aten.transpose.int])
@@ -473,16 +519,27 @@ def _transpose(func, args, kwargs):
     return qt._with(transposed=not qt._transposed)
 
 @implements([aten.view.default, aten.reshape.default, aten._unsafe_view.default])
-def _same_shape_view(func, args, kwargs):
+def _view(func, args, kwargs):
+    "Same shape: the same tensor; another shape: the layout's `reshape`, else a `TypeError` naming the op."
     qt, shape = args[0], list(args[1])
     if -1 in shape and shape.count(-1) == 1: shape[shape.index(-1)] = qt.numel() // max(1, -math.prod(shape))
-    return qt._with() if tuple(shape) == tuple(qt.shape) else NotImplemented
+    shape = tuple(shape)
+    if shape == tuple(qt.shape): return qt._with()
+    got = None if qt._transposed or math.prod(shape) != qt.numel() else qt.layout.reshape(func, qt._qdata, qt._params, shape)
+    if got is None: raise TypeError(f"cquant: {func} of a {qt.format} QuantizedTensor {tuple(qt.shape)} to {shape}: "
+                                    f"{'a transposed tensor keeps its shape' if qt._transposed else 'its storage cannot keep that shape'}"
+                                    "; dequantize() first")
+    return qt._with(qdata=got[0], params=got[1])
 
 @implements(aten.copy_.default)
 def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
-    if not (isinstance(dst, QuantizedTensor) and isinstance(src, QuantizedTensor) and dst._spec is src._spec
-            and dst.shape == src.shape and dst._transposed == src._transposed): return NotImplemented
+    if not isinstance(dst, QuantizedTensor): return NotImplemented      # plain.copy_(qt): copies the dequantized values
+    what = (f"a {type(src).__name__}" if not isinstance(src, QuantizedTensor) else
+            f"format {src.format}" if src._spec is not dst._spec else
+            f"shape {tuple(src.shape)}" if src.shape != dst.shape or src._transposed != dst._transposed else None)
+    if what is not None: raise TypeError(f"cquant: {func} into a {dst.format} QuantizedTensor {tuple(dst.shape)} needs a "
+                                         f"QuantizedTensor of the same format and shape, got {what}")
     dst._qdata = src._qdata.to(dst._qdata.device, copy=True)
     dst._params = replace(src._params.map_tensors(lambda t: t.to(dst._qdata.device, copy=True)),
                           orig_dtype=dst._params.orig_dtype)
@@ -494,23 +551,34 @@ def _as_weight(w):
     return w._with(transposed=False) if isinstance(w, QuantizedTensor) and w._transposed else None
 
 def _run_linear(x, w:QuantizedTensor, bias):
-    if isinstance(x, QuantizedTensor): x = x.dequantize()
+    if isinstance(x, QuantizedTensor):
+        if x.layout is w.layout and not x._transposed: return w.layout.linear_quantized(x, w._qdata, w._params, bias)
+        x = x.dequantize()
     return w.linear(x, bias)
+
+def _float_op(func, args, kwargs, operands:tuple):
+    "`func` with quantized tensors dequantized and float tensors cast to the activation's dtype (the linear's rule)."
+    plain = [args[i] for i in operands if not isinstance(args[i], QuantizedTensor)]
+    dtype = plain[0].dtype if plain else args[operands[0]].dtype
+    cast = lambda a: (a.dequantize(dtype) if isinstance(a, QuantizedTensor) else
+                      a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a)
+    return func(*map(cast, args), **kwargs)
 
 def _mm(func, args, kwargs):
     w = _as_weight(args[1])
-    return NotImplemented if w is None else _run_linear(args[0], w, None)
+    return _float_op(func, args, kwargs, (0, 1)) if w is None else _run_linear(args[0], w, None)
 
 def _addmm(func, args, kwargs):
     bias, x, wt = args[:3]
     w = _as_weight(wt)
-    if w is None or kwargs.get('beta', 1) != 1 or kwargs.get('alpha', 1) != 1: return NotImplemented
+    if w is None or kwargs.get('beta', 1) != 1 or kwargs.get('alpha', 1) != 1:
+        return _float_op(func, args, kwargs, (1, 2))
     return _run_linear(x, w, bias)
 
 def _linear(func, args, kwargs):
     x, w = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get('bias')
-    if not isinstance(w, QuantizedTensor) or w._transposed: return NotImplemented
+    if not isinstance(w, QuantizedTensor) or w._transposed: return _float_op(func, args, kwargs, (0, 1))
     return _run_linear(x, w, bias)
 
 def _register_linear(layout:type):
@@ -529,6 +597,58 @@ def check_finite(w:torch.Tensor, name:str='weight'):
         n, idx = int(bad.sum()), tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(f"{name}: {n} non-finite value(s) (first at index {idx}: {w[idx].item()}); "
                          "quantizing them would poison the scales. Clean the tensor or pass allow_nonfinite=True.")
+
+# %% ../nbs/01_tensor.ipynb #758954e5
+def absmax_of(w:torch.Tensor) -> torch.Tensor:
+    "max |w| in fp32 (0 for an empty tensor)."
+    return w.detach().abs().amax().float() if w.numel() else torch.zeros(())
+
+def _found(v:torch.Tensor, bad:torch.Tensor) -> str:
+    "What the forbidden values `bad` of `v` are, e.g. '2 NaN of 64, first at row 3 (nan)'."
+    if v.numel() == 1: return repr(v.item())
+    kinds = ((torch.isnan(v), 'NaN'), (torch.isinf(v), 'inf'), (torch.isfinite(v) & (v < 0), 'negative'),
+             (v == 0, 'zero'))
+    counts = ', '.join(f'{int(n)} {what}' for m, what in kinds if (n := (m & bad).sum()))
+    idx = tuple(int(i) for i in bad.nonzero()[0])
+    at = f'row {idx[0]}' if v.dim() and all(d == 1 for d in v.shape[1:]) else f'index {list(idx)}'
+    return f'{counts} of {v.numel()}, first at {at} ({v[idx].item()})'
+
+# %% ../nbs/01_tensor.ipynb #1b9ef02b
+def _check_rule(rule:ValueRule, t:torch.Tensor, prefix:str, key:str):
+    "Raise naming `prefix+key` if `t` holds a value `rule` forbids (one min/max pass when all are legal)."
+    v = t.detach().float()
+    if not v.numel() or not bool(rule.bad(torch.stack(torch.aminmax(v.reshape(-1)))).any()): return  # NaN survives
+    bad = rule.bad(v)
+    raise format_error(prefix, key, rule.expected, _found(v, bad))
+
+def check_values(spec:FormatSpec, # the format whose `value_rules` apply
+                 tensors:dict, # key (module-relative, e.g. 'weight_scale') -> tensor
+                 prefix:str='', # module prefix, for the message
+                ):
+    "Raise a `QuantFormatError` at the first tensor holding values its `spec.value_rules` rule forbids."
+    for k, rule in spec.value_rules.items():
+        t = tensors.get(k)
+        if t is None: continue
+        if t.device.type == 'meta': raise NotImplementedError(f"{prefix}{k}: checking its values needs its data, not a meta tensor")
+        _check_rule(rule, t, prefix, k)
+
+# %% ../nbs/01_tensor.ipynb #35b5e9e1
+ACTIVATION_RULES = {
+    'input_scale': ValueRule('the activation is divided by it before it is quantized'),
+    'pre_quant_scale': ValueRule('it multiplies each input feature before quantization (0 erases the feature)')}
+ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+def check_activations(spec:FormatSpec, # the format: its `extra_keys` say which activation tensors it loads
+                      tensors:dict, # key ('input_scale', 'pre_quant_scale') -> tensor
+                      prefix:str='', # module prefix, for the message
+                     ):
+    "Raise a `QuantFormatError` unless each activation tensor `spec` loads is a float tensor of legal values."
+    for k in spec.extra_keys:
+        t = tensors.get(k)
+        if t is None: continue
+        if not isinstance(t, torch.Tensor) or t.dtype not in ACTIVATION_DTYPES:
+            raise format_error(prefix, k, 'a float32, float16 or bfloat16 tensor', getattr(t, 'dtype', type(t).__name__))
+        _check_rule(ACTIVATION_RULES[k], t, prefix, k)
 
 # %% ../nbs/01_tensor.ipynb #1d8e69ed
 def round_stochastic(x:torch.Tensor, seed:int) -> torch.Tensor:
@@ -553,6 +673,10 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     spec.layout.check_shape(tuple(w.shape), opts, prefix)
     qdata, params = layout_op(spec.layout, 'quantize', w, stochastic_rounding=stochastic_rounding,
                               **spec.layout_kwargs, **opts)
+    try: check_values(spec, spec.layout.tensors(qdata, params), prefix)
+    except QuantFormatError as e:
+        raise QuantFormatError(f'{e} after quantizing {name} ({w.dtype}, max |w| {float(absmax_of(w)):.6g}); '
+                               'refusing to write it') from None
     return QuantizedTensor(qdata, params, spec)
 
 # %% ../nbs/01_tensor.ipynb #96a9c534
@@ -603,7 +727,20 @@ def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dt
                                                          f'storage shape {tuple(want)} for logical shape {shape}', f'{tuple(w.shape)}')
     if w.dtype != spec.storage_dtype: tensors['weight'] = w.view(spec.storage_dtype)
     qdata, params = spec.layout.from_tensors(tensors, {**spec.layout_kwargs, **opts}, shape, dtype, prefix)
+    check_values(spec, spec.layout.tensors(qdata, params), prefix)
     return QuantizedTensor(qdata, params, spec)
+
+# %% ../nbs/01_tensor.ipynb #5a7c0e02
+def check_stray_scales(keys, caller:str):
+    "Raise a `QuantFormatError` naming the first `<module>.<scale key>` in `keys` whose module has no `comfy_quant`."
+    keys = set(keys)
+    known = {k for s in FORMATS.values() for k in s.keys + s.optional_keys + s.extra_keys}
+    stray = sorted(k for k in keys if k.rpartition('.')[2] in known
+                   and k[:len(k) - len(k.rpartition('.')[2])] + 'comfy_quant' not in keys)
+    if stray:
+        p = stray[0][:len(stray[0]) - len(stray[0].rpartition('.')[2])]
+        raise QuantFormatError(f"{caller}: '{stray[0]}': expected no scale tensors on module {p.rstrip('.')!r} without a "
+                               f"comfy_quant entry, found {stray[:8]} (a stray scale: add {p}comfy_quant or remove it)")
 
 # %% ../nbs/01_tensor.ipynb #6b9066ed
 # The shared palette: one fixed colour per registered format, in registry order (tab10, its grey swapped

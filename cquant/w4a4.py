@@ -9,7 +9,7 @@ Docs: https://cquant-dev.github.io/cquant/convrot_w4a4.html.md"""
 from __future__ import annotations
 from dataclasses import dataclass
 import torch
-from .tensor import int8_compute
+from .tensor import ValueRule, int8_compute
 from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, check_2d, round_stochastic
 from .numerics import absmax, rotate, pack_int4, unpack_int4, is_power_of_4, SCALE_DTYPES
 from .int8 import int_mm, quantize_rows_int8
@@ -43,7 +43,12 @@ def quantize_w4a4_weight(w:torch.Tensor, # [N, K] float weight, K % 64 == 0
         raise ValueError(f"quantize_w4a4_weight: expected a 2-D weight with K % 64 == 0 and a power-of-4 group dividing K, "
                          f"got shape {tuple(w.shape)} and convrot_groupsize={convrot_groupsize}")
     q, s = quantize_rows_int4(rotate(w, convrot_groupsize, as_weight=True), stochastic_rounding)
-    return pack_int4(q), s.reshape(-1).float()
+    s = s.reshape(-1).float()
+    over = ~torch.isfinite(s)      # the rotation overflowed w's dtype (fp16 near 65504; kitchen writes inf): redo in fp32
+    if bool(over.any()):
+        q[over], so = quantize_rows_int4(rotate(w[over].float(), convrot_groupsize, as_weight=True), stochastic_rounding)
+        s[over] = so.reshape(-1)
+    return pack_int4(q), s
 
 def dequantize_w4a4_weight(qdata:torch.Tensor, # int8 [N, K/2] packed values
                            scale:torch.Tensor, # [N] (or [N, 1]) per-row scales, fp32
@@ -184,6 +189,8 @@ CONVROT_W4A4 = register_format(FormatSpec(
              Option('linear_dtype', 'int4', str, "activations in the linear: 'int4' or 'int8' per token",
                     choices=W4A4_LINEAR_DTYPES, write='non_default')),
     quantize_input=False, extra_keys=(), aliases=('w4a4', 'int4', 'int4_full', 'int4_mixed'),
+    value_rules={'weight_scale': ValueRule('a row scale multiplies its int4 values (an all-zero fp16 row has 0: kitchen\'s 1e-10 floor underflows)',
+                                           zero_ok=True)},
     doc='ConvRot-rotated symmetric int4, one scale per output row, packed low nibble first; int4 or int8 activations.',
     row_independent=True, kitchen_layout='TensorCoreConvRotW4A4Layout', native_compute=int8_compute,
     kitchen_kwargs=lambda o: dict(convrot_groupsize=o.get('convrot_groupsize', 256),

@@ -11,7 +11,7 @@ import functools, math, sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 import torch
-from .tensor import int8_compute
+from .tensor import ValueRule, int8_compute
 from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, check_2d
 from .numerics import absmax, rotate, pack_uint4, unpack_uint4, pack_6bit, unpack_6bit, is_power_of_4
 from .int8 import int8_linear, _row_blocks
@@ -528,12 +528,10 @@ def _w4a8_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
                            f'one scale per group of G={G}: shape ({N}, {K // G}) for weight ({N}, {K})', f'shape {tuple(s.shape)}'
                            + (f" (the scales of G={K // s.shape[1]}: is comfy_quant['group_size']={G} right?)"
                               if s.dim() == 2 and s.shape[0] == N and s.shape[1] and K % s.shape[1] == 0 else ''))
-    _check_finite(s, prefix, 'weight_s_rel')
     sc = tensors['weight_s_channel']
     if sc.dtype not in _FLOATS or tuple(sc.shape) != (N,):
         raise format_error(prefix, 'weight_s_channel', f'a float32 row scale of shape ({N},)',
                            f'{sc.dtype} of shape {tuple(sc.shape)}')
-    _check_finite(sc, prefix, 'weight_s_channel')
     cb, corr = tensors.get('weight_codebook'), tensors.get('weight_correction')
     for key, t, want in (('weight_codebook', cb, (16,)), ('weight_correction', corr, (K // G, N))):
         if t is None: continue
@@ -559,7 +557,10 @@ _SEARCH_OPTION = Option('scale_search', True, bool,
                         'search several stored scales per group and row (False: one candidate)', stored=False)
 
 # rows quantize alone and ComfyUI stores MoE banks as [E*N, ...] rows; integer kernels
-_W4A8_FACTS = dict(row_independent=True, flat_banks=True, kitchen_layout='AsymW4A8Int8Layout',
+_W4A8_FACTS = dict(value_rules={
+    'weight_s_rel': ValueRule('a group scale multiplies its codes (byte 0 is a zero group)', zero_ok=True),
+    'weight_s_channel': ValueRule('the row scale multiplies every group scale of its row')},
+                   row_independent=True, flat_banks=True, kitchen_layout='AsymW4A8Int8Layout',
                    native_compute=int8_compute)
 
 def _codebook_kw(o:dict) -> dict:

@@ -567,11 +567,15 @@ def test_missing_and_unexpected_keys(mixed):
     sd = dict(mixed.loaded)
     del sd['blocks.0.attn.qkv.bias']
     sd['blocks.0.attn.proj.input_scale'] = torch.tensor(1.0)      # integer format: not loaded, unexpected
-    sd['final_layer.linear.weight_scale'] = torch.tensor(1.0)     # float module: unexpected
     sd['nowhere.comfy_quant'] = cq.encode_json({'format': 'nvfp4'})
     with pytest.warns(LoadKeysWarning) as warned: res = load_quantized_model(moe_dit_model(0), sd, strict=False).load_result
     assert res.missing_keys == ['blocks.0.attn.qkv.bias']
-    assert sorted(res.unexpected_keys) == ['blocks.0.attn.proj.input_scale', 'final_layer.linear.weight_scale', 'nowhere.comfy_quant']
+    assert sorted(res.unexpected_keys) == ['blocks.0.attn.proj.input_scale', 'nowhere.comfy_quant']
+    stray = {**sd, 'final_layer.linear.weight_scale': torch.tensor(1.0)}     # a scale on a float module: never loaded
+    for strict in (True, False):
+        with pytest.raises(cq.QuantFormatError, match="load_quantized_model: 'final_layer.linear.weight_scale': expected "
+                           "no scale tensors on module 'final_layer.linear' without a comfy_quant entry"):
+            load_quantized_model(moe_dit_model(0), stray, strict=strict)
     with pytest.raises(LoadKeysError) as err: load_quantized_model(moe_dit_model(0), sd)
     assert isinstance(err.value, RuntimeError) and err.value.missing_keys == res.missing_keys
     assert str(err.value).startswith(str(warned[0].message))
