@@ -102,11 +102,13 @@ def _check_entry(path, name, e, data_len:int) -> TensorInfo:
         tshape = tuple(shape[:-1]) + (shape[-1] // (8 // bits),)
     return TensorInfo(name, tdt, tshape, offs[1] - offs[0], tuple(offs))
 
+# %% ../nbs/11_checkpoint.ipynb #7681e4d4
 def _check_name(path, k:str):
     "Reject a tensor name with an empty module part (`.weight`): no loader can tell its module."
     if k.startswith('.'): raise CheckpointError(path, f"{k!r}: expected a tensor name like '<module>.{k[1:]}' or "
                                                       f"'{k[1:]}', found a leading '.' (empty module name)")
 
+# %% ../nbs/11_checkpoint.ipynb #d3ab24c8
 def read_header(path) -> tuple[dict, dict]:
     "Validate the safetensors container at `path`; return `({name: TensorInfo}, metadata)` without reading tensor data."
     path = os.fspath(path)
@@ -164,6 +166,7 @@ def _parse_qmeta(s:str, path) -> dict:
         if not isinstance(conf, dict): raise CheckpointError(path, f"{where}[\"layers\"][{name!r}]: expected a JSON object, found {type(conf).__name__}")
     return q['layers']
 
+# %% ../nbs/11_checkpoint.ipynb #5ea31ff8
 def _by_suffix(mods:set) -> dict:
     "`{dotted suffix: [modules ending in '.' + it]}`, so a layer name finds its modules in one lookup."
     out = {}
@@ -172,6 +175,7 @@ def _by_suffix(mods:set) -> dict:
         for i in range(1, len(parts)): out.setdefault('.'.join(parts[i:]), []).append(m)
     return out
 
+# %% ../nbs/11_checkpoint.ipynb #22244339
 def _match_layer(name:str, mods:set, prefixes:list, path, by_suffix:dict) -> str|None:
     "The module in `mods` (`by_suffix`: its `_by_suffix`) that layer `name` of a `_quantization_metadata` header means."
     if name in mods: return name
@@ -186,6 +190,7 @@ def _match_layer(name:str, mods:set, prefixes:list, path, by_suffix:dict) -> str
         if '.'.join(parts[i:]) in mods: return '.'.join(parts[i:])
     return None
 
+# %% ../nbs/11_checkpoint.ipynb #50a2f732
 def _legacy(entries:dict, metadata:dict, get, path) -> tuple[dict, dict, str|None]:
     "Convert legacy markings in `entries` (name -> TensorInfo or tensor); `get(name)` reads a small tensor."
     metadata = dict(metadata)
@@ -240,6 +245,7 @@ def _legacy(entries:dict, metadata:dict, get, path) -> tuple[dict, dict, str|Non
         out.setdefault(L + '.comfy_quant', encode_json(conf))
     return out, metadata, LEGACY_MARKER
 
+# %% ../nbs/11_checkpoint.ipynb #57ad1a1a
 def convert_legacy(sd:dict, metadata:dict|None=None, name:str='state dict') -> tuple[dict, dict]:
     "Convert a `_quantization_metadata` header or `scaled_fp8` marker in `sd` to per-module `comfy_quant` entries."
     out, meta, kind = _legacy(sd, metadata or {}, sd.__getitem__, name)
@@ -327,6 +333,7 @@ class Checkpoint(Mapping):
         "All tensors, read now."
         return {k: self[k] for k in self}
 
+# %% ../nbs/11_checkpoint.ipynb #a22a3e76
 def open_checkpoint(path, device='cpu', convert:bool=True, mmap:bool=False) -> Checkpoint:
     "Open `path` lazily: header validated and read once, legacy converted, tensors read on demand (`mmap`: via safe_open)."
     return Checkpoint.open(path, device, convert, mmap)
@@ -359,6 +366,7 @@ class AttentionChoice:
     options: dict = field(default_factory=dict)
     source: str = 'checkpoint'      # 'checkpoint' or 'override'
 
+# %% ../nbs/11_checkpoint.ipynb #1ea73830
 def _check_attention_entry(c:dict, where:str):
     "An entry's `attention` is a string and each option of its method a finite number > 0 (errors name the field)."
     if not isinstance(c.get('attention'), str):
@@ -368,6 +376,7 @@ def _check_attention_entry(c:dict, where:str):
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
             raise QuantFormatError(f"{where}[{k!r}]: expected a finite number > 0, found {type(v).__name__} {v!r}")
 
+# %% ../nbs/11_checkpoint.ipynb #599c2441
 def attention_entries(config, key:str=ATTENTION_KEY) -> list:
     "The preference list of an attention config (an object becomes a one-element list); clear errors otherwise."
     if config is None: return []
@@ -380,17 +389,20 @@ def attention_entries(config, key:str=ATTENTION_KEY) -> list:
         _check_attention_entry(c, f"'{key}'[{i}]")
     return list(config)
 
+# %% ../nbs/11_checkpoint.ipynb #9cb7b42b
 def encode_attention(config) -> torch.Tensor:
     "The `comfy_attention.config` tensor for `config` (an object or an ordered list of objects), order and options kept."
     attention_entries(config)
     return encode_json(config)
 
+# %% ../nbs/11_checkpoint.ipynb #1b6a0ddc
 def decode_attention(t:torch.Tensor, key:str=ATTENTION_KEY):
     "Decode and check a `comfy_attention.config` tensor; returns the object or list as stored."
     config = decode_json(t, key)
     attention_entries(config, key)
     return config
 
+# %% ../nbs/11_checkpoint.ipynb #83f292b0
 def select_attention(config, available, module:str='', override=None) -> AttentionChoice|None:
     "The first entry of `config` whose method is in `available`; `override` (a method name) wins; None = normal attention."
     if override is not None: return AttentionChoice(str(override), {}, 'override')
@@ -410,6 +422,7 @@ def select_attention(config, available, module:str='', override=None) -> Attenti
         return AttentionChoice(method, opts)
     return None
 
+# %% ../nbs/11_checkpoint.ipynb #216d8802
 def attention_available(device=None) -> frozenset:
     "The attention methods comfy-kitchen can run on `device` (empty without comfy-kitchen or on CPU)."
     try: import comfy_kitchen as ck
@@ -423,6 +436,7 @@ def attention_available(device=None) -> frozenset:
         except Exception: pass
     return frozenset(out)
 
+# %% ../nbs/11_checkpoint.ipynb #0991641f
 def sol_applicable(q:torch.Tensor, k:torch.Tensor, v:torch.Tensor, heads:int|None=None, mask=None) -> bool:
     "Whether SOL attention can run these Q/K/V: same shape, dtype and device, fp16/bf16, head dim 128, no mask."
     if mask is not None: return False
@@ -444,6 +458,7 @@ def split_key(key:str) -> tuple[str, str]:
     m, _, s = key.rpartition('.')
     return m, s
 
+# %% ../nbs/11_checkpoint.ipynb #acee46c8
 def group_modules(keys) -> dict[str, dict[str, str]]:
     "Group state-dict keys into `{module: {suffix: key}}`."
     out = {}
@@ -452,14 +467,17 @@ def group_modules(keys) -> dict[str, dict[str, str]]:
         out.setdefault(m, {})[s] = k
     return out
 
+# %% ../nbs/11_checkpoint.ipynb #93c6a633
 def scale_keys() -> set:
     "Every per-module tensor name a registered format reads beside `weight` (the scale-key universe)."
     return {k for s in FORMATS.values() for k in s.keys + s.optional_keys + s.extra_keys}
 
+# %% ../nbs/11_checkpoint.ipynb #a2d26f91
 def shapes_of(model:torch.nn.Module) -> dict:
     "`{module name: weight shape}` of a model (a meta-device model works): the logical shapes for `Checkpoint.modules`."
     return {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(getattr(m, 'weight', None), torch.Tensor)}
 
+# %% ../nbs/11_checkpoint.ipynb #99e70c91
 @dataclass
 class ModuleEntry:
     "One module of a checkpoint: its keys, decoded config, format spec, resolved options, logical shape, attention config."
@@ -545,6 +563,7 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
     except QuantFormatError as err: raise _in_file(path, err) from None
     return _check_bias(path, e, infos)
 
+# %% ../nbs/11_checkpoint.ipynb #e5375660
 def _check_bias(path, e:ModuleEntry, infos:dict) -> ModuleEntry:
     """`e` if its bias (if any) has one value per output row: `[N]`, or `[E, N]` for an expert bank. With an inferred
     (maybe padded) shape, any N the format stores in the same storage rows is accepted."""
@@ -558,6 +577,7 @@ def _check_bias(path, e:ModuleEntry, infos:dict) -> ModuleEntry:
                                     f"{e.format} weight {list(e.shape)}), found {list(b)}")
     return e
 
+# %% ../nbs/11_checkpoint.ipynb #cfb857ac
 def _bank_config(path, e:ModuleEntry, infos:dict):
     "Check the `num_experts` of an MoE bank's comfy_quant (sets `e.num_experts`); a bank has no input_scale or pre_quant_scale."
     p, name, E = e.prefix, e.name, file_value(e.config, 'num_experts')
@@ -568,6 +588,7 @@ def _bank_config(path, e:ModuleEntry, infos:dict):
                                                    f"({E} experts, activations quantized per expert, dynamically), found {p}{s} of shape {list(infos[s].shape)}")
     e.num_experts = E
 
+# %% ../nbs/11_checkpoint.ipynb #ba8001f5
 def _scan_bank(ck:Checkpoint, e:ModuleEntry, metas:dict, shape=None) -> ModuleEntry:
     """Validate an MoE expert bank (`num_experts` in its comfy_quant) expert by expert, split as
     `cquant.comfy.split_bank` loads it; `shape` is the bank's (E, N, K) or one expert's (N, K)."""
@@ -589,6 +610,7 @@ def _scan_bank(ck:Checkpoint, e:ModuleEntry, metas:dict, shape=None) -> ModuleEn
 
 _NEEDS_VALUES: dict = {}   # layout -> first stage that worked (skip the failing meta stage next time)
 
+# %% ../nbs/11_checkpoint.ipynb #96feb921
 def _check_build(ck:Checkpoint, e:ModuleEntry, metas:dict, build=None):
     """Run the format's own load checks on meta tensors. A layout whose checks need values (a finite scale, say)
     gets the real scale tensors next, and the real weight only if that is still not enough.
@@ -657,6 +679,7 @@ def _alive(pid:int) -> bool:
         with open(f'/proc/{pid}/stat') as f: return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
     except (OSError, IndexError): return True
 
+# %% ../nbs/11_checkpoint.ipynb #41e2d85f
 def stale_temp_files(folder) -> list[str]:
     "cquant temporary files in `folder` left by processes of this host that no longer run (killed mid-save)."
     folder, host = os.fspath(folder), _host()
@@ -665,6 +688,7 @@ def stale_temp_files(folder) -> list[str]:
     hits = [(n, _TEMP.search(n)) for n in names if n.startswith('.')]
     return sorted(os.path.join(folder, n) for n, m in hits if m and m['host'] == host and not _alive(int(m['pid'])))
 
+# %% ../nbs/11_checkpoint.ipynb #923fb896
 def temp_file(path) -> tuple[int, str]:
     "`(fd, name)` of a new temporary file beside `path`, `.<name>.cquant-<host>-<pid>-<random>.tmp`; stale ones are removed first."
     d, base = os.path.split(os.path.abspath(path))
@@ -674,6 +698,7 @@ def temp_file(path) -> tuple[int, str]:
 class DiskFullError(OSError):
     "A full disk (or file-size limit) while writing a file; the message names the file, the bytes needed and the space free."
 
+# %% ../nbs/11_checkpoint.ipynb #0c211ee1
 def _disk_full(path, tmp:str, e:OSError, need:int, at_least:bool=False) -> DiskFullError:
     d = os.path.dirname(os.path.abspath(path))
     try: st = os.statvfs(d); free = f", {st.f_bavail * st.f_frsize:,} bytes free in {d}"
@@ -689,16 +714,19 @@ def _st_entry(i:TensorInfo, start:int) -> dict:
     if bits < 8: shape[-1] *= 8 // bits
     return {'dtype': dt, 'shape': shape, 'data_offsets': [start, start + i.nbytes]}
 
+# %% ../nbs/11_checkpoint.ipynb #88af3807
 def _check_storable(path, i:TensorInfo):
     if i.dtype not in _TORCH_TO_ST: raise CheckpointError(path, f"'{i.name}': expected a dtype safetensors can store, found {i.dtype}")
     if i.name == '__metadata__': raise CheckpointError(path, "'__metadata__': expected a tensor name, found the reserved header key")
 
+# %% ../nbs/11_checkpoint.ipynb #990d31b0
 def _header_json(placed:list, metadata:dict) -> bytes:
     "Compact header JSON (metadata sorted) of `[(TensorInfo, start)]` in file order, unpadded."
     hdr = {'__metadata__': {k: metadata[k] for k in sorted(metadata)}} if metadata else {}
     for i, start in placed: hdr[i.name] = _st_entry(i, start)
     return json.dumps(hdr, separators=(',', ':'), ensure_ascii=False).encode('utf-8')
 
+# %% ../nbs/11_checkpoint.ipynb #40b3b51f
 def _header_bytes(ck:Checkpoint, metadata:dict) -> tuple[bytes, list]:
     infos = [replace(ck.info(k), name=k) for k in ck]    # renamed legacy entries: the name they are saved under
     for i in infos: _check_storable(ck.path, i)
@@ -707,6 +735,7 @@ def _header_bytes(ck:Checkpoint, metadata:dict) -> tuple[bytes, list]:
     hb = _header_json(list(zip(order, starts)), metadata)
     return hb + b' ' * (-len(hb) % 8), order
 
+# %% ../nbs/11_checkpoint.ipynb #621d63b3
 def _write_tensor(f, t:torch.Tensor, i:TensorInfo, path):
     "Write the bytes of `t` (checked against its header entry `i`)."
     if not isinstance(t, torch.Tensor) or t.dtype != i.dtype or tuple(t.shape) != tuple(i.shape):
@@ -716,6 +745,7 @@ def _write_tensor(f, t:torch.Tensor, i:TensorInfo, path):
     data = t.detach().to('cpu').contiguous().reshape(-1).view(torch.uint8)
     f.write(memoryview(data.numpy()))
 
+# %% ../nbs/11_checkpoint.ipynb #263681e9
 def _fsync_dir(d:str):
     try:
         fd = os.open(d, os.O_RDONLY)
@@ -723,12 +753,14 @@ def _fsync_dir(d:str):
         finally: os.close(fd)
     except OSError: pass        # not every platform/filesystem can fsync a directory
 
+# %% ../nbs/11_checkpoint.ipynb #6774e9fb
 def _target(path) -> tuple[str, int]:
     "The file to replace (a link's target: the link stays) and the permission bits the new file gets."
     path = os.fspath(path)
     if os.path.islink(path): path = os.path.realpath(path)
     return path, os.stat(path).st_mode & 0o7777 if os.path.exists(path) else 0o666 & ~_umask()
 
+# %% ../nbs/11_checkpoint.ipynb #78731b42
 def save_file(sd, path, metadata:dict|None=None, *, validate:bool=True):
     "Atomically write `sd` (tensors, QuantizedTensors, or a `Checkpoint`) to `path` as a modern Comfy quantized file."
     path, mode = _target(path)
@@ -757,10 +789,12 @@ def save_file(sd, path, metadata:dict|None=None, *, validate:bool=True):
     _fsync_dir(os.path.dirname(path))
     return path
 
+# %% ../nbs/11_checkpoint.ipynb #a5af247f
 def _check_metadata(path, meta:dict):
     for k, v in meta.items():
         if not isinstance(k, str) or not isinstance(v, str): raise CheckpointError(path, f"metadata {k!r}: expected a string, found {type(v).__name__}")
 
+# %% ../nbs/11_checkpoint.ipynb #6293c385
 def _umask() -> int:
     "The process umask (read without changing it where /proc allows)."
     try:

@@ -550,12 +550,14 @@ def _as_weight(w):
     "The stored-orientation weight for `x @ w`, or None if `w` is not a transposed QuantizedTensor."
     return w._with(transposed=False) if isinstance(w, QuantizedTensor) and w._transposed else None
 
+# %% ../nbs/01_tensor.ipynb #a81ded78
 def _run_linear(x, w:QuantizedTensor, bias):
     if isinstance(x, QuantizedTensor):
         if x.layout is w.layout and not x._transposed: return w.layout.linear_quantized(x, w._qdata, w._params, bias)
         x = x.dequantize()
     return w.linear(x, bias)
 
+# %% ../nbs/01_tensor.ipynb #c396d37e
 def _float_op(func, args, kwargs, operands:tuple):
     "`func` with quantized tensors dequantized and float tensors cast to the activation's dtype (the linear's rule)."
     plain = [args[i] for i in operands if not isinstance(args[i], QuantizedTensor)]
@@ -564,10 +566,12 @@ def _float_op(func, args, kwargs, operands:tuple):
                       a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a)
     return func(*map(cast, args), **kwargs)
 
+# %% ../nbs/01_tensor.ipynb #7a10508c
 def _mm(func, args, kwargs):
     w = _as_weight(args[1])
     return _float_op(func, args, kwargs, (0, 1)) if w is None else _run_linear(args[0], w, None)
 
+# %% ../nbs/01_tensor.ipynb #b95d8155
 def _addmm(func, args, kwargs):
     bias, x, wt = args[:3]
     w = _as_weight(wt)
@@ -575,12 +579,14 @@ def _addmm(func, args, kwargs):
         return _float_op(func, args, kwargs, (1, 2))
     return _run_linear(x, w, bias)
 
+# %% ../nbs/01_tensor.ipynb #cd5324d4
 def _linear(func, args, kwargs):
     x, w = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get('bias')
     if not isinstance(w, QuantizedTensor) or w._transposed: return _float_op(func, args, kwargs, (0, 1))
     return _run_linear(x, w, bias)
 
+# %% ../nbs/01_tensor.ipynb #2d9fb23a
 def _register_linear(layout:type):
     "Register the linear fast paths (`mm`, `addmm`, `linear`) for `layout`."
     implements(aten.mm.default, layout)(_mm)

@@ -199,6 +199,7 @@ def _convrot_quant(x, group, mode, pack=False, fix16=False, rotation=None, activ
                                                      x.is_cuda if cuda_div is None else bool(cuda_div))
     return q, s
 
+# %% ../../nbs/33_kernels_convrot.ipynb #b373af28
 def quantize_int8_convrot(w:torch.Tensor, # float weight [N, K] (fp32, bf16 or fp16)
                           group:int=256, # rotation group: a power of 4 dividing K
                           fix_fp16_subnormal:bool=False, # Int8Layout's rule: fp16 rows with a scale < 2**-14 divide in fp32
@@ -211,6 +212,7 @@ def quantize_int8_convrot(w:torch.Tensor, # float weight [N, K] (fp32, bf16 or f
                           block_m=block_m, who='quantize_int8_convrot')
     return q, s.reshape(-1, 1)
 
+# %% ../../nbs/33_kernels_convrot.ipynb #31b8e168
 def quantize_rows_int8_convrot(x:torch.Tensor, # activations [..., K] (fp32, bf16 or fp16)
                                group:int=256, # rotation group
                                rotation:str|None=None, # None: 'ordered' (interpreter) / 'dot' (GPU), or a mode
@@ -265,6 +267,7 @@ def _convrot_dequant_kernel(q_ptr, s_ptr, h_ptr, o_ptr, M, K, stride, G: tl.cons
         cols = (t0 + j0 + tl.arange(0, NGT) * G)[None, :, None] + tl.arange(0, BJ)[None, None, :]
         store_as(o_ptr + rows[:, None, None] * K + cols, acc, rmask[:, None, None] & (cols < K), KIND)
 
+# %% ../../nbs/33_kernels_convrot.ipynb #8b7c8d63
 def _convrot_dequant(q, scale, group, dtype, packed, rotation=None, block_m=None, who='convrot dequantize'):
     kind = float_kind(dtype)
     if q.dim() != 2 or q.dtype != torch.int8: raise ValueError(f"{who}: expected int8 [N, K] codes, got {q.dtype}{tuple(q.shape)}")

@@ -181,6 +181,7 @@ _fp8_gemm_tuned = autotuned(_fp8_gemm_kernel, gemm_configs(), ['M', 'N', 'K'])
 
 _FUSE_MAX_M = 64
 
+# %% ../../nbs/31_kernels_fp8.ipynb #767aad84
 def _fp8_dot_default(device) -> bool:
     "FP8 operands for tl.dot: on CUDA devices of compute capability 8.9 or newer (never in the interpreter)."
     if interpreting() or device.type != 'cuda': return False

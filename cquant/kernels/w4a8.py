@@ -96,6 +96,7 @@ def _weight_tile(w_ptr, s_ptr, lv_ptr, sc, c_ptr, rn, rk, m2, N, K, G: tl.conste
         v = v + load_f32(cp, m2, CKIND)
     return round_to(v, KIND)
 
+# %% ../../nbs/34_kernels_w4a8.ipynb #ffd7b5bb
 @jit
 def _dequant_kernel(w_ptr, s_ptr, lv_ptr, sc_ptr, c_ptr, h_ptr, o_ptr, N, K, G: tl.constexpr, BITS: tl.constexpr,
                     S_E4M3: tl.constexpr, HAS_CB: tl.constexpr, HAS_CORR: tl.constexpr, CKIND: tl.constexpr,
@@ -123,6 +124,7 @@ def _dequant_kernel(w_ptr, s_ptr, lv_ptr, sc_ptr, c_ptr, h_ptr, o_ptr, N, K, G: 
                          HAS_CORR, CKIND, KIND)
     store_as(o_ptr + rn.to(tl.int64)[:, None] * K + ro[None, :], v, m2, KIND)
 
+# %% ../../nbs/34_kernels_w4a8.ipynb #060a80c6
 @functools.lru_cache(maxsize=16)
 def _rotation_matrix(cg:int, device) -> torch.Tensor:
     "I (x) H_cg^T of size max(cg, 16), fp32: the right factor of the eager weight rotation (block-diagonal for cg = 4)."
