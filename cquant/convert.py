@@ -422,6 +422,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
     cal = Calibration.of(calibration)
     if cal is not None: cal.prepare()               # a file conversion has no model: the inputs must be given per layer
     with open_checkpoint(src) as ck:
+        ck.modules()                                # the rule load_file applies (stray scales, shapes): refuse before writing
         if plan is None: plan = policy.plan(ck, None if cal is None else cal.inputs)
         layers, groups = layer_source(ck), ck.groups()
         if not requantize: _refuse_requantize(src, plan, layers)

@@ -211,3 +211,19 @@ def test_conv_and_padded_bias(tmp_path):
     sd['blk.bias'] = torch.zeros(65)
     with pytest.raises(ValueError, match=r"'blk.bias': expected shape \[64\].*found \[65\]"):
         cq.load_file(saved(tmp_path, sd, 'c.safetensors'))
+
+# 10. a stray scale (no comfy_quant) is refused by quantize exactly as load_file refuses it, before DST exists
+def test_quantize_refuses_stray_scale(tmp_path, capsys):
+    from cquant.cli import main
+    sd = {'a.weight': torch.randn(32, 64, dtype=torch.bfloat16), 'a.weight_scale': torch.tensor(1.0),
+          'b.weight': torch.randn(32, 64, dtype=torch.bfloat16)}
+    src, dst = saved(tmp_path, sd), tmp_path / 'out.safetensors'
+    msg = (f"{src}: 'a.weight_scale': expected no scale tensors on module 'a' without a comfy_quant entry, "
+           "found ['a.weight_scale'] (a stray scale: add a.comfy_quant or remove it)")
+    with pytest.raises(ValueError) as e: cq.load_file(src)
+    assert msg in str(e.value)
+    with pytest.raises(ValueError) as e: cq.quantize_checkpoint(src, dst, progress=False)
+    assert msg in str(e.value)
+    assert main(['quantize', str(src), str(dst), '--quiet']) != 0
+    assert msg in capsys.readouterr().err
+    assert not dst.exists() and list(tmp_path.iterdir()) == [src]
