@@ -19,7 +19,7 @@ from .comfy import expert_tensors, file_value, split_bank
 # %% auto #0
 __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'LEGACY_QMETA', 'LEGACY_MARKER', 'ATTENTION_KEY',
            'ATTENTION_METHODS', 'HOLD_MAX', 'CheckpointError', 'CheckpointWarning', 'TensorInfo', 'read_header',
-           'convert_legacy', 'Checkpoint', 'open_checkpoint', 'AttentionChoice', 'attention_entries',
+           'convert_legacy', 'file_state', 'Checkpoint', 'open_checkpoint', 'AttentionChoice', 'attention_entries',
            'encode_attention', 'decode_attention', 'select_attention', 'attention_available', 'sol_applicable',
            'split_key', 'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'stale_temp_files', 'temp_file',
            'DiskFullError', 'save_file', 'comfy_unread', 'load_file', 'StreamingWriter', 'inspect_checkpoint',
@@ -252,21 +252,39 @@ def convert_legacy(sd:dict, metadata:dict|None=None, name:str='state dict') -> t
     check_stray_scales(out, f'convert_legacy({name})')
     return out, meta
 
+# %% ../nbs/11_checkpoint.ipynb #a1c0ffef
+def file_state(path) -> tuple:
+    "`(size, mtime_ns, inode, device)` of `path`: what a lazy `Checkpoint` checks before each read."
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev
+
+def _check_unchanged(name:str, path:str, state:tuple, key:str):
+    "Raise a `CheckpointError` if `path` is gone or differs from `state` (read now, it would be wrong or SIGBUS)."
+    try: now = file_state(path)
+    except OSError as e: raise CheckpointError(name, f"'{key}': changed on disk since it was opened: {e.strerror}") from None
+    if now == state: return
+    what = (f"size {state[0]} -> {now[0]}" if now[0] != state[0] else "replaced by another file" if now[2:] != state[2:]
+            else f"modified in place (mtime {state[1]} -> {now[1]} ns)")
+    raise CheckpointError(name, f"'{key}': changed on disk since it was opened: {what}; open it again")
+
+
 # %% ../nbs/11_checkpoint.ipynb #6dcf9d78
 class Checkpoint(Mapping):
     "A lazy, validated view of a safetensors checkpoint (or an in-memory state dict): keys, infos, tensors on demand."
     def __init__(self, entries:dict, metadata:dict|None=None, path:str='state dict', legacy:str|None=None,
-                 file:str|None=None, device='cpu', mmap:bool=False):
+                 file:str|None=None, device='cpu', mmap:bool=False, state:tuple|None=None):
         self.path, self.metadata, self.legacy, self.device = str(path), dict(metadata or {}), legacy, device
         self._entries, self._file, self._mmap = entries, file, mmap or torch.device(device).type != 'cpu'
+        self._state = state             # `file_state(file)` when opened: every read checks the file is unchanged
         self._handle = self._fh = self._modules = self._groups = None
 
     @classmethod
     def open(cls, path, device='cpu', convert:bool=True, mmap:bool=False) -> 'Checkpoint':
         "Validate the header of `path`, convert legacy markings, and return a lazy `Checkpoint`."
         path = os.fspath(path)
+        state = file_state(path)
         infos, meta = read_header(path)
-        ck = cls(infos, meta, path, None, path, device, mmap)
+        ck = cls(infos, meta, path, None, path, device, mmap, state)
         if convert: ck._entries, ck.metadata, ck.legacy = _legacy(infos, meta, ck.__getitem__, path)
         return ck
 
@@ -298,6 +316,7 @@ class Checkpoint(Mapping):
         return TensorInfo.of(key, v) if isinstance(v, torch.Tensor) else v
 
     def _read(self, key:str, i:TensorInfo) -> torch.Tensor:
+        if self._state is not None: _check_unchanged(self.path, self._file, self._state, key)
         try:
             if self._mmap and i.nbytes > 4096:   # small entries (JSON, scalars) never need a mapping
                 if self._handle is None:
@@ -766,7 +785,7 @@ def save_file(sd, path, metadata:dict|None=None, *, validate:bool=True):
     path, mode = _target(path)
     if isinstance(sd, Checkpoint):      # converted unless it was opened with convert=False
         entries, meta, kind = _legacy(sd._entries, sd.metadata if metadata is None else metadata, sd.__getitem__, sd.path)
-        ck = sd if kind is None else Checkpoint(entries, meta, sd.path, kind, sd._file, sd.device, sd._mmap)
+        ck = sd if kind is None else Checkpoint(entries, meta, sd.path, kind, sd._file, sd.device, sd._mmap, sd._state)
     else:
         ck = Checkpoint.from_state_dict(sd, metadata, name=path)
         meta = ck.metadata
@@ -820,9 +839,9 @@ def _warn_comfy_unread(path, mods:Mapping):
                   CheckpointWarning, stacklevel=3)
 
 # %% ../nbs/11_checkpoint.ipynb #95c7a03e
-def load_file(path, device='cpu', *, with_metadata:bool=False, convert:bool=True, validate:bool=True):
-    "The state dict of `path` (legacy converted, modules validated); `(sd, metadata)` if `with_metadata`."
-    with open_checkpoint(path, device, convert, mmap=True) as ck:
+def load_file(path, device='cpu', *, with_metadata:bool=False, convert:bool=True, validate:bool=True, mmap:bool=False):
+    "The state dict of `path` (legacy converted, modules validated), tensors owning their memory unless `mmap`."
+    with open_checkpoint(path, device, convert, mmap) as ck:
         if validate: ck.modules()
         sd = ck.state_dict()
         return (sd, dict(ck.metadata)) if with_metadata else sd
