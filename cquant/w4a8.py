@@ -90,10 +90,15 @@ def check_w4a8_operands(qdata, s_rel, s_channel, bits, codebook, correction, gro
     if qdata.dim() != 2 or qdata.dtype not in (torch.int8, torch.uint8) or s_rel.dim() != 2:
         raise ValueError(f"w4a8: expected a 2-D int8 packed weight and a 2-D s_rel, got {qdata.dtype}{tuple(qdata.shape)} and s_rel {tuple(s_rel.shape)}")
     N, K = s_rel.shape[0], s_rel.shape[1] * group_size
-    if bits not in (4, 6) or tuple(qdata.shape) != (N, K * bits // 8):
-        raise ValueError(f"w4a8: a {bits}-bit weight with s_rel {tuple(s_rel.shape)} and group_size={group_size} (K={K}) "
-                         f"must be packed as ({N}, {K * bits // 8}), got {tuple(qdata.shape)}")
-    if group_size % 2 or K % convrot_groupsize: raise ValueError(f"w4a8: K={K} needs an even group_size and a rotation group dividing it, got G={group_size}, convrot_groupsize={convrot_groupsize}")
+    if bits not in (4, 6): raise ValueError(f"w4a8: expected bits 4 or 6, got {bits}")
+    if tuple(qdata.shape) != (N, K * bits // 8):   # K of the packed codes: whichever disagrees, name s_rel's shape
+        Kq = qdata.shape[1] * 8 // bits
+        raise ValueError(f"w4a8: s_rel {tuple(s_rel.shape)} (K={K} at group_size={group_size}) and the {bits}-bit packed "
+                         f"weight {tuple(qdata.shape)} (K={Kq}) disagree: s_rel must be ({qdata.shape[0]}, "
+                         f"{Kq / group_size:g}) for this weight, or the weight must be packed as ({N}, {K * bits // 8})")
+    if group_size % 2: raise ValueError(f"w4a8: expected an even group_size, got {group_size}")
+    if K % convrot_groupsize: raise ValueError(f"w4a8: K={K} (of the packed weight {tuple(qdata.shape)}) needs a rotation "
+                                               f"group dividing it, got convrot_groupsize={convrot_groupsize}")
     if tuple(s_channel.shape) != (N,): raise ValueError(f"w4a8: s_channel must have shape ({N},), got {tuple(s_channel.shape)}")
     if codebook is not None and (bits != 4 or tuple(codebook.shape) != (16,)): raise ValueError(f"w4a8: a codebook must be a 4-bit [16] table, got bits={bits}, shape {tuple(codebook.shape)}")
     if correction is not None and (bits != 4 or tuple(correction.shape) != (K // group_size, N)):
