@@ -121,7 +121,7 @@ LAYERS = (
     ('calibration and policy', {'calibrate', 'policy'}),
     ('jobs', {'convert'}),
     ('cli', {'cli'}),
-    ('on top', {'explore', 'quality'}),
+    ('on top', {'explore', 'quality', 'evaluate'}),
     ('package', {'__init__'}),
 )
 RANK = {m: i for i, (_, ms) in enumerate(LAYERS) for m in ms}

@@ -1,0 +1,29 @@
+"The end-to-end quality harness (cquant.evaluate) on the DiT-shaped test model: small and fast."
+import math
+import pytest
+from cquant.evaluate import dit_workload, evaluate, rows_table, EVAL_SENTENCES, _assert_disjoint
+from cquant.minilm import SENTENCES
+from cquant.policy import Policy
+
+
+def test_dit_int8_vs_float():
+    w = dit_workload(n=1, tokens=16)
+    r = evaluate(w, Policy(mode='int8', preset='auto-conservative'))
+    assert 20 < r['sqnr_db'] < 40 and r['layers'] == 25 and r['bytes'] < r['float_bytes'] / 3
+    f = evaluate(w, {})
+    assert f['sqnr_db'] == math.inf and f['layers'] == 0
+    assert '| dit | int8 |' in rows_table([r])
+
+
+def test_inputs_disjoint():
+    assert not set(EVAL_SENTENCES) & set(SENTENCES)
+    with pytest.raises(ValueError, match='also in calibration'): _assert_disjoint(SENTENCES, SENTENCES[:1], 'x')
+    w = dit_workload(n=1, tokens=8)
+    assert all((c[0] != e[0]).any() for c, e in zip(w.calibration, w.evaluation))
+    with pytest.raises(ValueError, match='must differ'): dit_workload(calibration_seed=5, evaluation_seed=5)
+
+
+def test_bad_plan():
+    w = dit_workload(n=1, tokens=8)
+    with pytest.raises(KeyError, match='not a module'): evaluate(w, {'nope': 'int8_tensorwise'})
+    with pytest.raises(TypeError, match='expected a Policy'): evaluate(w, 3.0)
