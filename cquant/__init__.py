@@ -31,6 +31,7 @@ from .models import *
 from .policy import *
 from .convert import *
 from .explore import *
+from .evaluate import *
 from .calibrate import *
 from .minilm import *
 
