@@ -32,6 +32,7 @@ from .policy import *
 from .convert import *
 from .explore import *
 from .evaluate import *
+from .rounding import *
 from .calibrate import *
 from .minilm import *
 

@@ -13,6 +13,7 @@ import torch
 from .numerics import FP8_DTYPES, FP16_MIN_NORMAL, fp8_max, absmax
 from .tensor import ScaleRule, ValueRule, nvidia_compute
 from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, round_stochastic
+from .tensor import Grid
 
 # %% auto #0
 __all__ = ['quantize_per_tensor_fp8', 'dequantize_per_tensor_fp8', 'FP8Params', 'fp8_linear_fp32', 'FP8Layout']
@@ -158,6 +159,18 @@ class FP8Layout(Layout):
         "Any view/reshape: elements map 1:1 to storage and the one scale means the same for every shape."
         return func(qdata, list(shape)), replace(params, orig_shape=tuple(shape))
 
+# %% ../nbs/02_fp8.ipynb #041db7c8
+def fp8_grid(fp8_dtype:torch.dtype):
+    "The `FormatSpec.grid` hook of an FP8 dtype: its elements under one per-tensor scale."
+    def grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
+        given = opts.get('scale') is not None
+        s = fp32_scalar(opts['scale']) if given else absmax(w).float() * tensor_clip / fp8_max(fp8_dtype)
+        s = s.to(w.device) if given or float(s) > 0 else torch.ones((), device=w.device)
+        def pack(wb, scales): return quantize_per_tensor_fp8(wb, s, fp8_dtype), FP8Params(tuple(w.shape), w.dtype, s)
+        near = lambda c, _: round_to_fp8(c / s, fp8_dtype).float() * s
+        return Grid(None, lambda c, clip: s, near, pack, tensor_scale=not given)
+    return grid
+
 # %% ../nbs/02_fp8.ipynb #b6a52696
 _SCALE_OPTION = Option('scale', None, (float, int, torch.Tensor, type(None)),
                        doc='per-tensor scale; None = max|w| / fp8 max (kitchen\'s absmax)', stored=False)
@@ -172,11 +185,11 @@ FP8_E4M3 = register_format(FormatSpec(
     options=(_SCALE_OPTION,), quantize_input=True, layout_kwargs={'fp8_dtype': torch.float8_e4m3fn},
     doc='FP8 E4M3 elements with one fp32 scale per tensor.', aliases=('fp8', 'e4m3', 'fp8_e4m3fn'),
     input_scale_rule=ScaleRule('amax / 448 (finfo(e4m3).max)', fp8_max(torch.float8_e4m3fn), torch.float8_e4m3fn),
-    kitchen_kwargs=lambda o: dict(dtype=torch.float8_e4m3fn), **_FP8_FACTS))
+    kitchen_kwargs=lambda o: dict(dtype=torch.float8_e4m3fn), grid=fp8_grid(torch.float8_e4m3fn), **_FP8_FACTS))
 
 FP8_E5M2 = register_format(FormatSpec(
     'float8_e5m2', FP8Layout, torch.float8_e5m2, keys=('weight_scale',), extra_keys=('input_scale',),
     options=(_SCALE_OPTION,), quantize_input=True, layout_kwargs={'fp8_dtype': torch.float8_e5m2},
     doc='FP8 E5M2 elements with one fp32 scale per tensor.', aliases=('e5m2', 'fp8_e5m2'),
     input_scale_rule=ScaleRule('amax / 57344 (finfo(e5m2).max)', fp8_max(torch.float8_e5m2), torch.float8_e5m2),
-    kitchen_kwargs=lambda o: dict(dtype=torch.float8_e5m2), **_FP8_FACTS))
+    kitchen_kwargs=lambda o: dict(dtype=torch.float8_e5m2), grid=fp8_grid(torch.float8_e5m2), **_FP8_FACTS))

@@ -14,6 +14,7 @@ from .tensor import ValueRule, int8_compute
 from .tensor import (Params, Layout, Option, FormatSpec, register_format, format_error, check_2d,
                            round_stochastic)
 from .numerics import absmax, rotate, FP16_MIN_NORMAL, SCALE_DTYPES, is_power_of_4
+from .tensor import Grid, as_fp32
 
 # %% auto #0
 __all__ = ['quantize_int8', 'dequantize_int8', 'quantize_int8_convrot', 'dequantize_int8_convrot', 'int8_linear', 'Int8Params',
@@ -332,6 +333,20 @@ def _int8_flat_banks(opts:dict, tensors:dict|None=None) -> bool:
     if tensors is None: return int8_per_row(opts)
     return tensors.get('weight_scale') is not None and tensors['weight_scale'].dim() == 3
 
+# %% ../nbs/05_int8.ipynb #482f3f83
+def int8_grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
+    "The rounding of int8_tensorwise with options `opts` for weight `w`: int8 levels, per-row (or tensor) scale."
+    rot, g, per_row = bool(opts['convrot']), int(opts['convrot_groupsize']), int8_per_row(opts)
+    tensor = None if per_row else (absmax(w).float() * tensor_clip / _QMAX).clamp(min=1e-30)
+    def scale(cols, clip):
+        return tensor if tensor is not None else (absmax(cols, dim=-1, keepdim=True) * clip / _QMAX).clamp_(min=1e-30)
+    def codes(wb, s): return (wb / s).round_().clamp_(-128.0, 127.0)
+    def pack(wb, scales):
+        return codes(wb, scales[0]).to(torch.int8), Int8Params(tuple(w.shape), w.dtype, scales[0], per_row, rot, g)
+    return Grid(w.shape[1] if per_row else None, scale, lambda c, s: codes(c, s) * s, pack,
+                (lambda v: rotate(v.float(), g, as_weight=True)) if rot else as_fp32,
+                (lambda x: rotate(x.float(), g)) if rot else as_fp32, tensor_scale=not per_row)
+
 # %% ../nbs/05_int8.ipynb #bfc4ac49
 INT8_TENSORWISE = register_format(FormatSpec(
     'int8_tensorwise', Int8Layout, torch.int8, keys=('weight_scale',),
@@ -344,7 +359,7 @@ INT8_TENSORWISE = register_format(FormatSpec(
     quantize_input=False, extra_keys=(), aliases=('int8', 'int8_convrot', 'w8a8'),
     value_rules={'weight_scale': ValueRule('the tensor or row scale multiplies the int8 values')},
     doc='Symmetric absmax INT8, tensor-wise or per-row scale, optional ConvRot; per-token INT8 activations in the linear.',
-    row_gather=True, embedding=True, row_independent=int8_per_row, flat_banks=_int8_flat_banks,
+    row_gather=True, embedding=True, grid=int8_grid, row_independent=int8_per_row, flat_banks=_int8_flat_banks,
     kitchen_layout='TensorWiseINT8Layout', native_compute=int8_compute,
     kitchen_kwargs=lambda o: dict(per_channel=int8_per_row(o), convrot=bool(o.get('convrot')),
                                   convrot_groupsize=o.get('convrot_groupsize', 256)),

@@ -17,6 +17,7 @@ from .numerics import (E2M1_VALUES, FP16_MIN_NORMAL, round_up, absmax, cast_fp8,
                              unpack_nibbles, pad_to_multiple, to_blocked, from_blocked)
 from .tensor import ScaleRule, ValueRule, nvidia_compute
 from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, check_2d, round_stochastic
+from .tensor import Grid
 
 # %% auto #0
 __all__ = ['nvfp4_quantize', 'nvfp4_dequantize', 'NVFP4Params', 'NVFP4Layout', 'nvfp4_linear']
@@ -68,19 +69,14 @@ def _round_e2m1_stochastic(d:torch.Tensor, seed:int) -> torch.Tensor:
     step = torch.where(m < 2, 0.5, torch.where(m < 4, 1.0, 2.0))   # the grid spacing around m
     return torch.copysign(round_stochastic(m / step, seed) * step, d)
 
-# %% ../nbs/03_nvfp4.ipynb #d08cb2d2
-def nvfp4_quantize(x:torch.Tensor, # 2-D float tensor (fp32, bf16 or fp16)
-                   global_scale=None, # None: `nvfp4_global_scale(x)`; else a float or tensor (fp32 after a value cast)
-                   stochastic_rounding:int=0, # 0: round to nearest even; else the seed of stochastic rounding
-                  ) -> tuple: # (qdata uint8 [Np, Kp/2], global_scale fp32 0-d, block_scale e4m3 swizzled)
-    "Quantize `x` to nvfp4 exactly as comfy-kitchen's eager `quantize_nvfp4` (zero tensors give zeros, not NaN)."
-    if x.dim() != 2: raise ValueError(f"nvfp4 quantizes 2-D tensors, got shape {tuple(x.shape)}")
-    x = pad_to_multiple(x.detach(), _GROUP, _GROUP)
+# %% ../nbs/03_nvfp4.ipynb #e8ae6a38
+def nvfp4_encode(x:torch.Tensor, # padded 2-D float tensor [Np, Kp]
+                 s:torch.Tensor, # fp32 0-d global scale
+                 bs:torch.Tensor, # e4m3 block scales, logical [Np, Kp/16] (unswizzled)
+                 stochastic_rounding:int=0, # 0: round to nearest even; else a seed
+                ) -> torch.Tensor: # uint8 [Np, Kp/2], hi-first E2M1 codes
+    "The E2M1 codes of `x` under the scales `s * bs`: fp32 division, saturation at 6, zero blocks give zero codes."
     Np, Kp = x.shape
-    amax = absmax(x, block=_GROUP)                                  # [Np, Kp/16], in x's dtype
-    s = _default_scale(amax.amax()) if global_scale is None else nvfp4_global_scale(global_scale, x.device)
-    af = amax.float()
-    bs = cast_fp8(torch.where(af == 0, 0.0, af / _E2M1_MAX / s))   # min(., 448) then e4m3; 0/0 -> 0, not NaN
     total = s * bs.float()
     zero = total == 0
     has_zero = bool(zero.any())
@@ -95,7 +91,22 @@ def nvfp4_quantize(x:torch.Tensor, # 2-D float tensor (fp32, bf16 or fp16)
             d = torch.div(xb[i:i + step], total[i:i + step].unsqueeze(-1))   # fp32 division (bf16/fp16 promote exactly)
             q[i:i + step] = pack_nibbles(e2m1_encode(d.clamp_(-_E2M1_MAX, _E2M1_MAX).view(-1, Kp)))
     if has_zero: q.view(Np, Kp // _GROUP, _GROUP // 2).masked_fill_(zero.unsqueeze(-1), 0)
-    return q, s, to_blocked(bs)
+    return q
+
+# %% ../nbs/03_nvfp4.ipynb #d08cb2d2
+def nvfp4_quantize(x:torch.Tensor, # 2-D float tensor (fp32, bf16 or fp16)
+                   global_scale=None, # None: `nvfp4_global_scale(x)`; else a float or tensor (fp32 after a value cast)
+                   stochastic_rounding:int=0, # 0: round to nearest even; else the seed of stochastic rounding
+                  ) -> tuple: # (qdata uint8 [Np, Kp/2], global_scale fp32 0-d, block_scale e4m3 swizzled)
+    "Quantize `x` to nvfp4 exactly as comfy-kitchen's eager `quantize_nvfp4` (zero tensors give zeros, not NaN)."
+    if x.dim() != 2: raise ValueError(f"nvfp4 quantizes 2-D tensors, got shape {tuple(x.shape)}")
+    x = pad_to_multiple(x.detach(), _GROUP, _GROUP)
+    Np, Kp = x.shape
+    amax = absmax(x, block=_GROUP)                                  # [Np, Kp/16], in x's dtype
+    s = _default_scale(amax.amax()) if global_scale is None else nvfp4_global_scale(global_scale, x.device)
+    af = amax.float()
+    bs = cast_fp8(torch.where(af == 0, 0.0, af / _E2M1_MAX / s))   # min(., 448) then e4m3; 0/0 -> 0, not NaN
+    return nvfp4_encode(x, s, bs, stochastic_rounding), s, to_blocked(bs)
 
 # %% ../nbs/03_nvfp4.ipynb #1dfef195
 @functools.lru_cache(maxsize=None)
@@ -237,6 +248,26 @@ def nvfp4_linear(x:torch.Tensor, # activation [..., K], float (pre_quant_scale a
     y = F.linear(xd, wd, None if bias is None else bias.to(torch.float32))
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
+# %% ../nbs/03_nvfp4.ipynb #8d0266fb
+def nvfp4_grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
+    "The rounding of nvfp4: E2M1 values, an e4m3 scale per block of 16 under the fp32 global scale."
+    given = opts.get('scale') is not None
+    s = (nvfp4_global_scale(opts['scale'], w.device) if given
+         else absmax(w).float() * tensor_clip / (_E4M3_MAX * _E2M1_MAX))
+    def scale(cols, clip):
+        a = absmax(cols, dim=-1, keepdim=True).float() * clip
+        return cast_fp8(torch.where(a == 0, 0.0, a / _E2M1_MAX / s))
+    def nearest(cols, bs):
+        t = s * bs.float()
+        d = torch.where(t == 0, 0.0, cols / t).clamp_(-_E2M1_MAX, _E2M1_MAX)
+        return e2m1_decode(e2m1_encode(d)) * t
+    def pack(wb, scales):
+        bs = torch.cat(scales, dim=1)
+        return nvfp4_encode(wb, s, bs), NVFP4Params(tuple(w.shape), w.dtype, s, to_blocked(bs))
+    pad = lambda x: F.pad(x.float(), (0, round_up(x.shape[-1], _GROUP) - x.shape[-1]))
+    return Grid(_GROUP, scale, nearest, pack, lambda v: pad_to_multiple(v.float(), _GROUP, _GROUP), pad,
+                tensor_scale=not given)
+
 # %% ../nbs/03_nvfp4.ipynb #1933e017
 NVFP4 = register_format(FormatSpec(
     'nvfp4', NVFP4Layout, torch.uint8, keys=('weight_scale', 'weight_scale_2'),
@@ -246,7 +277,7 @@ NVFP4 = register_format(FormatSpec(
                                              zero_ok=True)},
     options=(Option('scale', None, (float, int, type(None)), stored=False,
                     doc='global scale (weight_scale_2); None = amax(|w|)/(448*6) in the weight dtype'),),
-    group_size=_GROUP, quantize_input=True,
+    group_size=_GROUP, quantize_input=True, grid=nvfp4_grid,
     doc='NVFP4: E2M1 codes in blocks of 16 with e4m3 block scales (swizzled) and an fp32 global scale.',
     input_scale_rule=ScaleRule('amax / (448 * 6): the global activation scale', 448 * 6), smoothing=True,
     kitchen_layout='TensorCoreNVFP4Layout', native_compute=nvidia_compute(NVFP4Layout.MIN_SM_VERSION)))

@@ -13,7 +13,8 @@ import torch
 
 # %% auto #0
 __all__ = ['FORMATS', 'QuantFormatError', 'encode_json', 'decode_json', 'unique_keys', 'Option', 'Params', 'Layout', 'FormatSpec',
-           'register_format', 'ScaleRule', 'ValueRule', 'get_format', 'QuantizedTensor', 'quantize', 'load_quantized']
+           'register_format', 'ScaleRule', 'ValueRule', 'Grid', 'get_format', 'QuantizedTensor', 'quantize',
+           'load_quantized']
 
 # %% ../nbs/01_tensor.ipynb #464385b5
 log = logging.getLogger("cquant")
@@ -230,6 +231,7 @@ class FormatSpec:
     study_variants: tuple = ()          # extra ((label, options), ...) the quality studies compare
     comfy_unread: tuple = ()            # stored keys ComfyUI's loader never reads
     value_rules: dict = field(default_factory=dict)  # stored scale key -> `ValueRule`: the values it may hold
+    grid: Any = None                    # hook(w, options, tensor_clip) -> `Grid`: its rounding, for rounding='mse'/'gptq'
 
     @property
     def option_names(self) -> tuple: return tuple(o.name for o in self.options)
@@ -320,6 +322,34 @@ class ValueRule:
     def bad(self, v:torch.Tensor) -> torch.Tensor:
         "Mask of the values of float tensor `v` this rule forbids."
         return ~torch.isfinite(v) | (v < 0 if self.zero_ok else v <= 0)
+
+# %% ../nbs/01_tensor.ipynb #f982bdf3
+def as_fp32(x:torch.Tensor) -> torch.Tensor: return x.float()
+
+# %% ../nbs/01_tensor.ipynb #f04e84f7
+@dataclass(frozen=True)
+class Grid:
+    "A format's rounding opened up for scale and code searches (rounding='mse', 'gptq'): fp32, in the format's basis."
+    group: int|None            # columns sharing one scale in a row (K: one per row); None: one per-tensor scale only
+    scale: Callable            # (cols [N, g] in the basis, clip [N, 1]) -> their scale, broadcastable over [N, g]
+    nearest: Callable          # (cols [N, c], scale) -> the nearest codes' values, fp32 [N, c], element by element
+    pack: Callable             # (w_basis [N, K'], [scale of each column group]) -> (qdata, params) of the format
+    basis: Callable = as_fp32  # w [N, K] -> fp32 [N, K'], the weight the codes approximate (rotated, padded)
+    inputs: Callable = as_fp32 # x [M, K] -> fp32 [M, K'], so that x @ w.T == inputs(x) @ basis(w).T
+    tensor_scale: bool = False # the hook's `tensor_clip` multiplies a per-tensor scale (the MSE search tries it)
+
+    def slices(self, K:int) -> list:
+        "(start, stop) of each column group of a basis weight with `K` columns."
+        g = self.group or K
+        return [(j, min(j + g, K)) for j in range(0, K, g)]
+
+# %% ../nbs/01_tensor.ipynb #13833f2a
+ROUNDINGS: dict = {}
+
+def register_rounding(name:str, fn:Callable) -> Callable:
+    "Make `fn(spec, w, options, calibration, name) -> (qdata, params)` available as `quantize(..., rounding=name)`."
+    ROUNDINGS[name] = fn
+    return fn
 
 # %% ../nbs/01_tensor.ipynb #4e6f5926
 def torch_version() -> tuple:
@@ -662,10 +692,28 @@ def round_stochastic(x:torch.Tensor, seed:int) -> torch.Tensor:
     g = torch.Generator(device=x.device).manual_seed(int(seed))
     return torch.floor(x + torch.rand(x.shape, dtype=x.dtype, device=x.device, generator=g))
 
+# %% ../nbs/01_tensor.ipynb #e0bbb99a
+def _searched(spec:FormatSpec, w, opts:dict, rounding, calibration, stochastic_rounding:int, name:str) -> tuple:
+    "`quantize` with a registered rounding other than 'nearest', after checking that the request makes sense."
+    if rounding == 'nearest':
+        raise format_error('', 'calibration', "None with rounding='nearest' (inputs choose the codes of rounding='gptq')",
+                           type(calibration).__name__)
+    if rounding not in ROUNDINGS:
+        raise format_error('', 'option rounding', f"'nearest' or one of {sorted(ROUNDINGS)}", repr(rounding))
+    if stochastic_rounding:
+        raise format_error('', 'option stochastic_rounding', f'0 with rounding={rounding!r} (it chooses the codes)',
+                           repr(stochastic_rounding))
+    if spec.grid is None:
+        raise QuantFormatError(f"{name}: {spec.name} declares no rounding grid, so rounding={rounding!r} cannot run "
+                               f"(formats with one: {sorted(n for n, s in FORMATS.items() if s.grid)})")
+    return ROUNDINGS[rounding](spec, w, opts, calibration, name)
+
 # %% ../nbs/01_tensor.ipynb #29dc2461
-def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:bool=False,
-             name:str='weight', **options) -> QuantizedTensor:
-    "Quantize float tensor `w` (named `name` in errors, e.g. 'blocks.0.proj.weight') to format `fmt` with its `options`."
+def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:bool=False, name:str='weight',
+             rounding:str='nearest', calibration=None, **options) -> QuantizedTensor:
+    """Quantize float tensor `w` (named `name` in errors, e.g. 'blocks.0.proj.weight') to format `fmt` with its `options`.
+    `rounding`: 'nearest' (the format's encoder: comfy-kitchen's bytes), 'mse' (scales chosen for the least weight
+    error) or 'gptq' (codes chosen for the least output error on `calibration` inputs [..., K])."""
     spec = get_format(fmt, caller='cq.quantize')
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or isinstance(w, QuantizedTensor):
         raise format_error('', name, 'a floating-point torch.Tensor',
@@ -677,8 +725,10 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     opts = spec.resolve(None, **options)
     prefix = name[:-len('weight')] if name.endswith('weight') else name + ' '   # module prefix for error messages
     spec.layout.check_shape(tuple(w.shape), opts, prefix)
-    qdata, params = layout_op(spec.layout, 'quantize', w, stochastic_rounding=stochastic_rounding,
-                              **spec.layout_kwargs, **opts)
+    if rounding == 'nearest' and calibration is None:
+        qdata, params = layout_op(spec.layout, 'quantize', w, stochastic_rounding=stochastic_rounding,
+                                  **spec.layout_kwargs, **opts)
+    else: qdata, params = _searched(spec, w, opts, rounding, calibration, stochastic_rounding, name)
     try: check_values(spec, spec.layout.tensors(qdata, params), prefix)
     except QuantFormatError as e:
         raise QuantFormatError(f'{e} after quantizing {name} ({w.dtype}, max |w| {float(absmax_of(w)):.6g}); '

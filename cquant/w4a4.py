@@ -13,6 +13,7 @@ from .tensor import ValueRule, int8_compute
 from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, check_2d, round_stochastic
 from .numerics import absmax, rotate, pack_int4, unpack_int4, is_power_of_4, SCALE_DTYPES
 from .int8 import int_mm, quantize_rows_int8
+from .tensor import Grid
 
 # %% auto #0
 __all__ = ['quantize_w4a4_weight', 'dequantize_w4a4_weight', 'w4a4_linear', 'W4A4Params', 'W4A4Layout']
@@ -182,6 +183,19 @@ def _w4a4_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
     return tensors['weight'], W4A4Params(tuple(shape), dtype, s.reshape(N).float(),
                                          int(opts.get('convrot_groupsize', 256)), opts.get('linear_dtype', 'int4'))
 
+# %% ../nbs/06_convrot_w4a4.ipynb #105879a9
+def w4a4_grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
+    "The rounding of convrot_w4a4 with options `opts`: symmetric int4 levels, one scale per row, rotated basis."
+    g = int(opts['convrot_groupsize'])
+    def scale(cols, clip): return (absmax(cols, dim=-1, keepdim=True) * clip / W4A4_QMAX).clamp_(min=1e-10)
+    def codes(wb, s): return (wb / s).round_().clamp_(-W4A4_QMAX, W4A4_QMAX)
+    def pack(wb, scales):
+        s = scales[0]
+        return pack_int4(codes(wb, s).to(torch.int8)), W4A4Params(tuple(w.shape), w.dtype, s.reshape(-1), g,
+                                                                   opts['linear_dtype'])
+    return Grid(w.shape[1], scale, lambda c, s: codes(c, s) * s, pack, lambda v: rotate(v.float(), g, as_weight=True),
+                lambda x: rotate(x.float(), g))
+
 # %% ../nbs/06_convrot_w4a4.ipynb #35c0929a
 CONVROT_W4A4 = register_format(FormatSpec(
     'convrot_w4a4', W4A4Layout, torch.int8, keys=('weight_scale',),
@@ -192,6 +206,6 @@ CONVROT_W4A4 = register_format(FormatSpec(
     value_rules={'weight_scale': ValueRule('a row scale multiplies its int4 values (an all-zero fp16 row has 0: kitchen\'s 1e-10 floor underflows)',
                                            zero_ok=True)},
     doc='ConvRot-rotated symmetric int4, one scale per output row, packed low nibble first; int4 or int8 activations.',
-    row_independent=True, kitchen_layout='TensorCoreConvRotW4A4Layout', native_compute=int8_compute,
+    row_independent=True, grid=w4a4_grid, kitchen_layout='TensorCoreConvRotW4A4Layout', native_compute=int8_compute,
     kitchen_kwargs=lambda o: dict(convrot_groupsize=o.get('convrot_groupsize', 256),
                                   linear_dtype=o.get('linear_dtype', 'int4'))))

@@ -118,7 +118,7 @@ LAYERS = (
     ('comfy vocabulary', {'comfy'}),
     ('checkpoint and modules', {'checkpoint', 'modules'}),
     ('models', {'models', 'minilm'}),
-    ('calibration and policy', {'calibrate', 'policy'}),
+    ('calibration and policy', {'calibrate', 'policy', 'rounding'}),
     ('jobs', {'convert'}),
     ('cli', {'cli'}),
     ('on top', {'explore', 'quality', 'evaluate'}),
