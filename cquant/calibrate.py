@@ -386,16 +386,16 @@ class Calibration:
         "`c` itself if a Calibration, None for None, else `Calibration(c)`."
         return c if c is None or isinstance(c, Calibration) else cls(c)
 
-    def prepare(self, model:nn.Module|None=None, plan:dict|None=None) -> 'Calibration':
+    def prepare(self, model:nn.Module|None=None, plan:dict|None=None, gptq=()) -> 'Calibration':
         """Run the batches through `model` (float) for the layers of `plan` ({layer: format}) whose format takes an
-        input_scale."""
+        input_scale, keeping inputs where a search needs them (and for the `gptq` layers)."""
         if self.batches is None: return self                  # given {layer: inputs}
         if model is None:
             raise ValueError("Calibration: batches need the model (a checkpoint conversion takes {layer: inputs})")
         want = {k for k, f in (plan or {}).items() if input_scale_rule(f) is not None} if plan is not None else None
         self.stats = collect_stats(model, self.batches, want)
         rows = {k for k, f in (plan or {}).items() if self.search and input_scale_rule(f) is not None or
-                self.smoothing and get_format(f).smoothing}
+                self.smoothing and get_format(f).smoothing} | set(gptq)
         self.inputs = collect_inputs(model, self.batches, rows, self.max_rows) if rows else {}
         return self
 
@@ -405,6 +405,32 @@ class Calibration:
         if x is None and st is None: return weight, {}
         return calibrate_layer(fmt, weight, x, st, self.method, self.percentile, self.pow2, self.smoothing, self.search)
 
+# %% ../nbs/15_calibrate.ipynb #ba0d07fd
+def rounding_kwargs(name:str, # the layer
+                    rounding:str, # its decision's rounding: nearest | mse | gptq
+                    cal:Calibration|None, # where its inputs are
+                    extras:dict|None=None, # its calibrated activation tensors (a pre_quant_scale scales the inputs)
+                   ) -> dict: # keywords for `cquant.quantize`
+    "The `quantize` keywords that round layer `name` as asked: GPTQ on its calibration inputs, or MSE without them."
+    if rounding == 'nearest': return {}
+    if rounding != 'gptq': return {'rounding': rounding}
+    x = None if cal is None else (cal.inputs or {}).get(name)
+    if x is None:
+        warnings.warn(f"{name}: rounding='gptq' needs the layer's calibration inputs and none were given; "
+                      "MSE rounding instead", CalibrationWarning, stacklevel=3)
+        return {'rounding': 'mse'}
+    p = (extras or {}).get('pre_quant_scale')
+    return {'rounding': 'gptq', 'calibration': x if p is None else x * p.to(x)}
+
+# %% ../nbs/15_calibrate.ipynb #1e7fc455
+def gptq_layers(roundings:dict, calibration, caller:str) -> set:
+    "The layers of `roundings` ({layer: rounding}) GPTQ rounds; a clear error when they need calibration and have none."
+    want = {k for k, r in roundings.items() if r == 'gptq'}
+    if want and calibration is None:
+        raise ValueError(f"{caller}: rounding='gptq' for {len(want)} layer(s) (e.g. {sorted(want)[0]!r}) needs "
+                         "calibration inputs: batches for the model, or {layer: inputs [rows, K]}")
+    return want
+
 # %% ../nbs/15_calibrate.ipynb #62159452
 def quantize_model(model:nn.Module, # a float model, quantized in place
                    plan, # {module name: format | (format, options) | comfy_quant dict | Decision | None}
@@ -412,9 +438,13 @@ def quantize_model(model:nn.Module, # a float model, quantized in place
                    calibration=None, # a `Calibration`, batches for `model`, or {layer: inputs}
                   ) -> nn.Module:
     "Quantize the modules `plan` names (nn.Linear, nn.Embedding, QuantMoEExperts), swapping in quantized versions."
-    plan = {(k[:-len('.weight')] if k.endswith('.weight') else k): plan_entry(d)[:3] for k, d in dict(plan).items()}
+    key = lambda k: k[:-len('.weight')] if k.endswith('.weight') else k
+    roundings = {key(k): getattr(d, 'rounding', 'nearest') for k, d in dict(plan).items()}
+    plan = {key(k): plan_entry(d)[:3] for k, d in dict(plan).items()}
+    gptq = gptq_layers(roundings, calibration, 'quantize_model')
     if calibration is not None:
-        calibration = Calibration.of(calibration).prepare(model, {k: d[0] for k, d in plan.items() if d[0] is not None})
+        calibration = Calibration.of(calibration).prepare(model, {k: d[0] for k, d in plan.items() if d[0] is not None},
+                                                          gptq)
     for mod, (fmt, opts, fpmm) in plan.items():
         if fmt is None: continue
         m = submodule(model, mod)
@@ -429,6 +459,6 @@ def quantize_model(model:nn.Module, # a float model, quantized in place
             w, extras = calibration.layer(mod, fmt, w0)
             if w is not w0: q.weight = nn.Parameter(w, requires_grad=False)     # smoothed: W / pre_quant_scale
         opts.setdefault('stochastic_rounding', stochastic_rounding)
-        q.quantize_(fmt, full_precision_matrix_mult=fpmm, **opts)
+        q.quantize_(fmt, full_precision_matrix_mult=fpmm, **opts, **rounding_kwargs(mod, roundings[mod], calibration, extras))
         for k, t in extras.items(): setattr(q, k, t.to(q.weight.device))
     return model

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .tensor import FORMATS, FormatSpec, QuantFormatError, QuantizedTensor, get_format, quantize
+from .tensor import ROUNDINGS, FORMATS, FormatSpec, QuantFormatError, QuantizedTensor, get_format, quantize
 from .fp8 import FP8_E4M3
 from .nvfp4 import NVFP4
 from .mxfp8 import MXFP8
@@ -434,10 +434,11 @@ class Decision:
     label: str = 'float'              # short label (INT8, INT8 ConvRot, W4A4, ...)
     tier: str = ''                    # ineligible | override | keep_float | int8_budget | mode | fallback | no_fit
     shape: tuple = ()                 # logical weight shape
+    rounding: str = 'nearest'         # how `cquant.quantize` chooses scales and codes: nearest | mse | gptq
 
     def to_dict(self) -> dict:
         return dict(format=self.format, config=self.config, options=self.options, label=self.label, tier=self.tier,
-                    shape=list(self.shape), reason=self.reason)
+                    shape=list(self.shape), rounding=self.rounding, reason=self.reason)
 
 # %% ../nbs/16_policy.ipynb #111005e4
 def _float(reason, tier, shape) -> Decision: return Decision(None, None, reason, {}, 'float', tier, tuple(shape))
@@ -484,6 +485,7 @@ class Policy:
     int4_sensitive: tuple = ()          # extra substrings the INT8 budget takes first (structural selection)
     selection: str = 'structural'       # 'structural' (the Toolkit's nested order) or 'measured' (worst layers first)
     overrides: tuple = ()               # ((pattern, format or None, options), ...): first match wins
+    rounding: str = 'nearest'           # 'nearest' (kitchen's bytes), 'mse' (data-free clipping) or 'gptq' (calibration)
 
     def __post_init__(self): _validate(self)
 
@@ -492,7 +494,8 @@ class Policy:
         "The policy as plain data (JSON-ready)."
         return dict(mode=self.mode, preset=self.preset, int4_mixed_ratio=self.int4_mixed_ratio,
                     keep_float=list(self.keep_float), int4_sensitive=list(self.int4_sensitive), selection=self.selection,
-                    overrides=[dict(pattern=p, format=f, options=dict(o)) for p, f, o in self.overrides])
+                    overrides=[dict(pattern=p, format=f, options=dict(o)) for p, f, o in self.overrides],
+                    rounding=self.rounding)
     @classmethod
     def from_dict(cls, d:Mapping) -> 'Policy':
         "The policy of `to_dict`'s data (unknown fields refused)."
@@ -517,6 +520,11 @@ class Policy:
         finally:
             if src is not layers: src.close()
 
+# %% ../nbs/16_policy.ipynb #b4ecb3fe
+def rounding_names() -> tuple:
+    "The roundings a policy may ask for: 'nearest' (the formats' own encoders) and the registered searches."
+    return ('nearest', *sorted(ROUNDINGS))
+
 # %% ../nbs/16_policy.ipynb #be7243c4
 def _validate(p:Policy):
     "Check and normalise the fields of the frozen `p` in place."
@@ -532,11 +540,13 @@ def _validate(p:Policy):
     if p.selection not in SELECTIONS:
         raise ValueError(f"Policy.selection: expected one of {list(SELECTIONS)}, found {p.selection!r}")
     s('overrides', _overrides(p.overrides))
+    if p.rounding not in rounding_names():
+        raise ValueError(f"Policy.rounding: expected one of {list(rounding_names())}, found {p.rounding!r}")
 
 def _policy_fields(d:Mapping) -> Mapping:
     "`d` checked to be a mapping of `Policy` fields."
     if not isinstance(d, Mapping): raise ValueError(f"Policy.from_dict: expected an object, found {type(d).__name__}")
-    known = {'mode', 'preset', 'int4_mixed_ratio', 'keep_float', 'int4_sensitive', 'selection', 'overrides'}
+    known = {'mode', 'preset', 'int4_mixed_ratio', 'keep_float', 'int4_sensitive', 'selection', 'overrides', 'rounding'}
     extra = sorted(set(d) - known)
     if extra: raise ValueError(f"Policy.from_dict: unknown field(s) {extra}; expected some of {sorted(known)}")
     return d
@@ -583,9 +593,17 @@ def _plan(policy:Policy, src:LayerSource, calibration, model) -> Plan:
     for name, d in out.items():
         if d.format is None and src.infos[name].source_format and d.tier != 'ineligible':
             out[name] = replace(d, reason=d.reason + f"; kept as stored ({src.infos[name].source_format})")
+    if policy.rounding != 'nearest': out = {n: _rounded(d, policy.rounding) for n, d in out.items()}
     idx = {n: i for i, n in enumerate(src.infos)}
     budget.pop('why'); budget['chosen'] = sorted(budget['chosen'], key=idx.__getitem__)
     return Plan(out, policy, preset, [k for k, _ in keep], sens, note, budget)
+
+# %% ../nbs/16_policy.ipynb #a7955f12
+def _rounded(d:Decision, rounding:str) -> Decision:
+    "`d` with `rounding` where its format can search (`FormatSpec.grid`), else `d` saying why it stays nearest."
+    if d.format is None: return d
+    if get_format(d.format).grid is None: return replace(d, reason=d.reason + f"; rounding nearest ({d.format} has no grid)")
+    return replace(d, rounding=rounding, reason=d.reason + f"; rounding {rounding}")
 
 # %% ../nbs/16_policy.ipynb #b1f1e62d
 def _override(name, info, ov) -> Decision:
