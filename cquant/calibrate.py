@@ -405,22 +405,24 @@ class Calibration:
         if x is None and st is None: return weight, {}
         return calibrate_layer(fmt, weight, x, st, self.method, self.percentile, self.pow2, self.smoothing, self.search)
 
+    def layer_inputs(self, name:str, extras:dict|None=None) -> torch.Tensor|None:
+        "The kept inputs of layer `name` as its stored weight sees them (times its pre_quant_scale when smoothed), or None."
+        x, p = (self.inputs or {}).get(name), (extras or {}).get('pre_quant_scale')
+        return x if x is None or p is None else x * p.to(x)
+
 # %% ../nbs/15_calibrate.ipynb #ba0d07fd
 def rounding_kwargs(name:str, # the layer
                     rounding:str, # its decision's rounding: nearest | mse | gptq
-                    cal:Calibration|None, # where its inputs are
-                    extras:dict|None=None, # its calibrated activation tensors (a pre_quant_scale scales the inputs)
+                    x:torch.Tensor|None, # its inputs as its stored weight sees them (`Calibration.layer_inputs`)
                    ) -> dict: # keywords for `cquant.quantize`
     "The `quantize` keywords that round layer `name` as asked: GPTQ on its calibration inputs, or MSE without them."
     if rounding == 'nearest': return {}
     if rounding != 'gptq': return {'rounding': rounding}
-    x = None if cal is None else (cal.inputs or {}).get(name)
     if x is None:
         warnings.warn(f"{name}: rounding='gptq' needs the layer's calibration inputs and none were given; "
                       "MSE rounding instead", CalibrationWarning, stacklevel=3)
         return {'rounding': 'mse'}
-    p = (extras or {}).get('pre_quant_scale')
-    return {'rounding': 'gptq', 'calibration': x if p is None else x * p.to(x)}
+    return {'rounding': 'gptq', 'calibration': x}
 
 # %% ../nbs/15_calibrate.ipynb #1e7fc455
 def gptq_layers(roundings:dict, calibration, caller:str) -> set:
@@ -459,6 +461,7 @@ def quantize_model(model:nn.Module, # a float model, quantized in place
             w, extras = calibration.layer(mod, fmt, w0)
             if w is not w0: q.weight = nn.Parameter(w, requires_grad=False)     # smoothed: W / pre_quant_scale
         opts.setdefault('stochastic_rounding', stochastic_rounding)
-        q.quantize_(fmt, full_precision_matrix_mult=fpmm, **opts, **rounding_kwargs(mod, roundings[mod], calibration, extras))
+        q.quantize_(fmt, full_precision_matrix_mult=fpmm, **opts, 
+                   **rounding_kwargs(mod, roundings[mod], calibration and calibration.layer_inputs(mod, extras)))
         for k, t in extras.items(): setattr(q, k, t.to(q.weight.device))
     return model

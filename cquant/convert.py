@@ -18,7 +18,7 @@ from .checkpoint import (Checkpoint, CheckpointError, StreamingWriter, TensorInf
 from ._version import __version__
 from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, Plan, layer_source
 from .models import dit_state_dict
-from .calibrate import Calibration
+from .calibrate import Calibration, gptq_layers, rounding_kwargs
 from .minilm import minilm_path, fetch_minilm
 
 # %% auto #0
@@ -62,21 +62,31 @@ def quantize_rows(w:torch.Tensor, # float weight [N, K]
                   options:dict, # quantize options
                   name:str='weight', # the weight's key, for errors
                   elems:int|None=None, # elements per row block
+                  rounding:dict|None=None, # `quantize` keywords of the rounding (GPTQ: one Hessian, the whole weight)
                  ):
     "Quantize `w` block by block when `fmt` is row-independent (whole otherwise); yields `(QuantizedTensor, rows)` parts."
-    rowwise = _rowwise(fmt, options) is not None and w.dim() == 2
+    rounding = rounding or {}
+    rowwise = _rowwise(fmt, options) is not None and w.dim() == 2 and 'calibration' not in rounding
     if rowwise and w.is_floating_point(): check_finite(w, name)      # indices in errors refer to the whole weight
     for i, j in (row_blocks(w.shape[0], w.shape[1], elems) if rowwise else [(0, w.shape[0])]):
         part = w[i:j] if rowwise else w
-        yield quantize(part, fmt, name=name, **options), part
+        yield quantize(part, fmt, name=name, **options, **rounding), part
+
+# %% ../nbs/17_quantize_checkpoint.ipynb #2a6c801d
+def _out_err(x:torch.Tensor, ref:torch.Tensor, approx:torch.Tensor) -> tuple:
+    "(Σy², Σ(y - ŷ)²) in fp64 of the layer outputs y = x @ ref.T and ŷ = x @ approx.T (weight error only)."
+    x = x.reshape(-1, x.shape[-1]).to(device=ref.device, dtype=torch.float32)
+    y = x @ ref.float().T
+    return float(y.double().square().sum()), float((y - x @ approx.float().T).double().square().sum())
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #ea6e6673
 def _write_quantized(writer:StreamingWriter, w:torch.Tensor, key:str, prefix:str, fmt:str, options:dict,
-                     measure:bool=True) -> dict:
-    "Quantize `w`, stream its tensors and comfy_quant under `prefix`; returns config, bytes and error sums."
-    stream, bufs, config, sig, noise, mx = None, {}, None, 0.0, 0.0, 0.0
+                     measure:bool=True, rounding:dict|None=None, x:torch.Tensor|None=None) -> dict:
+    """Quantize `w` (with `rounding`'s keywords), stream its tensors and comfy_quant under `prefix`; returns config,
+    bytes, weight error sums and, with inputs `x`, output error sums."""
+    stream, bufs, config, sig, noise, mx, out = None, {}, None, 0.0, 0.0, 0.0, [0.0, 0.0]
     how = _rowwise(fmt, options) or {}
-    for qt, part in quantize_rows(w, fmt, options, key):
+    for qt, part in quantize_rows(w, fmt, options, key, rounding=rounding):
         tensors = qt.state_dict('')
         if config is None:
             config = qt.config
@@ -84,8 +94,10 @@ def _write_quantized(writer:StreamingWriter, w:torch.Tensor, key:str, prefix:str
         stream.append(tensors.pop('weight'))
         for k, t in tensors.items(): bufs.setdefault(k, []).append(t)
         if measure:
-            s, n, m = _err(part, qt.dequantize(torch.float32))
+            dq = qt.dequantize(torch.float32)
+            s, n, m = _err(part, dq)
             sig, noise, mx = sig + s, noise + n, max(mx, m)
+            if x is not None: out = [a + b for a, b in zip(out, _out_err(x, part, dq))]
         del qt, tensors
     stream.close()
     nbytes = writer.entry(prefix + 'weight').nbytes
@@ -98,7 +110,7 @@ def _write_quantized(writer:StreamingWriter, w:torch.Tensor, key:str, prefix:str
         else: t = parts[0] if len(parts) == 1 else torch.cat(parts, rule)
         writer.add(prefix + k, t); nbytes += writer.entry(prefix + k).nbytes
     writer.add(prefix + 'comfy_quant', encode_json(config)); nbytes += writer.entry(prefix + 'comfy_quant').nbytes
-    return dict(config=config, bytes=nbytes, sig=sig, noise=noise, max_abs=mx)
+    return dict(config=config, bytes=nbytes, sig=sig, noise=noise, max_abs=mx, out_sig=out[0], out_noise=out[1])
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #2f7be87f
 from .numerics import energy_db
@@ -130,6 +142,10 @@ class LayerRow:
     bytes_after: int
     input_scale: float|None|_Absent = _ABSENT  # the calibrated activation scale written, if any
     smoothed: bool|_Absent = _ABSENT           # a pre_quant_scale written
+    rounding: str|_Absent = _ABSENT            # how the codes were chosen (mse, gptq), when not round-to-nearest
+    output_sqnr_db: float|None|_Absent = _ABSENT   # output SQNR on the layer's calibration inputs (its weight error)
+    rounding_gain_db: float|None|_Absent = _ABSENT # weight SQNR gained over round-to-nearest
+    output_gain_db: float|None|_Absent = _ABSENT   # output SQNR gained over round-to-nearest
     sig: float = field(default=0.0, metadata={'written': False})       # Σref²
     noise: float = field(default=0.0, metadata={'written': False})     # Σ(ref-approx)²
 
@@ -187,13 +203,18 @@ class Report:
     def __repr__(self): return self.table()
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #b897b0d2
+_ROUNDING_COLUMNS = (('output_sqnr_db', 'out dB', ''), ('rounding_gain_db', 'gain dB', '+'), ('output_gain_db', 'out gain', '+'))
+
+def _db_cell(v, sign:str='') -> str: return '-' if v is None or v == math.inf else f"{v:{sign}.2f}"
+
 def _report_table(rep:Report, width:int=70, wide:bool=False) -> str:
-    "`Report.table`."
-    rows = [[r['name'], 'x'.join(map(str, r['shape'])), r['label'],
-             '-' if r['sqnr_db'] is None or r['sqnr_db'] == math.inf else f"{r['sqnr_db']:.2f}",
+    "`Report.table`: output SQNR and rounding gains as columns where some row has them."
+    extra = [c for c in _ROUNDING_COLUMNS if any(c[0] in r for r in rep.layers)]
+    rows = [[r['name'], 'x'.join(map(str, r['shape'])), r['label'], _db_cell(r['sqnr_db']),
+             *(_db_cell(r.get(k), s) for k, _, s in extra),
              _fmt_bytes(r['bytes_before']), _fmt_bytes(r['bytes_after']), r.get('reason', '')] for r in rep.layers]
-    out = text_table(['layer', 'shape', 'format', 'SQNR dB', 'before', 'after', 'reason'], rows, '<><>>><',
-                     None if wide else width)
+    out = text_table(['layer', 'shape', 'format', 'SQNR dB', *(t for _, t, _ in extra), 'before', 'after', 'reason'], rows,
+                     '<><>' + '>' * len(extra) + '>><', None if wide else width)
     return '\n'.join(out + ['', rep.totals_text()])
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #bca5cfce
@@ -385,22 +406,41 @@ def _plan_row(m:str, d, info:TensorInfo, before:int, after:int, err:tuple|None, 
     return LayerRow.of(err, name=m, shape=list(d.shape), format=d.format, label=d.label, tier=d.tier, reason=d.reason,
                        source_dtype=str(info.dtype).removeprefix('torch.'), bytes_before=before, bytes_after=after, **extra)
 
+# %% ../nbs/17_quantize_checkpoint.ipynb #fe453117
+def _gain(a:float, b:float) -> float|None: return a - b if math.isfinite(a) and math.isfinite(b) else None
+
+def _rounding_fields(wt:torch.Tensor, d, rk:dict, x:torch.Tensor|None, out:dict) -> dict:
+    "The report fields of a layer's rounding: output SQNR on its inputs, and the gains over round-to-nearest."
+    f = {} if x is None else {'output_sqnr_db': _finite(energy_db(out['out_sig'], out['out_noise']))}
+    if not rk: return f
+    ref = quantize(wt, d.format, **d.options).dequantize(torch.float32)
+    s, n, _ = _err(wt, ref)
+    f.update(rounding=rk['rounding'], rounding_gain_db=_gain(energy_db(out['sig'], out['noise']), energy_db(s, n)))
+    if x is not None:
+        f['output_gain_db'] = _gain(energy_db(out['out_sig'], out['out_noise']), energy_db(*_out_err(x, wt, ref)))
+    return f
+
 # %% ../nbs/17_quantize_checkpoint.ipynb #f53ba81c
-def _quantize_layer(w:StreamingWriter, ck:Checkpoint, key:str, m:str, d, layers, cal, old:list, measure:bool) -> LayerRow:
-    """Quantize weight `key` of layer `m` as `d` says (calibrated by `cal`, a `Calibration` or None) into `w`;
-    its row. `old`: the keys of its old quantization, dropped."""
+def _quantize_layer(w:StreamingWriter, ck:Checkpoint, key:str, m:str, d, layers, cal, old:list, measure:bool,
+                    device='cpu') -> LayerRow:
+    """Quantize weight `key` of layer `m` as `d` says (calibrated by `cal`, a `Calibration` or None) on `device` into
+    `w`; its row. `old`: the keys of its old quantization, dropped."""
     prefix, info = m + '.' if m else '', ck.info(key)
     wt, extras = layers.weight(m), {}
     if cal is not None: wt, extras = cal.layer(m, d.format, wt)
-    out = _write_quantized(w, wt, key, prefix, d.format, d.options, measure)
+    x = None if cal is None else cal.layer_inputs(m, extras)
+    rk = rounding_kwargs(m, d.rounding, x)
+    wt = wt.to(device)
+    out = _write_quantized(w, wt, key, prefix, d.format, d.options, measure, rk, x if measure else None)
     for k, t in extras.items():
         w.add(prefix + k, t); out['bytes'] += w.entry(prefix + k).nbytes
+    more = _rounding_fields(wt, d, rk, x, out) if measure else ({'rounding': rk['rounding']} if rk else {})
     del wt
     trim_heap()
     before = info.nbytes + sum(ck.info(k).nbytes for k in old)
     return _plan_row(m, d, info, before, out['bytes'], (out['sig'], out['noise'], out['max_abs']) if measure else None,
                      config=out['config'], smoothed='pre_quant_scale' in extras,
-                     input_scale=float(extras['input_scale']) if 'input_scale' in extras else None)
+                     input_scale=float(extras['input_scale']) if 'input_scale' in extras else None, **more)
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #18e66f85
 def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors file
@@ -413,6 +453,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                         measure:bool=True, # compute per-layer SQNR (one dequantize per weight)
                         metadata:dict|None=None, # extra header metadata (strings)
                         requantize:bool=False, # allow quantizing layers the source already stores quantized
+                       device='cpu', # where the weights are quantized (GPTQ, MSE: 'cuda' when there is one)
                        ) -> Report:
     "Quantize checkpoint `src` into `dst` following `policy`, streaming tensor by tensor; returns the per-layer `Report`."
     from tqdm import tqdm
@@ -426,6 +467,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
         if plan is None: plan = policy.plan(ck, None if cal is None else cal.inputs)
         layers, groups = layer_source(ck), ck.groups()
         if not requantize: _refuse_requantize(src, plan, layers)
+        gptq_layers({m: d.rounding for m, d in plan.items() if d.format}, cal, 'quantize_checkpoint')
         meta = {**ck.metadata, **(metadata or {}), 'cquant_policy': policy.to_json(), 'cquant_version': __version__}
         drop = {m: _module_drop(groups[m]) for m, d in plan.items() if d.format and m in groups}
         rows, before, stored = {}, 0, scale_keys() | {'comfy_quant'}
@@ -438,7 +480,8 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                 m, s = split_key(key)
                 d = plan.get(m)
                 if d is not None and d.format and s == 'weight':
-                    rows[m] = _quantize_layer(w, ck, key, m, d, layers, cal, [groups[m][x] for x in drop[m]], measure)
+                    rows[m] = _quantize_layer(w, ck, key, m, d, layers, cal, [groups[m][x] for x in drop[m]], measure,
+                                                device)
                 elif d is not None and d.format and s in drop[m]: pass
                 else:
                     w.add(key, ck[key])
