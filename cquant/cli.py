@@ -51,6 +51,9 @@ def _add_policy_args(p):
     g.add_argument('--keep-float', action='append', default=[], metavar='PATTERN', help='keep layers whose name contains PATTERN float (repeatable)')
     g.add_argument('--int4-sensitive', action='append', default=[], metavar='PATTERN', help='layers the INT8 budget takes first (repeatable)')
     g.add_argument('--selection', choices=SELECTIONS, default='structural', help='INT8 budget order: structural (Toolkit) or measured')
+    g.add_argument('--rounding', choices=('nearest', 'mse', 'gptq'), default='nearest',
+                   help="how scales and codes are chosen: nearest (comfy-kitchen's bytes, the default), mse (data-free clipping) "
+                        'or gptq (needs --calibration); the files stay the same formats')
     g.add_argument('--policy', metavar='JSON', help='a policy JSON file (as recorded in a quantized file); replaces the options above')
 
 def _add_output_args(p, json_help:str='print the result as JSON on stdout (nothing else there)'):
@@ -62,8 +65,8 @@ def policy_from_args(args) -> Policy:
     if getattr(args, 'policy', None):
         text = Path(args.policy).read_text() if os.path.exists(args.policy) else args.policy
         return Policy.from_json(text)
-    return Policy(args.mode, args.preset, args.ratio, tuple(args.keep_float), tuple(args.int4_sensitive), args.selection)
-
+    return Policy(args.mode, args.preset, args.ratio, tuple(args.keep_float), tuple(args.int4_sensitive), args.selection,
+                  rounding=getattr(args, 'rounding', 'nearest'))
 
 # %% ../nbs/18_cli.ipynb #0222c22e
 def cmd_quantize(args) -> int:
@@ -73,7 +76,8 @@ def cmd_quantize(args) -> int:
     if args.calibration:
         cal = Calibration(load_file(args.calibration), smoothing=not args.no_smoothing)
     rep = quantize_checkpoint(args.src, args.dst, policy_from_args(args), progress=not args.quiet, report=args.report,
-                              measure=not args.no_sqnr, calibration=cal, requantize=args.requantize)
+                              measure=not args.no_sqnr, calibration=cal, requantize=args.requantize,
+                              device=args.device)
     if args.plot: save_plot(rep, args.plot)
     if args.json: print(json.dumps(rep.to_dict(), indent=1)); return 0
     print(rep.table(wide=args.wide))
@@ -91,8 +95,9 @@ def add_quantize_parser(subparsers):
     p.add_argument('--plot', metavar='PNG', help='also save the per-layer SQNR plot')
     p.add_argument('--no-sqnr', action='store_true', help='skip the per-layer SQNR (about 3x faster on CPU: no dequantize)')
     p.add_argument('--calibration', metavar='SAFETENSORS', help='layer inputs {layer name: [rows, K]} (as collect_inputs returns, '
-                   'saved with cq.save_file): measured selection, and input_scale / pre_quant_scale for FP8 and NVFP4 layers')
+                   'saved with cq.save_file): measured selection, --rounding gptq, and input_scale / pre_quant_scale for FP8 and NVFP4 layers')
     p.add_argument('--no-smoothing', action='store_true', help='with --calibration: no NVFP4 pre_quant_scale search')
+    p.add_argument('--device', default='cpu', help="where the weights are quantized: cpu (default) or cuda (GPTQ and MSE searches)")
     p.add_argument('--quiet', action='store_true', help='no progress bar')
     _add_output_args(p, 'print the report as JSON on stdout instead of the table')
     p.set_defaults(func=cmd_quantize)

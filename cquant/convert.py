@@ -442,6 +442,15 @@ def _quantize_layer(w:StreamingWriter, ck:Checkpoint, key:str, m:str, d, layers,
                      config=out['config'], smoothed='pre_quant_scale' in extras,
                      input_scale=float(extras['input_scale']) if 'input_scale' in extras else None, **more)
 
+# %% ../nbs/17_quantize_checkpoint.ipynb #368ea846
+def check_device(device, caller:str) -> torch.device:
+    "`device` as a torch.device, or a clear error when it names an accelerator this machine does not have."
+    try: d = torch.device(device)
+    except (RuntimeError, TypeError) as e: raise ValueError(f"{caller}: device={device!r} is not a torch device ({e})") from None
+    if d.type == 'cuda' and not torch.cuda.is_available():
+        raise ValueError(f"{caller}: device={device!r} but torch sees no CUDA GPU here; use device='cpu'")
+    return d
+
 # %% ../nbs/17_quantize_checkpoint.ipynb #18e66f85
 def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors file
                         dst, # output file (replaced atomically on success; never the source)
@@ -460,6 +469,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
     src, dst, policy = os.fspath(src), os.fspath(dst), _as_policy(policy)
     check_outputs('quantize_checkpoint', {'source': src}, {'destination': dst, 'report': report})
     t0 = time.time()
+    device = check_device(device, 'quantize_checkpoint')
     cal = Calibration.of(calibration)
     if cal is not None: cal.prepare()               # a file conversion has no model: the inputs must be given per layer
     with open_checkpoint(src) as ck:

@@ -538,3 +538,44 @@ def test_4096_square(v, dtype, request):
     k = kitchen_quantize(v, w)
     compare_entries(ours.state_dict(""), k.state_dict("weight"), f"4096 {v.id} {DT[dtype]}")
     assert_bits(ours.dequantize(), k.dequantize(), f"4096 dequantize {v.id} {DT[dtype]}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 5. rounding='mse' / 'gptq' (cquant.rounding) write the same formats: kitchen decodes them to cquant's values
+# ----------------------------------------------------------------------------------------------------------------
+ROUNDED = [v for v in VARIANTS if cq.get_format(v.fmt).grid is not None]
+
+
+def _rounding_kw(rounding, K, seed=3):
+    if rounding == "mse": return dict(rounding="mse")
+    x = torch.randn(96, K, generator=torch.Generator().manual_seed(seed))
+    return dict(rounding="gptq", calibration=x)
+
+
+@pytest.mark.parametrize("rounding", ("mse", "gptq"))
+@pytest.mark.parametrize("v", ROUNDED, ids=lambda v: v.id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
+def test_rounded_file_in_kitchen(v, dtype, rounding):
+    shape = v.shapes()[-1]
+    w = make_weight(shape, dtype, "wide")
+    qt = cq.quantize(w, v.fmt, **v.opts, **_rounding_kw(rounding, shape[1]))
+    ref = cq.quantize(w, v.fmt, **v.opts)
+    sd = {**qt.state_dict("m."), "m.comfy_quant": cq.encode_json(qt.config)}
+    test_kw = {k: (t.dtype, tuple(t.shape)) for k, t in ref.state_dict("m.").items()}
+    assert {k: (t.dtype, tuple(t.shape)) for k, t in qt.state_dict("m.").items()} == test_kw
+    bad = []
+    for out in DTYPES:
+        theirs, ours = kitchen_reference(v, sd, "m.", shape, out), qt.dequantize(out)
+        if not same_bits(ours, theirs): bad.append(f"out {DT[out]}: {first_diff(ours, theirs)}")
+    assert not bad, f"{rounding} {v.id} {DT[dtype]} {shape} in kitchen: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("rounding", ("mse", "gptq"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
+def test_rounded_w4a4_in_kitchen(dtype, rounding):
+    N, K, G = 48, 512, 64
+    w = make_weight((N, K), dtype, "wide")
+    qt = cq.quantize(w, "convrot_w4a4", convrot_groupsize=G, **_rounding_kw(rounding, K))
+    q, s = qt.state_dict("")["weight"], qt.state_dict("")["weight_scale"]
+    for out in DTYPES:
+        assert_bits(qt.dequantize(out), ck.dequantize_convrot_w4a4_weight(q, s, G, 64, out), f"{rounding} {DT[dtype]}->{DT[out]}")
