@@ -259,8 +259,10 @@ def nvfp4_grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
         return cast_fp8(torch.where(a == 0, 0.0, a / _E2M1_MAX / s))
     def nearest(cols, bs):
         t = s * bs.float()
-        d = torch.where(t == 0, 0.0, cols / t).clamp_(-_E2M1_MAX, _E2M1_MAX)
-        return e2m1_decode(e2m1_encode(d)) * t
+        d = torch.where(t == 0, 0.0, cols / t)
+        m = d.abs()
+        step = torch.where(m < 2, 0.5, torch.where(m < 4, 1.0, 2.0))      # the E2M1 spacing around m
+        return torch.copysign(m.div_(step).round_().mul_(step).clamp_(max=_E2M1_MAX), d).mul_(t)
     def pack(wb, scales):
         bs = torch.cat(scales, dim=1)
         return nvfp4_encode(wb, s, bs), NVFP4Params(tuple(w.shape), w.dtype, s, to_blocked(bs))

@@ -15,7 +15,7 @@ __all__ = ['search_scales', 'GPTQWarning', 'gptq_codes']
 
 # %% ../nbs/23_rounding.ipynb #f3cc8f05
 CLIPS = tuple(1 - i / 40 for i in range(21))              # per-row / per-block clip factors tried: 1.0 down to 0.5
-TENSOR_CLIPS = tuple(2 ** (-i / 8) for i in range(9))     # per-tensor scale factors tried: 1 down to 1/2
+TENSOR_CLIPS = tuple(2 ** (-i / 8) for i in range(8))     # per-tensor scale factors tried: one octave below 1
 
 # %% ../nbs/23_rounding.ipynb #d883c83b
 def _err(grid:Grid, cols:torch.Tensor, s) -> torch.Tensor:
@@ -51,16 +51,18 @@ def search_scales(grid:Grid, # a format's rounding (`FormatSpec.grid`)
     return [s for s, _ in found], sum(e for _, e in found)
 
 # %% ../nbs/23_rounding.ipynb #b624cc75
+COARSE_CLIPS = CLIPS[::4]                                 # 1.0, 0.9, ..., 0.5: the per-tensor candidates' first pass
+
 def mse_grid(spec:FormatSpec, w:torch.Tensor, opts:dict, tensor_clips=TENSOR_CLIPS, clips=CLIPS) -> tuple:
     "(grid, basis weight, scales, error) of least squared weight error over per-tensor and per-group clips."
-    best = None
-    for tc in tensor_clips:
-        grid = spec.grid(w, opts, tc)
-        wb = grid.basis(w)
-        scales, err = search_scales(grid, wb, clips)
-        if best is None or float(err.sum()) < best[3]: best = (grid, wb, scales, float(err.sum()))
-        if not grid.tensor_scale: break
-    return best
+    grid = spec.grid(w, opts, 1.0)
+    if grid.tensor_scale and len(tensor_clips) > 1:       # each per-tensor candidate with coarse clips, the best refined
+        errs = [float(search_scales(spec.grid(w, opts, tc), spec.grid(w, opts, tc).basis(w), COARSE_CLIPS)[1].sum())
+                for tc in tensor_clips]
+        grid = spec.grid(w, opts, tensor_clips[min(range(len(errs)), key=errs.__getitem__)])
+    wb = grid.basis(w)
+    scales, err = search_scales(grid, wb, clips)
+    return grid, wb, scales, float(err.sum())
 
 # %% ../nbs/23_rounding.ipynb #47d59ec5
 def _weight_error(spec, w, qdata, params) -> float:
