@@ -8,7 +8,7 @@ Docs: https://cquant-dev.github.io/cquant/rounding.html.md"""
 from __future__ import annotations
 import math, warnings
 import torch
-from .tensor import FormatSpec, Grid, register_rounding, format_error
+from .tensor import FormatSpec, Grid, QuantFormatError, register_rounding, format_error
 
 # %% auto #0
 __all__ = ['search_scales', 'GPTQWarning', 'gptq_codes']
@@ -56,6 +56,11 @@ def mse_grid(spec:FormatSpec, w:torch.Tensor, opts:dict, tensor_clips=TENSOR_CLI
     best = None
     for tc in tensor_clips:
         grid = spec.grid(w, opts, tc)
+        if grid is None:                             # the hook covers some variants of its format only
+            given = {o.name: opts[o.name] for o in spec.options
+                     if o.name in opts and repr(opts[o.name]) != repr(o.default)}
+            raise QuantFormatError(f"{spec.name} has no rounding grid for the options {given}: rounding='mse' and "
+                                   "'gptq' cannot encode this variant (rounding='nearest' can)")
         wb = grid.basis(w)
         scales, err = search_scales(grid, wb, clips)
         if best is None or float(err.sum()) < best[3]: best = (grid, wb, scales, float(err.sum()))
