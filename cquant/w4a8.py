@@ -574,9 +574,13 @@ def _codebook_kw(o:dict) -> dict:
     return dict(codebook=True, codebook_tensor=cb) if isinstance(cb, torch.Tensor) else dict(codebook=bool(cb))
 
 # %% ../nbs/07_w4a8.ipynb #46221bd5
+def _bins(t:torch.Tensor) -> torch.Tensor:
+    "The half-integer bin of the search tables of each t, exactly (2t is exact, unlike 2t + 256): int32 0..511."
+    return t.mul(2.0).floor_().clamp_(-256.0, 255.0).add_(256.0).to(torch.int32)
+
 def _table_nearest(val:torch.Tensor, t:torch.Tensor, code:torch.Tensor) -> torch.Tensor:
     "Nearest grid value (fp32) of each element of t [R, c] under the e4m3 code (int32 [R, 1]) of its row."
-    h = t.mul(2.0).add_(256.0).clamp_(0.0, 511.0).to(torch.int32).add_((code + _PAD) * 512)
+    h = _bins(t).add_((code + _PAD) * 512)
     return val.index_select(0, h.view(-1)).view(t.shape).sub_(256.0).mul_(0.5)
 
 # %% ../nbs/07_w4a8.ipynb #b5dd1469
@@ -603,9 +607,9 @@ def w4a8_grid(bits:int): # 4 (asym_w4a8_int8) or 6 (w6a8_int8)
         def pack(wb, scales):
             N, K = wb.shape
             code = code_of(torch.cat(scales, 1))
-            t2 = wb.view(N, K // G, G).transpose(1, 2).mul(2.0).add_(256.0).clamp_(0.0, 511.0).contiguous()
+            h = _bins(wb.view(N, K // G, G).transpose(1, 2).contiguous())    # the encoder's layout [N, G, K/G]
             packed = torch.empty(N, K * bits // 8, dtype=torch.int8, device=wb.device)
-            _pack_grouped(_codes_nearest(t2, code, (None, code_t)), bits, packed.view(torch.uint8))
+            _pack_grouped(_codes_nearest(h, code, (None, code_t), h), bits, packed.view(torch.uint8))
             return packed, dataclasses.replace(p0, s_rel=code.to(torch.uint8).view(torch.float8_e4m3fn))
         return Grid(G, scale, lambda cols, s: _table_nearest(val, cols, code_of(s)), pack,
                     lambda v: rotate(v.float() / sch.to(v.device)[:, None], cg, as_weight=True),
