@@ -184,3 +184,19 @@ def test_kitchen_decodes_gptq_tensors_as_cquant(fmt, opts, dtype):
                        orig_shape=tuple(w.shape), group_size=p.group_size, convrot_groupsize=p.convrot_groupsize))
     x = inputs(5, 512, 12).to(dtype)
     assert_bits(F.linear(x, qt), F.linear(x, kt))
+
+
+@pytest.mark.parametrize('fmt', ('asym_w4a8_int8', 'w6a8_int8'))
+@pytest.mark.parametrize('kind', ('zeros', 'zero rows', 'tiny', 'huge'))
+def test_extreme_weights(fmt, kind):
+    w = weight(32, 256, seed=13)
+    w = {'zeros': torch.zeros_like(w), 'zero rows': torch.cat([torch.zeros(8, 256), w[8:]]),
+         'tiny': w * 1e-28, 'huge': w * 1e30}[kind]
+    ref = cq.quantize(w, fmt)
+    for kw in ({'rounding': 'mse'}, {'rounding': 'gptq', 'calibration': inputs(64, 256, 14)}):
+        qt = cq.quantize(w, fmt, **kw)                      # quantize checks the stored values before returning
+        d = qt.dequantize(torch.float32)
+        assert bool(torch.isfinite(d).all()), kw
+        if kind in ('zeros', 'zero rows'): assert not d[:8].any()
+        if kind == 'zeros': assert not d.any()
+        elif kw['rounding'] == 'mse': assert sqnr(w, d) >= sqnr(w, ref.dequantize(torch.float32))
