@@ -581,7 +581,7 @@ def _bins(t:torch.Tensor) -> torch.Tensor:
 def _table_nearest(val:torch.Tensor, t:torch.Tensor, code:torch.Tensor) -> torch.Tensor:
     "Nearest grid value (fp32) of each element of t [R, c] under the e4m3 code (int32 [R, 1]) of its row."
     h = _bins(t).add_((code + _PAD) * 512)
-    return val.index_select(0, h.view(-1)).view(t.shape).sub_(256.0).mul_(0.5)
+    return val.index_select(0, h.reshape(-1)).view(t.shape).sub_(256.0).mul_(0.5)   # t may be any view
 
 # %% ../nbs/07_w4a8.ipynb #b5dd1469
 def w4a8_grid(bits:int): # 4 (asym_w4a8_int8) or 6 (w6a8_int8)

@@ -94,6 +94,8 @@ def test_nearest_is_the_nearest_grid_value_and_pack_keeps_it(fmt, opts):
         cand = (levels[None, :] * s).round().clamp(-127, 127)                           # [N, L]: the group's grid
         best = (t[:, a:b, None] - cand[:, None, :]).abs().amin(-1)
         assert torch.equal((t[:, a:b] - v[:, a:b]).abs(), best)
+    a, b = grid.slices(t.shape[1])[0]
+    assert torch.equal(grid.nearest(t[:, a:b].t().contiguous().t(), scales[0]), v[:, a:b])   # any memory layout
     q, p = grid.pack(v, scales)                                                          # values on the grid: kept
     assert torch.equal(w4a8_int8_grid(q, p.s_rel, p.bits, cb, p.group_size).float(), v)
 
