@@ -578,6 +578,7 @@ def _bins(t:torch.Tensor) -> torch.Tensor:
     "The half-integer bin of the search tables of each t, exactly (2t is exact, unlike 2t + 256): int32 0..511."
     return t.mul(2.0).floor_().clamp_(-256.0, 255.0).add_(256.0).to(torch.int32)
 
+# %% ../nbs/07_w4a8.ipynb #5bf0a132
 def _table_nearest(val:torch.Tensor, t:torch.Tensor, code:torch.Tensor) -> torch.Tensor:
     "Nearest grid value (fp32) of each element of t [R, c] under the e4m3 code (int32 [R, 1]) of its row."
     h = _bins(t).add_((code + _PAD) * 512)
@@ -589,13 +590,13 @@ def w4a8_grid(bits:int): # 4 (asym_w4a8_int8) or 6 (w6a8_int8)
     layout = W6A8Layout if bits == 6 else W4A8Layout
     def grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid|None:
         if bits == 4 and not opts.get('symmetric', True): return None
+        _, p0 = layout.quantize(w, bits=bits, **opts)           # the encoder: option checks, row scales, codebook
+        G, cg, sch = p0.group_size, p0.convrot_groupsize, p0.s_channel
         levels, code_base, _, kind = _encoder_variant(bits, True, opts.get('codebook', True))
         lmax = max(abs(v) for v in levels)
         window = _WINDOWS[kind] if opts.get('scale_search', True) else range(0, 1)
         val, code_t = _device_tables(levels, code_base, w.device)[:2]
         e4m3 = _e4m3_values().to(w.device)
-        _, p0 = layout.quantize(w, bits=bits, **opts)           # the encoder: row scales, codebook, option checks
-        G, cg, sch = p0.group_size, p0.convrot_groupsize, p0.s_channel
         def code_of(s): return s.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)
         def scale(cols, clip):
             base, best = _e4m3_code(absmax(cols, dim=-1, keepdim=True) * clip / lmax), None
@@ -607,9 +608,9 @@ def w4a8_grid(bits:int): # 4 (asym_w4a8_int8) or 6 (w6a8_int8)
         def pack(wb, scales):
             N, K = wb.shape
             code = code_of(torch.cat(scales, 1))
-            h = _bins(wb.view(N, K // G, G).transpose(1, 2).contiguous())    # the encoder's layout [N, G, K/G]
+            h = _bins(wb.reshape(N, K // G, G).transpose(1, 2).contiguous())  # the encoder's layout [N, G, K/G]
             packed = torch.empty(N, K * bits // 8, dtype=torch.int8, device=wb.device)
-            _pack_grouped(_codes_nearest(h, code, (None, code_t), h), bits, packed.view(torch.uint8))
+            _pack_grouped(_codes_nearest(h, code, (None, code_t), h), bits, packed.view(torch.uint8))   # h: bins, shape
             return packed, dataclasses.replace(p0, s_rel=code.to(torch.uint8).view(torch.float8_e4m3fn))
         return Grid(G, scale, lambda cols, s: _table_nearest(val, cols, code_of(s)), pack,
                     lambda v: rotate(v.float() / sch.to(v.device)[:, None], cg, as_weight=True),

@@ -12,7 +12,8 @@ from cquant.w4a8 import w4a8_int8_grid, w4a8_levels
 try: import comfy_kitchen as ck
 except ImportError: ck = None   # pragma: no cover
 
-_TABLE = torch.tensor([-1.0, -0.8, -0.62, -0.47, -0.35, -0.24, -0.14, -0.05, 0.04, 0.13, 0.23, 0.34, 0.46, 0.6, 0.78, 0.95])
+_TABLE = torch.tensor([-1.0, -0.8, -0.62, -0.47, -0.35, -0.24, -0.14, -0.05,
+                       0.04, 0.13, 0.23, 0.34, 0.46, 0.6, 0.78, 0.95])
 VARIANTS = [('asym_w4a8_int8', {}), ('asym_w4a8_int8', {'codebook': False, 'group_size': 32}),
             ('asym_w4a8_int8', {'codebook': _TABLE, 'convrot_groupsize': 64}),
             ('asym_w4a8_int8', {'group_size': 8, 'scale_search': False}),
@@ -75,7 +76,7 @@ def test_clip1_scales_pack_the_encoders_file(fmt, opts, dtype):
     back = reload(qt, dtype)
     assert_bits(back.dequantize(), qt.dequantize())
     assert_bits(qt.params.s_channel, ref.params.s_channel)           # the row scales are the encoder's
-    if dtype != torch.bfloat16:   # the encoder rotates bf16 weights in bf16, the grid in fp32: a few groups differ there
+    if dtype != torch.bfloat16:   # the encoder rotates bf16 weights in bf16, the grid in fp32: some groups differ
         same = (qt.params.s_rel.view(torch.uint8) == ref.params.s_rel.view(torch.uint8)).float().mean()
         assert same > 0.99, float(same)
     assert abs(sqnr(w.float(), qt.dequantize(torch.float32)) - sqnr(w.float(), ref.dequantize(torch.float32))) < 0.05
@@ -87,7 +88,7 @@ def test_nearest_is_the_nearest_grid_value_and_pack_keeps_it(fmt, opts):
     grid, wb, scales = search_free(spec, w, opts)
     p0 = cq.quantize(w, fmt, **opts).params
     cb = p0.codebook if isinstance(p0.codebook, torch.Tensor) else None
-    levels = w4a8_levels(p0.bits, cb) if cb is not None else w4a8_levels(p0.bits)[1:]   # uniform: symmetric, code 0 unused
+    levels = w4a8_levels(p0.bits, cb) if cb is not None else w4a8_levels(p0.bits)[1:]   # uniform: code 0 unused
     t = wb + 0.3 * torch.randn(wb.shape, generator=torch.Generator().manual_seed(2))   # off the grid
     v = torch.cat([grid.nearest(t[:, a:b], s) for (a, b), s in zip(grid.slices(t.shape[1]), scales)], 1)
     for (a, b), s in zip(grid.slices(t.shape[1]), scales):
@@ -145,6 +146,8 @@ def test_asymmetric_variant_is_refused_by_name():
                                                    r"False, 'symmetric': False\}"):
             cq.quantize(w, 'asym_w4a8_int8', symmetric=False, codebook=False, **kw)
     assert FORMATS['asym_w4a8_int8'].grid(w, FORMATS['asym_w4a8_int8'].resolve(None, symmetric=False)) is None
+    with pytest.raises(QuantFormatError, match="option 'codebook'"):              # the encoder's option checks
+        cq.quantize(w, 'asym_w4a8_int8', codebook=torch.zeros(4, 4), rounding='mse')
 
 
 def _minilm_layers():
