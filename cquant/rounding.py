@@ -8,7 +8,7 @@ Docs: https://cquant-dev.github.io/cquant/rounding.html.md"""
 from __future__ import annotations
 import math, warnings
 import torch
-from .tensor import FormatSpec, Grid, register_rounding, format_error
+from .tensor import FormatSpec, Grid, QuantFormatError, register_rounding, format_error
 
 # %% auto #0
 __all__ = ['search_scales', 'GPTQWarning', 'gptq_codes']
@@ -56,6 +56,10 @@ COARSE_CLIPS = CLIPS[::4]                                 # 1.0, 0.9, ..., 0.5: 
 def mse_grid(spec:FormatSpec, w:torch.Tensor, opts:dict, tensor_clips=TENSOR_CLIPS, clips=CLIPS) -> tuple:
     "(grid, basis weight, scales, error) of least squared weight error over per-tensor and per-group clips."
     grid = spec.grid(w, opts, 1.0)
+    if grid is None:                                      # the hook covers some variants of its format only
+        given = {o.name: opts[o.name] for o in spec.options if o.name in opts and repr(opts[o.name]) != repr(o.default)}
+        raise QuantFormatError(f"{spec.name} has no rounding grid for the options {given}: rounding='mse' and "
+                               "'gptq' cannot encode this variant (rounding='nearest' can)")
     if grid.tensor_scale and len(tensor_clips) > 1:       # each per-tensor candidate with coarse clips, the best refined
         errs = [float(search_scales(spec.grid(w, opts, tc), spec.grid(w, opts, tc).basis(w), COARSE_CLIPS)[1].sum())
                 for tc in tensor_clips]

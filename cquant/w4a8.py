@@ -7,12 +7,12 @@ Docs: https://cquant-dev.github.io/cquant/w4a8.html.md"""
 
 # %% ../nbs/07_w4a8.ipynb #839a8e3e
 from __future__ import annotations
-import functools, math, sys
+import dataclasses, functools, math, sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 import torch
 from .tensor import ValueRule, int8_compute
-from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, check_2d
+from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, check_2d, Grid
 from .numerics import absmax, rotate, pack_uint4, unpack_uint4, pack_6bit, unpack_6bit, is_power_of_4
 from .int8 import int8_linear, _row_blocks
 
@@ -573,6 +573,50 @@ def _codebook_kw(o:dict) -> dict:
     cb = o.get('codebook', True)
     return dict(codebook=True, codebook_tensor=cb) if isinstance(cb, torch.Tensor) else dict(codebook=bool(cb))
 
+# %% ../nbs/07_w4a8.ipynb #46221bd5
+def _bins(t:torch.Tensor) -> torch.Tensor:
+    "The half-integer bin of the search tables of each t, exactly (2t is exact, unlike 2t + 256): int32 0..511."
+    return t.mul(2.0).floor_().clamp_(-256.0, 255.0).add_(256.0).to(torch.int32)
+
+# %% ../nbs/07_w4a8.ipynb #5bf0a132
+def _table_nearest(val:torch.Tensor, t:torch.Tensor, code:torch.Tensor) -> torch.Tensor:
+    "Nearest grid value (fp32) of each element of t [R, c] under the e4m3 code (int32 [R, 1]) of its row."
+    h = _bins(t).add_((code + _PAD) * 512)
+    return val.index_select(0, h.reshape(-1)).view(t.shape).sub_(256.0).mul_(0.5)   # t may be any view
+
+# %% ../nbs/07_w4a8.ipynb #b5dd1469
+def w4a8_grid(bits:int): # 4 (asym_w4a8_int8) or 6 (w6a8_int8)
+    "The `FormatSpec.grid` hook of the 4- or 6-bit format: symmetric variants only (None for symmetric=False)."
+    layout = W6A8Layout if bits == 6 else W4A8Layout
+    def grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid|None:
+        if bits == 4 and not opts.get('symmetric', True): return None
+        _, p0 = layout.quantize(w, bits=bits, **opts)           # the encoder: option checks, row scales, codebook
+        G, cg, sch = p0.group_size, p0.convrot_groupsize, p0.s_channel
+        levels, code_base, _, kind = _encoder_variant(bits, True, opts.get('codebook', True))
+        lmax = max(abs(v) for v in levels)
+        window = _WINDOWS[kind] if opts.get('scale_search', True) else range(0, 1)
+        val, code_t = _device_tables(levels, code_base, w.device)[:2]
+        e4m3 = _e4m3_values().to(w.device)
+        def code_of(s): return s.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)
+        def scale(cols, clip):
+            base, best = _e4m3_code(absmax(cols, dim=-1, keepdim=True) * clip / lmax), None
+            for o in window:
+                code = (base + o).clamp_(1, 126)
+                err = (_table_nearest(val, cols, code) - cols).square_().sum(-1, keepdim=True)
+                best = _keep_best(best, err, code)
+            return e4m3.index_select(0, best[1].view(-1)).view_as(best[1])
+        def pack(wb, scales):
+            N, K = wb.shape
+            code = code_of(torch.cat(scales, 1))
+            h = _bins(wb.reshape(N, K // G, G).transpose(1, 2).contiguous())  # the encoder's layout [N, G, K/G]
+            packed = torch.empty(N, K * bits // 8, dtype=torch.int8, device=wb.device)
+            _pack_grouped(_codes_nearest(h, code, (None, code_t), h), bits, packed.view(torch.uint8))   # h: bins, shape
+            return packed, dataclasses.replace(p0, s_rel=code.to(torch.uint8).view(torch.float8_e4m3fn))
+        return Grid(G, scale, lambda cols, s: _table_nearest(val, cols, code_of(s)), pack,
+                    lambda v: rotate(v.float() / sch.to(v.device)[:, None], cg, as_weight=True),
+                    lambda x: rotate(x.float(), cg))
+    return grid
+
 # %% ../nbs/07_w4a8.ipynb #a6dba1fd
 ASYM_W4A8_INT8 = register_format(FormatSpec(
     'asym_w4a8_int8', W4A8Layout, torch.int8, keys=('weight_s_rel', 'weight_s_channel'),
@@ -583,7 +627,7 @@ ASYM_W4A8_INT8 = register_format(FormatSpec(
                              Option('symmetric', True, bool,
                                     'False: asymmetric (uniform levels + per-group correction)', stored=False),
                              _SEARCH_OPTION),
-    group_size=16, quantize_input=False, layout_kwargs={'bits': 4}, aliases=('w4a8', 'w4a8_int8'),
+    group_size=16, quantize_input=False, layout_kwargs={'bits': 4}, grid=w4a8_grid(4), aliases=('w4a8', 'w4a8_int8'),
     doc='ConvRot-rotated 4-bit codes (codebook, uniform or asymmetric) with e4m3 group scales and fp32 row scales; int8 activations.',
     row_assembly={'weight_codebook': 'shared', 'weight_correction': 1}, comfy_unread=('weight_correction',),
     kitchen_kwargs=lambda o: dict(group_size=o.get('group_size', 16), convrot_groupsize=o.get('convrot_groupsize', 256),
@@ -593,7 +637,7 @@ ASYM_W4A8_INT8 = register_format(FormatSpec(
 W6A8_INT8 = register_format(FormatSpec(
     'w6a8_int8', W6A8Layout, torch.int8, keys=('weight_s_rel', 'weight_s_channel'), optional_keys=(),
     options=_W4A8_OPTIONS + (_SEARCH_OPTION,),
-    group_size=16, quantize_input=False, layout_kwargs={'bits': 6}, aliases=('w6a8',),
+    group_size=16, quantize_input=False, layout_kwargs={'bits': 6}, grid=w4a8_grid(6), aliases=('w6a8',),
     doc='ConvRot-rotated uniform 6-bit codes (two-plane packing) with e4m3 group scales and fp32 row scales; int8 activations.',
     kitchen_kwargs=lambda o: dict(group_size=o.get('group_size', 16), convrot_groupsize=o.get('convrot_groupsize', 256),
                                   scale_search=o.get('scale_search', True), codebook=False, bits=6), **_W4A8_FACTS))
