@@ -490,6 +490,8 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                 m, s = split_key(key)
                 d = plan.get(m)
                 if d is not None and d.format and s == 'weight':
+                    bar.set_postfix_str(f'{n + 1}/{len(ck)} tensors, {m}: {d.label}'
+                                        + ('' if d.rounding == 'nearest' else f' ({d.rounding})'))
                     rows[m] = _quantize_layer(w, ck, key, m, d, layers, cal, [groups[m][x] for x in drop[m]], measure,
                                                 device)
                 elif d is not None and d.format and s in drop[m]: pass
