@@ -259,9 +259,9 @@ def nvfp4_grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
         return cast_fp8(torch.where(a == 0, 0.0, a / _E2M1_MAX / s))
     def nearest(cols, bs):
         t = s * bs.float()
-        d = torch.where(t == 0, 0.0, cols / t)
+        d = cols * torch.where(t == 0, 0.0, 1 / t)                          # a zero block stays zero
         m = d.abs()
-        step = torch.where(m < 2, 0.5, torch.where(m < 4, 1.0, 2.0))      # the E2M1 spacing around m
+        step = (m >= 2).float().add_(1).mul_((m >= 4).float().add_(1)).mul_(0.5)   # the E2M1 spacing: 0.5, 1, 2
         return torch.copysign(m.div_(step).round_().mul_(step).clamp_(max=_E2M1_MAX), d).mul_(t)
     def pack(wb, scales):
         bs = torch.cat(scales, dim=1)

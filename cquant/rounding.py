@@ -20,7 +20,7 @@ TENSOR_CLIPS = tuple(2 ** (-i / 8) for i in range(8))     # per-tensor scale fac
 # %% ../nbs/23_rounding.ipynb #d883c83b
 def _err(grid:Grid, cols:torch.Tensor, s) -> torch.Tensor:
     "Squared error per row of rounding `cols` with scale `s`, in fp64."
-    return (grid.nearest(cols, s) - cols).double().square().sum(-1)
+    return (grid.nearest(cols, s) - cols).square_().sum(-1, dtype=torch.float64)
 
 # %% ../nbs/23_rounding.ipynb #fd237cf6
 def _search_rows(grid:Grid, rows:torch.Tensor, clips) -> tuple:
