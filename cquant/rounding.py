@@ -146,7 +146,7 @@ def gptq_codes(grid:Grid, # the format's rounding
                U:torch.Tensor, # upper Cholesky factor of the inverse Hessian (`hessian_inverse`)
                scales:list|None=None, # fixed scale per column group; None: each group's scale searched on arrival
                block:int=GPTQ_BLOCK, # columns per lazy batch
-               clips=CLIPS,
+               clips=CLIPS, # clip factors tried where a group's scale is searched
               ) -> tuple: # (values on the grid [N, K'], [scale of each column group])
     "GPTQ: round column by column, spreading each column's error over the columns not yet rounded (lazy batches)."
     N, K = wb.shape
