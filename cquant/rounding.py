@@ -175,16 +175,21 @@ def gptq_codes(grid:Grid, # the format's rounding
 
 # %% ../nbs/23_rounding.ipynb #5a298ba5
 def gptq_rounding(spec:FormatSpec, w:torch.Tensor, opts:dict, calibration=None, name:str='weight',
-                  damp:float=GPTQ_DAMP, block:int=GPTQ_BLOCK) -> tuple:
-    "rounding='gptq': error-compensating column rounding on the layer's inputs, in the format's basis."
+                  damp:float=GPTQ_DAMP, block:int=GPTQ_BLOCK, act_order:bool=False) -> tuple:
+    """rounding='gptq': error-compensating column rounding on the layer's inputs, in the format's basis; with
+    `act_order`, columns of larger Hessian diagonal first where the scales are fixed (per row, per tensor)."""
     if calibration is None:
         raise format_error('', 'calibration', "layer inputs [..., K] with rounding='gptq'", 'None')
     grid, wb, scales, _ = mse_grid(spec, w, opts)            # per-tensor scale and static per-row scales: MSE
     H = gptq_hessian(calibration.to(w.device), grid, w.shape[1], name)
-    U = None if H is None else hessian_inverse(H, damp, name)
-    if U is None: return _no_worse(spec, w, opts, *grid.pack(wb, scales))
     static = grid.group is None or grid.group >= wb.shape[1]
-    Q, scales = gptq_codes(grid, wb, U, scales if static else None, block)
-    return grid.pack(Q, scales)
+    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if H is not None and static and act_order else None
+    U = None if H is None else hessian_inverse(H if perm is None else H[perm][:, perm], damp, name)
+    if U is None: return _no_worse(spec, w, opts, *grid.pack(wb, scales))
+    if perm is None:
+        Q, scales = gptq_codes(grid, wb, U, scales if static else None, block)
+        return grid.pack(Q, scales)
+    Q, _ = gptq_codes(grid, wb[:, perm], U, scales, block)
+    return grid.pack(Q[:, torch.argsort(perm)], scales)
 
 register_rounding('gptq', gptq_rounding)
