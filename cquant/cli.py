@@ -36,6 +36,13 @@ def add_inspect_parser(subparsers):
     p.set_defaults(func=cmd_inspect)
     return p
 
+# %% ../nbs/18_cli.ipynb #b035a5e8
+def _group_arg(s:str):
+    "--convrot-groupsize: 'auto' or an integer (the policy checks it is a power of 4)."
+    if s == 'auto': return s
+    try: return int(s)
+    except ValueError: raise argparse.ArgumentTypeError(f"expected 'auto' or a power of 4, found {s!r}") from None
+
 # %% ../nbs/18_cli.ipynb #1e33f577
 def _preset_arg(s:str) -> str:
     try: return preset_name(s)
@@ -51,6 +58,8 @@ def _add_policy_args(p):
     g.add_argument('--keep-float', action='append', default=[], metavar='PATTERN', help='keep layers whose name contains PATTERN float (repeatable)')
     g.add_argument('--int4-sensitive', action='append', default=[], metavar='PATTERN', help='layers the INT8 budget takes first (repeatable)')
     g.add_argument('--selection', choices=SELECTIONS, default='structural', help='INT8 budget order: structural (Toolkit) or measured')
+    g.add_argument('--convrot-groupsize', default='256', type=_group_arg, metavar='G',
+                   help="ConvRot rotation group: a power of 4 (default 256) or auto (per layer, the largest that fits)")
     g.add_argument('--rounding', choices=('nearest', 'mse', 'gptq'), default='nearest',
                    help="how scales and codes are chosen: nearest (comfy-kitchen's bytes, the default), mse (data-free clipping) "
                         'or gptq (needs --calibration); the files stay the same formats')
@@ -66,7 +75,7 @@ def policy_from_args(args) -> Policy:
         text = Path(args.policy).read_text() if os.path.exists(args.policy) else args.policy
         return Policy.from_json(text)
     return Policy(args.mode, args.preset, args.ratio, tuple(args.keep_float), tuple(args.int4_sensitive), args.selection,
-                  rounding=getattr(args, 'rounding', 'nearest'))
+                  rounding=getattr(args, 'rounding', 'nearest'), convrot_groupsize=getattr(args, 'convrot_groupsize', 256))
 
 # %% ../nbs/18_cli.ipynb #0222c22e
 def cmd_quantize(args) -> int:

@@ -6,14 +6,15 @@ Docs: https://cquant-dev.github.io/cquant/evaluate.html.md"""
 
 # %% ../nbs/22_evaluate.ipynb #c1d7e7dc
 from __future__ import annotations
-import os, math
+import copy, os, math
+from dataclasses import replace
 from dataclasses import dataclass
 from typing import Callable
 import torch
 import torch.nn as nn
 from .numerics import sqnr
 from .checkpoint import load_file
-from .modules import load_quantized_model, quantized_names
+from .modules import QuantLinear, load_quantized_model, quantized_names, submodule, swap_module
 from .models import dit_model, dit_batches
 from .minilm import MiniLM, minilm_model, SENTENCES, sentence_batches
 from .calibrate import quantize_model
@@ -21,7 +22,7 @@ from .policy import Policy, Plan
 
 # %% auto #0
 __all__ = ['EVAL_SENTENCES', 'Workload', 'minilm_workload', 'dit_workload', 'evaluate', 'evaluate_policies', 'rows_table',
-           'plot_rows']
+           'plot_rows', 'subset_plan', 'subset_scores']
 
 # %% ../nbs/22_evaluate.ipynb #0fb29f92
 EVAL_SENTENCES = [
@@ -97,7 +98,7 @@ def _quantized(workload:Workload, what, calibrate:bool) -> tuple:
     model = workload.model()
     if isinstance(what, (str, os.PathLike)):
         return load_quantized_model(model, load_file(os.fspath(what))), os.path.basename(os.fspath(what))
-    if isinstance(what, Policy): what = what.plan(model, calibration=workload.calibration)
+    if isinstance(what, Policy): what = what.plan(model, calibration=workload.calibration, outputs=workload.outputs)
     if not isinstance(what, dict):
         raise TypeError(f"evaluate: expected a Policy, a plan ({{layer: format}}) or a quantized safetensors path, "
                         f"got {type(what).__name__}")
@@ -157,3 +158,34 @@ def plot_rows(rows:list, # rows of `evaluate`
     ax.set_xlabel('bytes / float bytes (quantized modules)'); ax.set_ylabel('output SQNR (dB)')
     ax.grid(alpha=0.3)
     return ax.figure
+
+# %% ../nbs/22_evaluate.ipynb #b2e0c002
+def subset_plan(policy:Policy, # an int4_mixed policy
+                model:nn.Module, # the float model
+                chosen, # candidates to keep in the INT8 budget (the others get the mode's low choice)
+               ) -> dict: # {layer: Decision}
+    "`policy`'s plan on `model` with exactly the candidates `chosen` in the INT8 budget."
+    lo, hi = replace(policy, int4_mixed_ratio=0.0).plan(model), replace(policy, int4_mixed_ratio=1.0).plan(model)
+    bad = set(chosen) - set(hi.budget['chosen'])
+    if bad: raise KeyError(f"subset_plan: {sorted(bad)[:3]} are not INT8 budget candidates of this policy")
+    return {n: hi[n] if n in set(chosen) else lo[n] for n in lo}
+
+# %% ../nbs/22_evaluate.ipynb #b2e0c003
+@torch.no_grad()
+def subset_scores(workload:Workload, # evaluated on `workload.evaluation`
+                  policy:Policy, # an int4_mixed policy
+                  subsets, # iterable of candidate subsets (each kept in INT8, the other candidates low)
+                 ) -> list: # evaluation output SQNR (dB) per subset, as `evaluate` measures it
+    "Evaluation-set output SQNR of `policy`'s plan with each subset in the INT8 budget: every layer quantized once."
+    model = workload.model()
+    lo, hi = replace(policy, int4_mixed_ratio=0.0).plan(model), replace(policy, int4_mixed_ratio=1.0).plan(model)
+    cands = hi.budget['chosen']
+    q = quantize_model(workload.model(), {n: d for n, d in lo.items() if n not in set(cands)})
+    vers = {n: [QuantLinear.from_float(submodule(q, n), d.format, **d.options) for d in (lo[n], hi[n])] for n in cands}
+    cat = lambda m: torch.cat([workload.outputs(m, b).float().flatten() for b in workload.evaluation])
+    ref, out = cat(model), []
+    for s in subsets:
+        s = set(s)
+        for n in cands: swap_module(q, n, vers[n][n in s])
+        out.append(sqnr(ref, cat(q)))
+    return out

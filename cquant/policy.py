@@ -22,12 +22,13 @@ from .int8 import INT8_TENSORWISE
 from .w4a4 import CONVROT_W4A4
 from .w4a8 import ASYM_W4A8_INT8
 from .checkpoint import Checkpoint, open_checkpoint
-from .modules import is_linear
+from .numerics import energy_db, is_power_of_4
+from .modules import QuantLinear, is_linear, submodule, swap_module
 from .calibrate import collect_inputs
 
 # %% auto #0
-__all__ = ['PRESETS', 'MODES', 'Preset', 'PolicyWarning', 'detect_preset', 'int8_budget', 'Choice', 'Mode', 'Decision',
-           'layer_errors', 'Policy', 'measure_layers', 'Plan']
+__all__ = ['PRESETS', 'MODES', 'Preset', 'PolicyWarning', 'detect_preset', 'int8_budget', 'Choice', 'with_group', 'grouped',
+           'Mode', 'Decision', 'layer_errors', 'Policy', 'measure_layers', 'greedy_order', 'plan_ratios', 'Plan']
 
 # %% ../nbs/16_policy.ipynb #e68726bc
 @dataclass(frozen=True)
@@ -242,6 +243,29 @@ _FP8 = _choice('FP8', FP8_E4M3.name)
 _NVFP4 = _choice('NVFP4', NVFP4.name)
 _MXFP8 = _choice('MXFP8', MXFP8.name)
 CHOICES = {c.label: c for c in (_INT8, _INT8_CONVROT, _W4A4, _W4A8, _FP8, _NVFP4, _MXFP8)}   # by label
+
+# %% ../nbs/16_policy.ipynb #a1f0c002
+AUTO_GROUPS = (256, 64, 16, 4)   # convrot_groupsize='auto': tried largest first
+DEFAULT_GROUP = 256              # the choices' own group (the ConvRot default)
+
+# %% ../nbs/16_policy.ipynb #a1f0c003
+def with_group(c:Choice, g:int) -> Choice:
+    "`c` with its ConvRot group set to `g` (`c` itself if it does not rotate)."
+    if 'convrot_groupsize' not in c.opts: return c
+    return replace(c, options=tuple(sorted({**c.opts, 'convrot_groupsize': g}.items())))
+
+# %% ../nbs/16_policy.ipynb #a1f0c004
+def grouped(c:Choice, shape, name:str='', group=DEFAULT_GROUP) -> Choice:
+    "`c` with the policy's ConvRot `group` for a layer of `shape`: a fixed one, or for 'auto' the largest that fits."
+    if group != 'auto' or 'convrot_groupsize' not in c.opts: return with_group(c, DEFAULT_GROUP if group == 'auto' else group)
+    return next((x for x in (with_group(c, g) for g in AUTO_GROUPS) if x.check(shape, name + '.') is None),
+                with_group(c, AUTO_GROUPS[0]))
+
+# %% ../nbs/16_policy.ipynb #a1f0c005
+def _glabel(c:Choice, group) -> str:
+    "`c.label`, with its ConvRot group when the policy's group is not the default."
+    g = c.opts.get('convrot_groupsize')
+    return c.label if g is None or group == DEFAULT_GROUP else f"{c.label} (ConvRot group {g})"
 
 # %% ../nbs/16_policy.ipynb #4166fc12
 @dataclass(frozen=True)
@@ -483,8 +507,9 @@ class Policy:
     int4_mixed_ratio: float = 0.2       # int4_mixed: fraction of W4-compatible layers kept in ConvRot INT8
     keep_float: tuple = ()              # extra substrings of layer names kept float
     int4_sensitive: tuple = ()          # extra substrings the INT8 budget takes first (structural selection)
-    selection: str = 'structural'       # 'structural' (the Toolkit's nested order) or 'measured' (worst layers first)
+    selection: str = 'structural'       # 'structural' (the Toolkit's nested order) or 'measured' (see below)
     overrides: tuple = ()               # ((pattern, format or None, options), ...): first match wins
+    convrot_groupsize: int|str = 256    # ConvRot rotation group: a power of 4, or 'auto' (per layer, see below)
     rounding: str = 'nearest'           # 'nearest' (kitchen's bytes), 'mse' (data-free clipping) or 'gptq' (calibration)
 
     def __post_init__(self): _validate(self)
@@ -495,7 +520,7 @@ class Policy:
         return dict(mode=self.mode, preset=self.preset, int4_mixed_ratio=self.int4_mixed_ratio,
                     keep_float=list(self.keep_float), int4_sensitive=list(self.int4_sensitive), selection=self.selection,
                     overrides=[dict(pattern=p, format=f, options=dict(o)) for p, f, o in self.overrides],
-                    rounding=self.rounding)
+                    convrot_groupsize=self.convrot_groupsize, rounding=self.rounding)
     @classmethod
     def from_dict(cls, d:Mapping) -> 'Policy':
         "The policy of `to_dict`'s data (unknown fields refused)."
@@ -513,14 +538,15 @@ class Policy:
 
     def plan(self, layers, # {name: (out, in)}, a state dict, a Checkpoint, a safetensors path, or an nn.Module
              calibration=None, # measured selection: {name: inputs [..., K]}, or batches for an nn.Module
+             outputs=None, # with batches: (model, batch) -> the output tensor compared (default: what model(*batch) returns)
             ) -> 'Plan':
         "The decision for every weight of `layers`, in model order."
         src = layer_source(layers)
-        try: return _plan(self, src, calibration, layers if isinstance(layers, nn.Module) else None)
+        try: return _plan(self, src, calibration, layers if isinstance(layers, nn.Module) else None, outputs)
         finally:
             if src is not layers: src.close()
 
-# %% ../nbs/16_policy.ipynb #b4ecb3fe
+# %% ../nbs/16_policy.ipynb #d13414ba
 def rounding_names() -> tuple:
     "The roundings a policy may ask for: 'nearest' (the formats' own encoders) and the registered searches."
     return ('nearest', *sorted(ROUNDINGS))
@@ -542,11 +568,15 @@ def _validate(p:Policy):
     s('overrides', _overrides(p.overrides))
     if p.rounding not in rounding_names():
         raise ValueError(f"Policy.rounding: expected one of {list(rounding_names())}, found {p.rounding!r}")
+    g = p.convrot_groupsize
+    if g != 'auto' and (isinstance(g, bool) or not isinstance(g, int) or not is_power_of_4(g)):
+        raise ValueError(f"Policy.convrot_groupsize: expected 'auto' or a power of 4 (4, 16, 64, 256, ...), found {g!r}")
 
 def _policy_fields(d:Mapping) -> Mapping:
     "`d` checked to be a mapping of `Policy` fields."
     if not isinstance(d, Mapping): raise ValueError(f"Policy.from_dict: expected an object, found {type(d).__name__}")
-    known = {'mode', 'preset', 'int4_mixed_ratio', 'keep_float', 'int4_sensitive', 'selection', 'overrides', 'rounding'}
+    known = {'mode', 'preset', 'int4_mixed_ratio', 'keep_float', 'int4_sensitive', 'selection', 'overrides',
+             'convrot_groupsize', 'rounding'}
     extra = sorted(set(d) - known)
     if extra: raise ValueError(f"Policy.from_dict: unknown field(s) {extra}; expected some of {sorted(known)}")
     return d
@@ -571,9 +601,9 @@ def _resolve_preset(policy:Policy, names, shapes=None) -> tuple:
     return p.name, keep, _dedup(p.int4_sensitive + policy.int4_sensitive), note
 
 # %% ../nbs/16_policy.ipynb #08b768da
-def _plan(policy:Policy, src:LayerSource, calibration, model) -> Plan:
+def _plan(policy:Policy, src:LayerSource, calibration, model, outputs=None, greedy=None) -> Plan:
     "`Policy.plan` on a `LayerSource` (`model`: the nn.Module it came from, for calibration batches)."
-    mode = MODES[policy.mode]
+    mode, g = MODES[policy.mode], policy.convrot_groupsize
     preset, keep, sens, note = _resolve_preset(policy, src.names, {n: i.shape for n, i in src.infos.items()})
     out, pending, cands = {}, [], []
     for name, info in src.infos.items():
@@ -584,12 +614,15 @@ def _plan(policy:Policy, src:LayerSource, calibration, model) -> Plan:
         k = next(((p, s) for p, s in keep if p in name), None)
         if k is not None: out[name] = _float(f"keep_float pattern {k[0]!r} ({k[1]})", 'keep_float', info.shape); continue
         out[name] = None; pending.append(name)
-        if mode.budget and mode.chain[0].check(info.shape, name + '.') is None: cands.append(name)
-    budget = _budget(policy, mode, cands, sens, src, calibration, model)
+        if mode.budget and grouped(mode.chain[0], info.shape, name, g).check(info.shape, name + '.') is None:
+            cands.append(name)
+    fixed = {n: _walk(mode.chain, src.infos[n], n, policy.mode, None, False, g) for n in pending if n not in cands}
+    fixed.update({n: d for n, d in out.items() if d is not None})
+    budget = _budget(policy, mode, cands, sens, src, calibration, model, fixed, outputs, greedy)
     for name in pending:
         info, sel = src.infos[name], budget['why'].get(name)
         in_budget = name in budget['chosen']
-        out[name] = _walk(mode.budget if in_budget else mode.chain, info, name, policy.mode, sel, in_budget)
+        out[name] = _walk(mode.budget if in_budget else mode.chain, info, name, policy.mode, sel, in_budget, g)
     for name, d in out.items():
         if d.format is None and src.infos[name].source_format and d.tier != 'ineligible':
             out[name] = replace(d, reason=d.reason + f"; kept as stored ({src.infos[name].source_format})")
@@ -598,7 +631,7 @@ def _plan(policy:Policy, src:LayerSource, calibration, model) -> Plan:
     budget.pop('why'); budget['chosen'] = sorted(budget['chosen'], key=idx.__getitem__)
     return Plan(out, policy, preset, [k for k, _ in keep], sens, note, budget)
 
-# %% ../nbs/16_policy.ipynb #a7955f12
+# %% ../nbs/16_policy.ipynb #0cf1fe79
 def _rounded(d:Decision, rounding:str) -> Decision:
     "`d` with `rounding` where its format can search (`FormatSpec.grid`), else `d` saying why it stays nearest."
     if d.format is None: return d
@@ -617,32 +650,69 @@ def _override(name, info, ov) -> Decision:
     return _take(c, f"override {pat!r}", 'override', info.shape)
 
 # %% ../nbs/16_policy.ipynb #5ca450fe
-def _budget(policy:Policy, mode:Mode, cands:list, sens:tuple, src:LayerSource, calibration, model) -> dict:
+def _budget(policy:Policy, mode:Mode, cands:list, sens:tuple, src:LayerSource, calibration, model, fixed:dict,
+            outputs=None, greedy=None) -> dict:
     "The INT8 budget of a plan: its counts, the chosen layers and, per candidate, why (`why`)."
     ratio = policy.int4_mixed_ratio if mode.budget else 0.0
     N = len(cands); target = budget_target(N, ratio)
     b = dict(mode=mode.name, ratio=ratio, selection=policy.selection, candidates=N, target=target, chosen=set(), why={},
              priority=list(sens))
     if not mode.budget or not N: return b
-    if policy.selection == 'structural':
-        order = budget_order(cands, sens)
-        for i, (n, blk) in enumerate(order):
-            pat = _match(n, sens)
-            how = f"int4_sensitive {pat!r}" if pat else 'spread over depth'
-            b['why'][n] = (f"INT8 budget: {blk}, {how}, order {i + 1}/{N}" if i < target
-                           else f"outside the INT8 budget (order {i + 1}/{N})")
-        b['chosen'] = {n for n, _ in order[:target]}
-        b['order'] = [n for n, _ in order]
-        return b
-    low, high = mode.chain[0], mode.budget[0]
-    errs = measure_layers(src, cands, low, high, calibration, model)
+    if policy.selection == 'measured' and calibration is not None:
+        pairs = {n: tuple(grouped(c, src.infos[n].shape, n, policy.convrot_groupsize) for c in (mode.chain[0], mode.budget[0]))
+                 for n in cands}
+        if model is not None and not isinstance(calibration, Mapping):
+            return _greedy_budget(b, model, calibration, pairs, fixed, outputs, greedy)
+        return _per_layer_budget(b, src, pairs, calibration, model)
+    return _structural_budget(b, cands, sens, policy.selection == 'measured')
+
+# %% ../nbs/16_policy.ipynb #a1f0c010
+NO_DATA = ("measured selection without calibration inputs: structural order (weight error does not predict "
+           "end-to-end error, see evaluate.html)")
+
+# %% ../nbs/16_policy.ipynb #a1f0c011
+def _structural_budget(b:dict, cands:list, sens:tuple, measured:bool) -> dict:
+    "`b` with the structural (Toolkit) selection; `measured`: asked for measured selection without data."
+    order, N, target = budget_order(cands, sens), len(cands), b['target']
+    for i, (n, blk) in enumerate(order):
+        pat = _match(n, sens)
+        how = f"int4_sensitive {pat!r}" if pat else 'spread over depth'
+        b['why'][n] = (f"INT8 budget: {blk}, {how}, order {i + 1}/{N}" if i < target
+                       else f"outside the INT8 budget (order {i + 1}/{N})")
+        if measured: b['why'][n] = f"{NO_DATA}; {b['why'][n]}"
+    b['chosen'], b['order'] = {n for n, _ in order[:target]}, [n for n, _ in order]
+    if measured: b['note'] = NO_DATA
+    return b
+
+# %% ../nbs/16_policy.ipynb #a1f0c012
+def _per_layer_budget(b:dict, src:LayerSource, pairs:dict, calibration, model) -> dict:
+    "`b` with the layers ranked by how much the high choice lowers their own output error (`measure_layers`)."
+    cands, N, target = list(pairs), len(pairs), b['target']
+    errs = measure_layers(src, cands, None, None, calibration, model, pairs=pairs)
     order = sorted(cands, key=lambda n: (-(errs[n]['low'] - errs[n]['high']), cands.index(n)))
     for i, n in enumerate(order):
-        e = errs[n]
-        m = f"{e['metric']} SQNR {low.label} {_db(e['low']):.1f} dB, {high.label} {_db(e['high']):.1f} dB"
+        e, (lo, hi) = errs[n], pairs[n]
+        m = f"{e['metric']} SQNR {lo.label} {_db(e['low']):.1f} dB, {hi.label} {_db(e['high']):.1f} dB"
         b['why'][n] = (f"INT8 budget: measured rank {i + 1}/{N} ({m})" if i < target
                        else f"outside the INT8 budget (measured rank {i + 1}/{N}, {m})")
     b['chosen'], b['order'], b['measurements'] = set(order[:target]), order, errs
+    return b
+
+# %% ../nbs/16_policy.ipynb #a1f0c013
+def _greedy_budget(b:dict, model:nn.Module, batches, pairs:dict, fixed:dict, outputs=None, g=None) -> dict:
+    "`b` with the layers `greedy_order` takes (or the first of a longer search `g`), in order; the rest by gain alone."
+    N, target = len(pairs), b['target']
+    if g is None or len(g['order']) < target: g = greedy_order(model, batches, pairs, fixed, target, outputs)
+    g = {**g, 'order': g['order'][:target], 'sqnr_db': g['sqnr_db'][:target]}
+    rest = sorted((n for n in pairs if n not in g['order']), key=lambda n: -g['single_db'][n])
+    before = [g['start_db']] + g['sqnr_db'][:-1]
+    for i, n in enumerate(g['order']):
+        b['why'][n] = (f"INT8 budget: end-to-end greedy step {i + 1}/{N} (calibration output SQNR "
+                       f"{before[i]:.2f} -> {g['sqnr_db'][i]:.2f} dB)")
+    for n in rest:
+        b['why'][n] = (f"outside the INT8 budget (end-to-end greedy took {target} of {N}; alone "
+                       f"{g['single_db'][n] - g['start_db']:+.2f} dB)")
+    b['chosen'], b['order'], b['greedy'] = set(g['order']), g['order'] + rest, g
     return b
 
 # %% ../nbs/16_policy.ipynb #fb524e25
@@ -654,16 +724,16 @@ def _short(msg:str, prefix:str='') -> str:
     return f"{where}: {m.group(3)}; expected {m.group(2)}"
 
 # %% ../nbs/16_policy.ipynb #4d55f8dc
-def _walk(chain, info:LayerInfo, name:str, mode:str, why:str|None, in_budget:bool) -> Decision:
-    "The first choice of `chain` that fits `info.shape` (asking the registry), with the reason."
-    first = None
+def _walk(chain, info:LayerInfo, name:str, mode:str, why:str|None, in_budget:bool, group=DEFAULT_GROUP) -> Decision:
+    "The first choice of `chain` (with the ConvRot `group`) that fits `info.shape` (asking the registry), with the reason."
+    first, chain = None, [grouped(c, info.shape, name, group) for c in chain]
     for i, c in enumerate(chain):
         msg = c.check(info.shape, name + '.')
         if msg is not None: msg = _short(msg, name + '.')
         if msg is None:
             tier = 'int8_budget' if in_budget else ('mode' if i == 0 else 'fallback')
-            r = f"{mode}: {c.label}" + (f" ({why})" if why else '')
-            if i: r += f"; {chain[0].label} does not fit: {first}"
+            r = f"{mode}: {_glabel(c, group)}" + (f" ({why})" if why else '')
+            if i: r += f"; {_glabel(chain[0], group)} does not fit: {first}"
             return _take(c, r, tier, info.shape)
         first = first or msg
     return _float(f"{mode}: no format fits: {first}", 'no_fit', info.shape)
@@ -671,9 +741,10 @@ def _walk(chain, info:LayerInfo, name:str, mode:str, why:str|None, in_budget:boo
 # %% ../nbs/16_policy.ipynb #1edc7215
 def measure_layers(src, # a LayerSource (or anything `layer_source` accepts) with weights
                    names, # layers to measure
-                   low:Choice, high:Choice, # the two choices the budget decides between
+                   low:Choice, high:Choice, # the two choices the budget decides between (or None with `pairs`)
                    calibration=None, # {name: inputs} or, with `model`, calibration batches
                    model:nn.Module|None=None,
+                   pairs:dict|None=None, # {name: (low, high)} per layer (e.g. each with its ConvRot group)
                   ) -> dict: # {name: {'low', 'high', 'metric'}}
     "Measured relative error energy of each layer under `low` and `high` (output error where inputs are known)."
     src = layer_source(src)
@@ -690,9 +761,75 @@ def measure_layers(src, # a LayerSource (or anything `layer_source` accepts) wit
     out = {}
     for n in names:
         x = calibration.get(n) if calibration is not None else None
-        lo, hi = layer_errors(src.weight(n), (low, high), x, n + '.weight')
+        lo, hi = layer_errors(src.weight(n), pairs[n] if pairs else (low, high), x, n + '.weight')
         out[n] = dict(low=lo, high=hi, metric='output' if x is not None else 'weight')
     return out
+
+# %% ../nbs/16_policy.ipynb #a1f0c021
+def _output(y) -> torch.Tensor:
+    "The tensor a model returned (the first one of a tuple or list)."
+    y = y[0] if isinstance(y, (tuple, list)) and y else y
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"greedy_order: the model must return a tensor (or a tuple starting with one), found {type(y).__name__}")
+    return y.float()
+
+# %% ../nbs/16_policy.ipynb #a1f0c022
+def _run_batch(model, b):
+    return model(*b) if isinstance(b, tuple) else model(**b) if isinstance(b, Mapping) else model(b)
+
+# %% ../nbs/16_policy.ipynb #a1f0c023
+@torch.no_grad()
+def greedy_order(model:nn.Module, # the float model (left unchanged)
+                 batches, # calibration batches (a tuple is splatted into model(*batch), a dict into model(**batch))
+                 pairs:dict, # {candidate: (low Choice, high Choice)}
+                 fixed:dict, # {other layer: Decision (or anything with .format/.options)}, quantized while measuring
+                 k:int, # steps: layers moved to the high choice
+                 outputs=None, # (model, batch) -> the tensor compared (default: what model(*batch) returns)
+                ) -> dict: # order, sqnr_db after each step, start_db, single_db {candidate: SQNR with it alone high}
+    "Lazy forward greedy on the end-to-end output SQNR over `batches`: `k` candidates moved from low to high."
+    batches, out = list(batches), outputs or (lambda m, b: _run_batch(m, b))
+    refs = [_output(out(model, b)) for b in batches]
+    q = copy.deepcopy(model)
+    for n, d in fixed.items():
+        if d.format is not None and is_linear(submodule(q, n)):
+            swap_module(q, n, QuantLinear.from_float(submodule(q, n), d.format, **d.options))
+    vers = {n: [QuantLinear.from_float(submodule(q, n), c.format, **c.opts) for c in lh] for n, lh in pairs.items()}
+    for n, (lo, _) in vers.items(): swap_module(q, n, lo)
+    def score(n=None) -> float:
+        if n is not None: swap_module(q, n, vers[n][1])
+        s = e = 0.0
+        for r, b in zip(refs, batches):
+            y = _output(out(q, b))
+            s += float(r.double().square().sum()); e += float((y - r).double().square().sum())
+        if n is not None: swap_module(q, n, vers[n][0])
+        return energy_db(s, e)
+    start = cur = score()
+    single = {n: score(n) for n in pairs}
+    est = {n: v - start for n, v in single.items()}                    # gain estimates (dB)
+    fresh, order, after = set(pairs), [], []
+    pos = {n: i for i, n in enumerate(pairs)}
+    while len(order) < min(k, len(pairs)):
+        n = max(est, key=lambda m: (est[m], -pos[m]))
+        if n not in fresh:
+            est[n] = score(n) - cur; fresh.add(n); continue
+        swap_module(q, n, vers[n][1]); vers[n] = [vers[n][1]] * 2
+        order.append(n); cur += est.pop(n); after.append(cur); fresh = set()
+    return dict(order=order, sqnr_db=after, start_db=start, single_db=single)
+
+# %% ../nbs/16_policy.ipynb #a1f0c024
+def plan_ratios(policy:Policy, # a measured (or any) policy; its ratio is replaced by each of `ratios`
+                model:nn.Module, # the float model
+                ratios, # int4_mixed_ratio values
+                calibration, # calibration batches
+                outputs=None, # (model, batch) -> the tensor compared
+               ) -> dict: # {ratio: Plan}
+    "`{r: policy at ratio r .plan(model, calibration, outputs)}` with one greedy search, the largest budget's."
+    out, g = {}, None
+    for r in sorted(ratios, reverse=True):
+        p = replace(policy, int4_mixed_ratio=r)
+        with layer_source(model) as src: out[r] = _plan(p, src, calibration, model, outputs, g)
+        g = out[r].budget.get('greedy', g)
+    return {r: out[r] for r in ratios}
 
 # %% ../nbs/16_policy.ipynb #e3451bc0
 def _shape_str(s) -> str: return 'x'.join(str(d) for d in s) if s else '-'

@@ -7,9 +7,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import cquant as cq
+from cquant.policy import (AUTO_GROUPS, NO_DATA, greedy_order, grouped, plan_ratios)
 from cquant.policy import (CHOICES, CONSERVATIVE, MODES, PRESETS, Policy, PolicyWarning, budget_order, budget_target,
                            detect_preset, int8_budget, krea2_names, layer_source, natural_key, spread)
 from cquant.models import dit_batches, dit_model, dit_state_dict
+from cquant.calibrate import collect_inputs
 
 TEN = [f'layer.{i}' for i in range(10)]
 KREA_SENS = PRESETS['krea2'].int4_sensitive
@@ -201,32 +203,58 @@ def test_overrides():
 
 # --- measured selection ---
 
-def test_measured_selection_is_optimal_and_nested():
+def test_measured_without_data_is_structural():
     sd = dit_state_dict(0, depth=2, experts=2)
+    for r in (0.1, 0.2, 0.5):
+        m = Policy(selection='measured', preset='auto-conservative', int4_mixed_ratio=r).plan(sd)
+        s = Policy(preset='auto-conservative', int4_mixed_ratio=r).plan(sd)
+        assert m.selected() == s.selected() and m.budget['note'] == NO_DATA
+        assert all(d.reason.startswith('int4_mixed: ') and NO_DATA in d.reason for n, d in m.items() if n in m.budget['order'])
+
+
+def test_measured_with_inputs_is_optimal_per_layer():
+    model = dit_model(0, depth=2, experts=2)
+    ins = collect_inputs(model, dit_batches(1))
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', PolicyWarning)
-        plans = {r: Policy(selection='measured', int4_mixed_ratio=r).plan(sd) for r in (0.1, 0.2, 0.4)}
-        structural = Policy(int4_mixed_ratio=0.2).plan(sd)
+        plans = {r: Policy(selection='measured', int4_mixed_ratio=r).plan(model.state_dict(), calibration=ins)
+                 for r in (0.1, 0.2, 0.4)}
     meas = plans[0.2].budget['measurements']
     total = lambda chosen: sum(e['high'] if n in chosen else e['low'] for n, e in meas.items())
     assert set(plans[0.1].selected()) <= set(plans[0.2].selected()) <= set(plans[0.4].selected())
-    assert len(plans[0.2].selected()) == len(structural.selected()) == budget_target(len(meas), 0.2)
-    assert total(set(plans[0.2].selected())) <= total(set(structural.selected()))
-    # optimal among every selection of the same size: the best is the k largest gains
     gains = sorted((e['low'] - e['high'] for e in meas.values()), reverse=True)
     k = len(plans[0.2].selected())
     assert math.isclose(sum(e['low'] for e in meas.values()) - sum(gains[:k]), total(set(plans[0.2].selected())), rel_tol=1e-12)
     assert 'measured rank 1/' in plans[0.2][plans[0.2].budget['order'][0]].reason
 
 
-def test_measured_with_calibration_uses_outputs():
+def test_measured_with_model_is_greedy_and_nested():
     model = dit_model(0, depth=2, experts=2)
+    cal = dit_batches(1, tokens=16)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', PolicyWarning)
-        p = Policy(selection='measured').plan(model, calibration=dit_batches(1))
-    assert {e['metric'] for e in p.budget['measurements'].values()} == {'output'}
+        ps = plan_ratios(Policy(selection='measured'), model, (0.1, 0.2, 0.5), cal)
+        one = Policy(selection='measured', int4_mixed_ratio=0.2).plan(model, calibration=cal)
+    g = ps[0.5].budget['greedy']
+    assert len(g['order']) == ps[0.5].budget['target'] == len(ps[0.5].selected())
+    for r in (0.1, 0.2):
+        assert ps[r].budget['order'][:ps[r].budget['target']] == g['order'][:ps[r].budget['target']]
+    assert set(ps[0.1].selected()) <= set(ps[0.2].selected()) <= set(ps[0.5].selected())
+    assert one.selected() == ps[0.2].selected() and one.budget['greedy']['order'] == ps[0.2].budget['greedy']['order']
+    first = ps[0.5][g['order'][0]].reason
+    assert f"end-to-end greedy step 1/{ps[0.5].budget['candidates']} (calibration output SQNR {g['start_db']:.2f} -> " in first
+    rest = [n for n in ps[0.2].budget['order'] if n not in ps[0.2].selected()]
+    assert 'outside the INT8 budget (end-to-end greedy took' in ps[0.2][rest[0]].reason
+    # each step is the best single move from the previous selection (checked against a brute-force step)
+    fixed = {n: d for n, d in ps[0.5].items() if d.format is not None and n not in ps[0.5].budget['order']}
+    mode = MODES['int4_mixed']
+    pairs = {n: (mode.chain[0], mode.budget[0]) for n in ps[0.5].budget['order']}
+    assert greedy_order(model, cal, pairs, fixed, 1)['order'] == g['order'][:1]
+    with pytest.raises(TypeError, match='must return a tensor'):
+        greedy_order(model, cal, pairs, fixed, 1, outputs=lambda m, b: {'x': m(*b)})
     with pytest.raises(ValueError, match='needs the weights'):
-        Policy(selection='measured', preset='none').plan(MINI)
+        Policy(selection='measured', preset='none').plan(MINI, calibration={})
+    assert Policy(selection='measured', preset='none').plan(MINI).budget['note'] == NO_DATA   # shapes: structural
 
 
 # --- plain data ---
@@ -237,9 +265,10 @@ names = st.text(alphabet='abcdefghij._0123456789', min_size=1, max_size=12)
 @given(mode=st.sampled_from(list(MODES)), preset=st.sampled_from(sorted(PRESETS) + ['auto', 'auto-conservative']),
        ratio=st.floats(0, 1), keep=st.lists(names, max_size=4), sens=st.lists(names, max_size=3),
        sel=st.sampled_from(['structural', 'measured']),
-       ov=st.lists(st.tuples(names, st.sampled_from([None, 'int8_tensorwise']), st.just({})), max_size=2))
-def test_policy_json_round_trip(mode, preset, ratio, keep, sens, sel, ov):
-    p = Policy(mode, preset, ratio, keep, sens, sel, ov)
+       ov=st.lists(st.tuples(names, st.sampled_from([None, 'int8_tensorwise']), st.just({})), max_size=2),
+       group=st.sampled_from([4, 16, 64, 256, 1024, 'auto']))
+def test_policy_json_round_trip(mode, preset, ratio, keep, sens, sel, ov, group):
+    p = Policy(mode, preset, ratio, keep, sens, sel, ov, group)
     q = Policy.from_json(p.to_json())
     assert q == p and hash(q) == hash(p) and json.loads(q.to_json()) == json.loads(p.to_json())
 
@@ -250,3 +279,34 @@ def test_policy_validation():
     with pytest.raises(ValueError, match=r'\[0, 1\]'): Policy(int4_mixed_ratio=-0.1)
     with pytest.raises(ValueError, match='unknown field'): Policy.from_dict({'mode': 'int8', 'foo': 1})
     assert Policy(preset='Z_Image').preset == 'z-image' and Policy(preset='hidream').preset == 'hidream o1'
+
+
+@pytest.mark.parametrize('bad', [128, 0, 1, 2, -4, 4.0, True, '64', 'Auto', None])
+def test_bad_convrot_groupsize(bad):
+    with pytest.raises(ValueError, match=r"Policy.convrot_groupsize: expected 'auto' or a power of 4"):
+        Policy(convrot_groupsize=bad)
+    with pytest.raises(ValueError, match='Policy.convrot_groupsize'):
+        Policy.from_dict({'convrot_groupsize': bad})
+
+
+@pytest.mark.parametrize('K, group', [(1536, 256), (384, 64), (768, 256), (320, 64), (192, 64), (4096, 256)])
+def test_auto_group_per_layer(K, group):
+    p = Policy('int4_mixed', 'none', 0.0, convrot_groupsize='auto').plan({'a': (128, K), 'b': (128, 1536)})
+    assert p['a'].label == 'W4A4' and p['a'].config['convrot_groupsize'] == group
+    assert p['b'].config['convrot_groupsize'] == 256
+    assert f"W4A4 (ConvRot group {group})" in p['a'].reason
+    assert p.to_dict()['policy']['convrot_groupsize'] == 'auto'
+
+
+def test_auto_group_int8_convrot_and_fallback():
+    # K = 48: W4A4 needs K % 64 == 0 (the registry says so); INT8 ConvRot takes group 16
+    p = Policy('int8_convrot', 'none', convrot_groupsize='auto').plan({'a': (64, 48), 'b': (64, 42)})
+    assert p['a'].config == {'format': 'int8_tensorwise', 'convrot': True, 'convrot_groupsize': 16}
+    assert p['b'].label == 'INT8' and p['b'].tier == 'fallback' and 'INT8 ConvRot (ConvRot group 256) does not fit' in p['b'].reason
+    q = Policy('int4_full', 'none', convrot_groupsize='auto').plan({'a': (64, 48)})
+    assert q['a'].label == 'INT8' and q['a'].tier == 'fallback'
+    assert grouped(CHOICES['W4A4'], (64, 48), 'a', 'auto').check((64, 48)) is not None
+    assert AUTO_GROUPS[0] == 256
+    # a fixed group other than the default is stated too
+    r = Policy('int4_full', 'none', convrot_groupsize=64).plan({'a': (64, 1536)})
+    assert r['a'].config['convrot_groupsize'] == 64 and 'W4A4 (ConvRot group 64)' in r['a'].reason
