@@ -167,8 +167,10 @@ def test_cli_commands(mixed, tmp_path):
     src, _ = mixed
     rc, txt = _cli('plan', src, '--mode', 'int4_full', '--preset', 'none', '--keep-float', 'embed')
     assert rc == 0 and 'W4A4' in txt and "keep_float pattern 'embed' (user)" in txt
-    rc, txt = _cli('plan', src, '--selection', 'measured', '--preset', 'none')
-    assert rc == 0 and 'INT8 budget: measured rank 1/' in txt
+    rc, txt = _cli('plan', src, '--selection', 'measured', '--preset', 'none', '--json')   # a file, no calibration:
+    from cquant.policy import NO_DATA                                                       # the structural order, said
+    picked = [d['reason'] for d in json.loads(txt)['layers'].values() if d['tier'] == 'int8_budget']
+    assert rc == 0 and picked and all(NO_DATA in r for r in picked), picked[:2]
     rc, txt = _cli('plan', src, '--json', '--ratio', '1')
     assert json.loads(txt)['budget']['ratio'] == 1.0
     dst = tmp_path / 'c.safetensors'
