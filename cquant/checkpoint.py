@@ -1047,6 +1047,15 @@ def text_table(head:list, # column titles
     head_line = fmt(cells[0])[0]
     return [head_line, '-' * max([len(head_line)] + [len(l) for l in body])] + body
 
+# %% ../nbs/11_checkpoint.ipynb #ce3ad167
+def markdown_table(head:list, # column titles
+                   rows:list, # one list of cells per row (already formatted)
+                   align:str, # per column: '<' left, '>' right
+                  ) -> str: # a markdown table
+    "`text_table`'s sibling for the docs: the rows as a markdown table."
+    line = lambda cells: '| ' + ' | '.join(map(str, cells)) + ' |'
+    return '\n'.join([line(head), '|' + '|'.join('---:' if a == '>' else '---' for a in align) + '|', *map(line, rows)])
+
 # %% ../nbs/11_checkpoint.ipynb #6bdb40dc
 def format_inspect(r:dict) -> str:
     "The text report of `cquant inspect`."

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from .numerics import sqnr
-from .checkpoint import load_file
+from .checkpoint import load_file, markdown_table
 from .modules import QuantLinear, load_quantized_model, quantized_names, submodule, swap_module
 from .models import dit_model, dit_batches
 from .minilm import MiniLM, minilm_model, SENTENCES, sentence_batches
@@ -137,12 +137,10 @@ def _fmt(v, spec:str) -> str: return '-' if v is None else ('inf' if v == math.i
 def rows_table(rows:list, # rows of `evaluate`
               ) -> str: # a markdown table
     "The rows as a markdown table: label, SQNR, embedding 1-cos (mean / worst), quantized layers, MB vs float."
-    out = ['| workload | policy | output SQNR (dB) | 1-cos mean | 1-cos worst | layers | MB (float MB) |',
-           '|---|---|---:|---:|---:|---:|---:|']
-    for r in rows:
-        out.append(f"| {r['workload']} | {r['label']} | {_fmt(r['sqnr_db'], '.2f')} | {_fmt(r.get('cos_mean'), '.2e')} | "
-                   f"{_fmt(r.get('cos_worst'), '.2e')} | {r['layers']} | {r['bytes'] / 1e6:.2f} ({r['float_bytes'] / 1e6:.2f}) |")
-    return '\n'.join(out)
+    return markdown_table(['workload', 'policy', 'output SQNR (dB)', '1-cos mean', '1-cos worst', 'layers', 'MB (float MB)'],
+                          [[r['workload'], r['label'], _fmt(r['sqnr_db'], '.2f'), _fmt(r.get('cos_mean'), '.2e'),
+                            _fmt(r.get('cos_worst'), '.2e'), r['layers'],
+                            f"{r['bytes'] / 1e6:.2f} ({r['float_bytes'] / 1e6:.2f})"] for r in rows], '<<>>>>>')
 
 # %% ../nbs/22_evaluate.ipynb #efe9d146
 def plot_rows(rows:list, # rows of `evaluate`

@@ -10,6 +10,7 @@ import math
 import torch
 from .formats import FORMATS
 from .tensor import quantize, get_format
+from .checkpoint import markdown_table
 
 # %% auto #0
 __all__ = ['default_variants', 'format_table', 'rows_markdown', 'plot_format_sqnr']
@@ -83,12 +84,11 @@ def rows_markdown(rows:list, # rows from `format_table`
                   digits:int=2, # decimals for dB values
                  ) -> str: # a markdown table
     "The rows of `format_table` as a markdown table: SQNR mean / min / aggregate, relative error, bits per weight."
-    out = ['| variant | SQNR mean (dB) | SQNR min (dB) | worst layer | SQNR all (dB) | rel. error | bits/weight |',
-           '|---|---:|---:|---|---:|---:|---:|']
-    for r in rows:
-        out.append(f"| {r['label']} | {r['sqnr_mean']:.{digits}f} | {r['sqnr_min']:.{digits}f} | {r['min_layer']} | "
-                   f"{r['sqnr_db']:.{digits}f} | {r['rel_error']:.4f} | {r['bits_per_weight']:.3f} |")
-    return '\n'.join(out)
+    return markdown_table(['variant', 'SQNR mean (dB)', 'SQNR min (dB)', 'worst layer', 'SQNR all (dB)', 'rel. error',
+                           'bits/weight'],
+                          [[r['label'], f"{r['sqnr_mean']:.{digits}f}", f"{r['sqnr_min']:.{digits}f}", r['min_layer'],
+                            f"{r['sqnr_db']:.{digits}f}", f"{r['rel_error']:.4f}", f"{r['bits_per_weight']:.3f}"]
+                           for r in rows], '<>><>>>')
 
 # %% ../nbs/19_format_quality.ipynb #08e1c734
 def plot_format_sqnr(rows:list, # rows from `format_table`

@@ -61,9 +61,8 @@ def mse_grid(spec:FormatSpec, w:torch.Tensor, opts:dict, tensor_clips=TENSOR_CLI
         raise QuantFormatError(f"{spec.name} has no rounding grid for the options {given}: rounding='mse' and "
                                "'gptq' cannot encode this variant (rounding='nearest' can)")
     if grid.tensor_scale and len(tensor_clips) > 1:       # each per-tensor candidate with coarse clips, the best refined
-        errs = [float(search_scales(spec.grid(w, opts, tc), spec.grid(w, opts, tc).basis(w), COARSE_CLIPS)[1].sum())
-                for tc in tensor_clips]
-        grid = spec.grid(w, opts, tensor_clips[min(range(len(errs)), key=errs.__getitem__)])
+        coarse = lambda g: float(search_scales(g, g.basis(w), COARSE_CLIPS)[1].sum())
+        grid = min((spec.grid(w, opts, tc) for tc in tensor_clips), key=coarse)
     wb = grid.basis(w)
     scales, err = search_scales(grid, wb, clips)
     return grid, wb, scales, float(err.sum())
