@@ -232,6 +232,7 @@ class FormatSpec:
     comfy_unread: tuple = ()            # stored keys ComfyUI's loader never reads
     value_rules: dict = field(default_factory=dict)  # stored scale key -> `ValueRule`: the values it may hold
     grid: Any = None                    # hook(w, options, tensor_clip) -> `Grid`: its rounding, for rounding='mse'/'gptq'
+    calibrated: Any = None              # hook(w, options, calibration, name) -> (qdata, params): its own data-aware encoder
 
     @property
     def option_names(self) -> tuple: return tuple(o.name for o in self.options)
@@ -696,7 +697,9 @@ def round_stochastic(x:torch.Tensor, seed:int) -> torch.Tensor:
 def _searched(spec:FormatSpec, w, opts:dict, rounding, calibration, stochastic_rounding:int, name:str) -> tuple:
     "`quantize` with a registered rounding other than 'nearest', after checking that the request makes sense."
     if rounding == 'nearest':
-        raise format_error('', 'calibration', "None with rounding='nearest' (inputs choose the codes of rounding='gptq')",
+        own = sorted(n for n, s in FORMATS.items() if s.calibrated)
+        raise format_error('', 'calibration', f"None with rounding='nearest' for {spec.name} (inputs choose the codes of "
+                           f"rounding='gptq'; formats with a data-aware encoder of their own: {own})",
                            type(calibration).__name__)
     if rounding not in ROUNDINGS:
         raise format_error('', 'option rounding', f"'nearest' or one of {sorted(ROUNDINGS)}", repr(rounding))
@@ -713,7 +716,8 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
              rounding:str='nearest', calibration=None, **options) -> QuantizedTensor:
     """Quantize float tensor `w` (named `name` in errors, e.g. 'blocks.0.proj.weight') to format `fmt` with its `options`.
     `rounding`: 'nearest' (the format's encoder: comfy-kitchen's bytes), 'mse' (scales chosen for the least weight
-    error) or 'gptq' (codes chosen for the least output error on `calibration` inputs [..., K])."""
+    error) or 'gptq' (codes chosen for the least output error on `calibration` inputs [..., K]). A format with a
+    data-aware encoder of its own (`FormatSpec.calibrated`, e.g. AWQ) uses `calibration` with rounding='nearest'."""
     spec = get_format(fmt, caller='cq.quantize')
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or isinstance(w, QuantizedTensor):
         raise format_error('', name, 'a floating-point torch.Tensor',
@@ -728,6 +732,8 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     if rounding == 'nearest' and calibration is None:
         qdata, params = layout_op(spec.layout, 'quantize', w, stochastic_rounding=stochastic_rounding,
                                   **spec.layout_kwargs, **opts)
+    elif rounding == 'nearest' and spec.calibrated and not stochastic_rounding:
+        qdata, params = spec.calibrated(w, opts, calibration, name)
     else: qdata, params = _searched(spec, w, opts, rounding, calibration, stochastic_rounding, name)
     try: check_values(spec, spec.layout.tensors(qdata, params), prefix)
     except QuantFormatError as e:
