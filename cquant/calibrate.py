@@ -414,9 +414,16 @@ class Calibration:
 def rounding_kwargs(name:str, # the layer
                     rounding:str, # its decision's rounding: nearest | mse | gptq
                     x:torch.Tensor|None, # its inputs as its stored weight sees them (`Calibration.layer_inputs`)
+                    fmt=None, # its format: one with a data-aware encoder of its own (AWQ) gets `x` too
                    ) -> dict: # keywords for `cquant.quantize`
     "The `quantize` keywords that round layer `name` as asked: GPTQ on its calibration inputs, or MSE without them."
-    if rounding == 'nearest': return {}
+    if rounding == 'nearest':
+        if fmt is None or not get_format(fmt).calibrated: return {}
+        if x is None:
+            warnings.warn(f"{name}: {get_format(fmt).name} calibrates on the layer's inputs and none were given; "
+                          "its data-free variant instead", CalibrationWarning, stacklevel=3)
+            return {}
+        return {'calibration': x}
     if rounding != 'gptq': return {'rounding': rounding}
     if x is None:
         warnings.warn(f"{name}: rounding='gptq' needs the layer's calibration inputs and none were given; "
@@ -443,10 +450,11 @@ def quantize_model(model:nn.Module, # a float model, quantized in place
     key = lambda k: k[:-len('.weight')] if k.endswith('.weight') else k
     roundings = {key(k): getattr(d, 'rounding', 'nearest') for k, d in dict(plan).items()}
     plan = {key(k): plan_entry(d)[:3] for k, d in dict(plan).items()}
-    gptq = gptq_layers(roundings, calibration, 'quantize_model')
+    keep = gptq_layers(roundings, calibration, 'quantize_model') | {
+        k for k, d in plan.items() if d[0] is not None and get_format(d[0]).calibrated}
     if calibration is not None:
         calibration = Calibration.of(calibration).prepare(model, {k: d[0] for k, d in plan.items() if d[0] is not None},
-                                                          gptq)
+                                                          keep)
     for mod, (fmt, opts, fpmm) in plan.items():
         if fmt is None: continue
         m = submodule(model, mod)
@@ -462,6 +470,6 @@ def quantize_model(model:nn.Module, # a float model, quantized in place
             if w is not w0: q.weight = nn.Parameter(w, requires_grad=False)     # smoothed: W / pre_quant_scale
         opts.setdefault('stochastic_rounding', stochastic_rounding)
         q.quantize_(fmt, full_precision_matrix_mult=fpmm, **opts, 
-                   **rounding_kwargs(mod, roundings[mod], calibration and calibration.layer_inputs(mod, extras)))
+                   **rounding_kwargs(mod, roundings[mod], calibration and calibration.layer_inputs(mod, extras), fmt))
         for k, t in extras.items(): setattr(q, k, t.to(q.weight.device))
     return model

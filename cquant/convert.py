@@ -412,7 +412,7 @@ def _gain(a:float, b:float) -> float|None: return a - b if math.isfinite(a) and 
 def _rounding_fields(wt:torch.Tensor, d, rk:dict, x:torch.Tensor|None, out:dict) -> dict:
     "The report fields of a layer's rounding: output SQNR on its inputs, and the gains over round-to-nearest."
     f = {} if x is None else {'output_sqnr_db': _finite(energy_db(out['out_sig'], out['out_noise']))}
-    if not rk: return f
+    if 'rounding' not in rk: return f
     ref = quantize(wt, d.format, **d.options).dequantize(torch.float32)
     s, n, _ = _err(wt, ref)
     f.update(rounding=rk['rounding'], rounding_gain_db=_gain(energy_db(out['sig'], out['noise']), energy_db(s, n)))
@@ -429,12 +429,12 @@ def _quantize_layer(w:StreamingWriter, ck:Checkpoint, key:str, m:str, d, layers,
     wt, extras = layers.weight(m), {}
     if cal is not None: wt, extras = cal.layer(m, d.format, wt)
     x = None if cal is None else cal.layer_inputs(m, extras)
-    rk = rounding_kwargs(m, d.rounding, x)
+    rk = rounding_kwargs(m, d.rounding, x, d.format)
     wt = wt.to(device)
     out = _write_quantized(w, wt, key, prefix, d.format, d.options, measure, rk, x if measure else None)
     for k, t in extras.items():
         w.add(prefix + k, t); out['bytes'] += w.entry(prefix + k).nbytes
-    more = _rounding_fields(wt, d, rk, x, out) if measure else ({'rounding': rk['rounding']} if rk else {})
+    more = _rounding_fields(wt, d, rk, x, out) if measure else ({'rounding': rk['rounding']} if 'rounding' in rk else {})
     del wt
     trim_heap()
     before = info.nbytes + sum(ck.info(k).nbytes for k in old)
