@@ -19,6 +19,7 @@ from ._version import __version__
 from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, Plan, layer_source
 from .models import dit_state_dict
 from .calibrate import Calibration, gptq_layers, rounding_kwargs
+from .rounding import GPTQWarning
 from .minilm import minilm_path, fetch_minilm
 
 # %% auto #0
@@ -431,7 +432,11 @@ def _quantize_layer(w:StreamingWriter, ck:Checkpoint, key:str, m:str, d, layers,
     x = None if cal is None else cal.layer_inputs(m, extras)
     rk = rounding_kwargs(m, d.rounding, x, d.format)
     wt = wt.to(device)
-    out = _write_quantized(w, wt, key, prefix, d.format, d.options, measure, rk, x if measure else None)
+    with warnings.catch_warnings(record=True) as caught:       # a GPTQ that fell back to MSE is reported as MSE
+        warnings.simplefilter('always', GPTQWarning)
+        out = _write_quantized(w, wt, key, prefix, d.format, d.options, measure, rk, x if measure else None)
+    for c in caught: warnings.warn_explicit(c.message, c.category, c.filename, c.lineno)
+    if any(issubclass(c.category, GPTQWarning) for c in caught): rk = {**rk, 'rounding': 'mse'}
     for k, t in extras.items():
         w.add(prefix + k, t); out['bytes'] += w.entry(prefix + k).nbytes
     more = _rounding_fields(wt, d, rk, x, out) if measure else ({'rounding': rk['rounding']} if 'rounding' in rk else {})

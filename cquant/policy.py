@@ -700,19 +700,15 @@ def _per_layer_budget(b:dict, src:LayerSource, pairs:dict, calibration, model) -
 
 # %% ../nbs/16_policy.ipynb #a1f0c013
 def _greedy_budget(b:dict, model:nn.Module, batches, pairs:dict, fixed:dict, outputs=None, g=None) -> dict:
-    "`b` with the layers `greedy_order` takes (or the first of a longer search `g`), in order; the rest by gain alone."
+    "`b` with the first `target` layers of the end-to-end ranking `greedy_order` (or of an earlier one, `g`)."
     N, target = len(pairs), b['target']
-    if g is None or len(g['order']) < target: g = greedy_order(model, batches, pairs, fixed, target, outputs)
-    g = {**g, 'order': g['order'][:target], 'sqnr_db': g['sqnr_db'][:target]}
-    rest = sorted((n for n in pairs if n not in g['order']), key=lambda n: -g['single_db'][n])
+    if g is None: g = greedy_order(model, batches, pairs, fixed, outputs)
     before = [g['start_db']] + g['sqnr_db'][:-1]
     for i, n in enumerate(g['order']):
-        b['why'][n] = (f"INT8 budget: end-to-end greedy step {i + 1}/{N} (calibration output SQNR "
-                       f"{before[i]:.2f} -> {g['sqnr_db'][i]:.2f} dB)")
-    for n in rest:
-        b['why'][n] = (f"outside the INT8 budget (end-to-end greedy took {target} of {N}; alone "
-                       f"{g['single_db'][n] - g['start_db']:+.2f} dB)")
-    b['chosen'], b['order'], b['greedy'] = set(g['order']), g['order'] + rest, g
+        b['why'][n] = (f"INT8 budget: end-to-end rank {i + 1}/{N} (backward elimination; calibration output SQNR "
+                       f"{before[i]:.2f} -> {g['sqnr_db'][i]:.2f} dB with it)" if i < target else
+                       f"outside the INT8 budget (end-to-end rank {i + 1}/{N}, the budget takes {target})")
+    b['chosen'], b['order'], b['greedy'] = set(g['order'][:target]), g['order'], g
     return b
 
 # %% ../nbs/16_policy.ipynb #fb524e25
@@ -783,10 +779,9 @@ def greedy_order(model:nn.Module, # the float model (left unchanged)
                  batches, # calibration batches (a tuple is splatted into model(*batch), a dict into model(**batch))
                  pairs:dict, # {candidate: (low Choice, high Choice)}
                  fixed:dict, # {other layer: Decision (or anything with .format/.options)}, quantized while measuring
-                 k:int, # steps: layers moved to the high choice
                  outputs=None, # (model, batch) -> the tensor compared (default: what model(*batch) returns)
-                ) -> dict: # order, sqnr_db after each step, start_db, single_db {candidate: SQNR with it alone high}
-    "Lazy forward greedy on the end-to-end output SQNR over `batches`: `k` candidates moved from low to high."
+                ) -> dict: # order (most needed first), sqnr_db[i] with order[:i + 1] high, start_db with none high
+    "Greedy backward elimination on the end-to-end output SQNR over `batches`: the candidates ranked, best first."
     batches, out = list(batches), outputs or (lambda m, b: _run_batch(m, b))
     refs = [_output(out(model, b)) for b in batches]
     q = copy.deepcopy(model)
@@ -794,27 +789,23 @@ def greedy_order(model:nn.Module, # the float model (left unchanged)
         if d.format is not None and is_linear(submodule(q, n)):
             swap_module(q, n, QuantLinear.from_float(submodule(q, n), d.format, **d.options))
     vers = {n: [QuantLinear.from_float(submodule(q, n), c.format, **c.opts) for c in lh] for n, lh in pairs.items()}
-    for n, (lo, _) in vers.items(): swap_module(q, n, lo)
+    for n, (_, hi) in vers.items(): swap_module(q, n, hi)
     def score(n=None) -> float:
-        if n is not None: swap_module(q, n, vers[n][1])
+        "Calibration output SQNR as the model stands, with candidate `n` moved to its low choice."
+        if n is not None: swap_module(q, n, vers[n][0])
         s = e = 0.0
         for r, b in zip(refs, batches):
             y = _output(out(q, b))
             s += float(r.double().square().sum()); e += float((y - r).double().square().sum())
-        if n is not None: swap_module(q, n, vers[n][0])
+        if n is not None: swap_module(q, n, vers[n][1])
         return energy_db(s, e)
-    start = cur = score()
-    single = {n: score(n) for n in pairs}
-    est = {n: v - start for n, v in single.items()}                    # gain estimates (dB)
-    fresh, order, after = set(pairs), [], []
-    pos = {n: i for i, n in enumerate(pairs)}
-    while len(order) < min(k, len(pairs)):
-        n = max(est, key=lambda m: (est[m], -pos[m]))
-        if n not in fresh:
-            est[n] = score(n) - cur; fresh.add(n); continue
-        swap_module(q, n, vers[n][1]); vers[n] = [vers[n][1]] * 2
-        order.append(n); cur += est.pop(n); after.append(cur); fresh = set()
-    return dict(order=order, sqnr_db=after, start_db=start, single_db=single)
+    kept, pos, moved = list(pairs), {n: i for i, n in enumerate(pairs)}, []
+    after = {len(kept): score()}                          # SQNR with the `len` candidates left high
+    while kept:
+        cost = {n: score(n) for n in kept}
+        n = max(kept, key=lambda m: (cost[m], pos[m]))    # the cheapest move (ties: the later candidate goes first)
+        swap_module(q, n, vers[n][0]); kept.remove(n); moved.append(n); after[len(kept)] = cost[n]
+    return dict(order=moved[::-1], sqnr_db=[after[i + 1] for i in range(len(moved))], start_db=after[0])
 
 # %% ../nbs/16_policy.ipynb #a1f0c024
 def plan_ratios(policy:Policy, # a measured (or any) policy; its ratio is replaced by each of `ratios`
@@ -823,9 +814,9 @@ def plan_ratios(policy:Policy, # a measured (or any) policy; its ratio is replac
                 calibration, # calibration batches
                 outputs=None, # (model, batch) -> the tensor compared
                ) -> dict: # {ratio: Plan}
-    "`{r: policy at ratio r .plan(model, calibration, outputs)}` with one greedy search, the largest budget's."
+    "`{r: policy at ratio r .plan(model, calibration, outputs)}` with one end-to-end ranking."
     out, g = {}, None
-    for r in sorted(ratios, reverse=True):
+    for r in ratios:
         p = replace(policy, int4_mixed_ratio=r)
         with layer_source(model) as src: out[r] = _plan(p, src, calibration, model, outputs, g)
         g = out[r].budget.get('greedy', g)

@@ -236,22 +236,33 @@ def test_measured_with_model_is_greedy_and_nested():
         ps = plan_ratios(Policy(selection='measured'), model, (0.1, 0.2, 0.5), cal)
         one = Policy(selection='measured', int4_mixed_ratio=0.2).plan(model, calibration=cal)
     g = ps[0.5].budget['greedy']
-    assert len(g['order']) == ps[0.5].budget['target'] == len(ps[0.5].selected())
-    for r in (0.1, 0.2):
-        assert ps[r].budget['order'][:ps[r].budget['target']] == g['order'][:ps[r].budget['target']]
+    assert sorted(g['order']) == sorted(ps[0.5].budget['order']) and len(g['order']) == ps[0.5].budget['candidates']
+    for r in (0.1, 0.2, 0.5):
+        assert ps[r].budget['order'] == g['order'] and set(ps[r].selected()) == set(g['order'][:ps[r].budget['target']])
     assert set(ps[0.1].selected()) <= set(ps[0.2].selected()) <= set(ps[0.5].selected())
-    assert one.selected() == ps[0.2].selected() and one.budget['greedy']['order'] == ps[0.2].budget['greedy']['order']
+    assert one.selected() == ps[0.2].selected() and one.budget['greedy']['order'] == g['order']
     first = ps[0.5][g['order'][0]].reason
-    assert f"end-to-end greedy step 1/{ps[0.5].budget['candidates']} (calibration output SQNR {g['start_db']:.2f} -> " in first
+    assert (f"end-to-end rank 1/{ps[0.5].budget['candidates']} (backward elimination; calibration output SQNR "
+            f"{g['start_db']:.2f} -> {g['sqnr_db'][0]:.2f} dB with it)") in first
     rest = [n for n in ps[0.2].budget['order'] if n not in ps[0.2].selected()]
-    assert 'outside the INT8 budget (end-to-end greedy took' in ps[0.2][rest[0]].reason
-    # each step is the best single move from the previous selection (checked against a brute-force step)
+    assert 'outside the INT8 budget (end-to-end rank' in ps[0.2][rest[0]].reason
+    # the first move of the elimination is the cheapest one from all-INT8 (checked by brute force with quantize_model)
     fixed = {n: d for n, d in ps[0.5].items() if d.format is not None and n not in ps[0.5].budget['order']}
     mode = MODES['int4_mixed']
     pairs = {n: (mode.chain[0], mode.budget[0]) for n in ps[0.5].budget['order']}
-    assert greedy_order(model, cal, pairs, fixed, 1)['order'] == g['order'][:1]
+    with torch.no_grad():
+        ref = torch.cat([model(*b).flatten() for b in cal])
+        def moved_low(c):
+            plan = {**{n: (d.format, d.options) for n, d in fixed.items()},
+                    **{n: ((lo if n == c else hi).format, (lo if n == c else hi).opts) for n, (lo, hi) in pairs.items()}}
+            q = cq.quantize_model(dit_model(0, depth=2, experts=2), plan)
+            return cq.sqnr(ref, torch.cat([q(*b).flatten() for b in cal]))
+        sc = {c: moved_low(c) for c in pairs}
+    assert max(sc, key=sc.get) == g['order'][-1]
+    assert abs(sc[g['order'][-1]] - g['sqnr_db'][-2]) < 1e-3
+    assert greedy_order(model, cal, pairs, fixed)['order'] == g['order']
     with pytest.raises(TypeError, match='must return a tensor'):
-        greedy_order(model, cal, pairs, fixed, 1, outputs=lambda m, b: {'x': m(*b)})
+        greedy_order(model, cal, pairs, fixed, outputs=lambda m, b: {'x': m(*b)})
     with pytest.raises(ValueError, match='needs the weights'):
         Policy(selection='measured', preset='none').plan(MINI, calibration={})
     assert Policy(selection='measured', preset='none').plan(MINI).budget['note'] == NO_DATA   # shapes: structural

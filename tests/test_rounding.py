@@ -110,12 +110,16 @@ def test_checkpoint_gptq_report_and_file(tmp_path):
     policy = cq.Policy(mode='int4_full', rounding='gptq')
     some = next(n for n, d in policy.plan(model).items() if d.format and n in cal)
     del cal[some]                                         # one layer without inputs: MSE, with a warning naming it
-    with pytest.warns(CalibrationWarning, match=f"{some}: rounding='gptq' needs the layer's calibration inputs"):
+    short = next(n for n, d in policy.plan(model).items() if d.format and n in cal and 'experts' not in n)
+    cal[short] = cal[short][:8]                           # too few rows: GPTQ falls back to MSE, reported as MSE
+    with pytest.warns(CalibrationWarning, match=f"{some}: rounding='gptq' needs the layer's calibration inputs"), \
+         pytest.warns(GPTQWarning, match=f"{short}.weight: 8 calibration rows"):
         rep = cq.quantize_checkpoint(src, dst, policy, progress=False, calibration=cal)
     rows = {r['name']: r for r in rep.layers if r['format']}
     assert rows[some]['rounding'] == 'mse' and 'output_sqnr_db' not in rows[some]
+    assert rows[short]['rounding'] == 'mse' and 'output_sqnr_db' in rows[short]
     gptq = [r for r in rows.values() if r['rounding'] == 'gptq']
-    assert len(gptq) == len(rows) - 1
+    assert 0 < len(gptq) <= len(rows) - 2
     routed = [r for r in gptq if 'experts' in r['name']]     # MoE experts see few routed rows: MSE fallback inside
     assert all(r['output_gain_db'] > 0 for r in gptq if r not in routed), [(r['name'], r['output_gain_db']) for r in gptq]
     assert 'out gain' in rep.table() and 'gain dB' in rep.table()
