@@ -219,18 +219,21 @@ def _awq_check_shape(shape, opts, prefix=''):
                            f'G={G}' + (f' (K % G = {K % G})' if G > 0 and K % G else ''))
 
 # %% ../nbs/07a_awq.ipynb #fb0e8bd2
-def _awq_group_tensor(t, key, want, prefix):
-    "A stored scale/zeros tensor checked: a float tensor (fp32, bf16, fp16) of shape `want`."
+def _awq_group_tensor(t, key, K, N, G, prefix):
+    "A stored scale/zeros tensor checked: a float tensor (fp32, bf16, fp16) of shape (K/G, N)."
+    want = (K // G, N)
     if not isinstance(t, torch.Tensor) or t.dtype not in SCALE_DTYPES or tuple(t.shape) != want:
         found = f'{t.dtype} of shape {tuple(t.shape)}' if isinstance(t, torch.Tensor) else type(t).__name__
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == N and t.shape[0] and K % t.shape[0] == 0:
+            found += f" (the groups of G={K // t.shape[0]}: is the top-level comfy_quant['group_size']={G} right?)"
         raise format_error(prefix, key, f'a float32, bfloat16 or float16 tensor of shape {want} (K/G, N)', found)
     return t
 
 def _awq_from_tensors(tensors, opts, shape, dtype, prefix=''):
     N, K = shape
     G = opts.get('group_size', 64)
-    s = _awq_group_tensor(tensors['weight_scale'], 'weight_scale', (K // G, N), prefix)
-    z = _awq_group_tensor(tensors['weight_zeros'], 'weight_zeros', (K // G, N), prefix)
+    s = _awq_group_tensor(tensors['weight_scale'], 'weight_scale', K, N, G, prefix)
+    z = _awq_group_tensor(tensors['weight_zeros'], 'weight_zeros', K, N, G, prefix)
     if z.dtype != s.dtype:
         raise format_error(prefix, 'weight_zeros', f'the dtype of weight_scale ({s.dtype})', f'{z.dtype}')
     if not bool(torch.isfinite(z).all()): raise format_error(prefix, 'weight_zeros', 'finite zero points', 'inf or NaN')
@@ -282,7 +285,8 @@ def _everywhere(dev:torch.device) -> bool:
 # %% ../nbs/07a_awq.ipynb #41388f04
 AWQ_W4A16 = register_format(FormatSpec(
     'awq_w4a16', AWQLayout, torch.int8, keys=('weight_scale', 'weight_zeros'),
-    options=(Option('group_size', 64, int, 'G: input features sharing one scale and zero (even, divides K)'),
+    options=(Option('group_size', 64, int, 'G: input features sharing one scale and zero (even, divides K)',
+                    nested=False),
              Option('clip_search', True, bool,
                     'data-free encoder: per-group clip search and refit (False: plain min/max)', stored=False)),
     group_size=64, quantize_input=False, aliases=('awq', 'w4a16'),

@@ -233,7 +233,7 @@ def test_bad_files_name_the_key():
         ({"blk.weight_zeros": torch.full((2, 16), math.nan)}, r"'blk\.weight_zeros': expected finite zero points"),
         ({"blk.weight_scale": -sd["blk.weight_scale"]}, r"'blk\.weight_scale': expected finite and >= 0"),
         ({"blk.weight_scale": sd["blk.weight_scale"].to(torch.int32)}, r"'blk\.weight_scale': expected a float32"),
-        ({"blk.comfy_quant": cq.encode_json({"format": FMT, "group_size": 32})}, r"'blk\.weight_scale': expected .* shape \(4, 16\)"),
+        ({"blk.comfy_quant": cq.encode_json({"format": FMT, "group_size": 32})}, r"'blk\.weight_scale': expected .* shape \(4, 16\) \(K/G, N\), found torch\.float32 of shape \(2, 16\) \(the groups of G=64: is the top-level comfy_quant\['group_size'\]=32 right\?\)"),
         ({"blk.comfy_quant": cq.encode_json({"format": FMT, "group_size": 3})}, r"comfy_quant\['group_size'\]': expected an even group size"),
         ({"blk.weight": sd["blk.weight"][:, :32]}, r"'blk\.comfy_quant\['group_size'\]'|'blk\.weight_scale'"),
     ]
@@ -250,4 +250,5 @@ def test_declared_facts():
     assert spec.kitchen_layout == "TensorCoreAWQW4A16Layout" and spec.layout.MIN_SM_VERSION == KL.MIN_SM_VERSION
     assert spec.calibrated is not None and spec.native_on("cpu") and spec.native_on("xpu")
     assert spec.config(spec.resolve(None)) == {"format": FMT, "group_size": 64}
-    assert spec.resolve({"format": FMT, "params": {"group_size": 32}})["group_size"] == 32
+    assert spec.resolve({"format": FMT, "params": {"group_size": 32}})["group_size"] == 64     # top level only
+    assert spec.resolve({"format": FMT, "group_size": 32, "params": {"group_size": 16}})["group_size"] == 32
