@@ -57,6 +57,8 @@ def test_decode_matches_kitchen(n, kmul, G, dtype, out, seed, exp10, clip, sr):
     sd = file_of(qt)
     kq = kitchen_load(sd, "m.", shape, out)
     assert_bits(qt.dequantize(out), kq.dequantize().to(out), f"{shape} G={G} {dtype}->{out}")
+    ksd = kq.state_dict("m.weight")                 # kitchen writes back the same keys and bytes
+    assert sorted(ksd) == sorted(k for k in sd if k != "m.comfy_quant") and all(same_bits(ksd[k], sd[k]) for k in ksd)
     back = cq.load_quantized(sd, "m.", dtype=out)
     assert_bits(back.dequantize(), qt.dequantize(out), "reload")
     s, z = sd["m.weight_scale"], sd["m.weight_zeros"]
@@ -137,6 +139,24 @@ def test_calibrated_awq_beats_minmax(dtype):
     out = lambda t: cq.sqnr(ref, xe @ t.dequantize(torch.float32).t())
     plain, free = cq.quantize(w, FMT, clip_search=False), cq.quantize(w, FMT)
     assert out(qt) > out(plain) + 1.0 and out(qt) > out(free), (out(plain), out(free), out(qt))
+
+
+@settings(max_examples=15, **COMMON)
+@given(n=st.integers(1, 12), kmul=st.integers(1, 3), G=st.sampled_from([4, 16, 64]), m=st.integers(1, 80),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1))
+def test_calibrated_search_properties(n, kmul, G, m, dtype, seed):
+    """For any shape, dtype and number of calibration rows: the stored result is the candidate with the least output
+    error on the calibration inputs (so never worse than min/max there), and that error is what the file decodes to."""
+    K = G * kmul
+    w = weight((n, K), dtype, seed, outliers=0.02)
+    x = outlier_inputs(m, K, seed + 1, hot=(0, K - 1))
+    q, s, z, alpha, errs = cq.awq_search(w, x, G)
+    best = min(e for _, e in errs)
+    assert dict(errs)[alpha] == best <= dict(errs)[None]
+    dw = w.float() - cq.dequantize_awq(q, s, z, G).float()
+    got = float((x @ dw.t()).square().sum())
+    assert math.isclose(got, best, rel_tol=1e-3, abs_tol=1e-9 * float((x @ w.float().t()).square().sum())), (got, best)
+    assert (s.dtype, z.dtype, tuple(s.shape)) == (dtype, dtype, (K // G, n)) and bool((s >= 0).all())
 
 
 def test_calibrated_accepts_batched_inputs_and_is_deterministic():
