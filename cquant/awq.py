@@ -68,7 +68,7 @@ def _decoded(q, s, z, dtype):
     return ((q.to(dtype) - float(AWQ_OFFSET)) * s.to(dtype) + z.to(dtype)).float()
 
 def _stored(s, z, dtype):
-    "Scale and zero rounded to the storage dtype (a negative least-squares scale is not kept), as fp32."
+    "Scale and zero rounded to the storage dtype, as fp32."
     return s.to(dtype).float(), z.to(dtype).float()
 
 # %% ../nbs/07a_awq.ipynb #22e145e2
@@ -104,7 +104,7 @@ def _fit_groups(g, d, dtype, shrinks, refits):
             better = err < best[0]
             best = [torch.where(better, a, b) for a, b in zip((err, s, z), best)]
     for c in shrinks:             # one grid per shrink of [min, max]; each group keeps its best for each importance
-        s, _ = _stored((hi - lo) * (c / 15), lo, dtype)
+        s = ((hi - lo) * (c / 15)).to(dtype).float()
         keep(s, (lo * c + 8 * s).to(dtype).float())
     for _ in range(refits):       # the least-squares grid of each group's codes, kept where it lowers the error
         keep(*_stored(*_refit(g, _codes(g, best[1], best[2]), d, best[1], best[2]), dtype))
@@ -165,9 +165,9 @@ def awq_search(w:torch.Tensor, # [N, K] float weight
     w32 = w.detach().float()
     plain = quantize_awq(w, G, clip_search=False)
     errs, S, Z = [_output_error(w32 - dequantize_awq(*plain, G).float(), x, gram)], [], []
-    err = torch.zeros(A, dtype=torch.float64)
-    for i in range(0, N, _row_block(A, K)):
-        g = w32[i:i + _row_block(A, K)].reshape(-1, Gn, G)
+    err, rows = torch.zeros(A, dtype=torch.float64), _row_block(A, K)
+    for i in range(0, N, rows):
+        g = w32[i:i + rows].reshape(-1, Gn, G)
         s, z = _fit_groups(g, d, dt, AWQ_SHRINKS, AWQ_REFITS)                   # [A, rows, Gn, 1]
         dw = g.reshape(-1, K) - _decoded(_codes(g, s, z), s, z, dt).view(A, -1, K)
         err += torch.tensor([_output_error(e, x, gram) for e in dw], dtype=torch.float64)
