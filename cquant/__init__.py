@@ -2,6 +2,7 @@
 
 Modules:
 
+- `cquant.awq`: `awq_w4a16`: asymmetric 4-bit weights with one float scale and zero per group of 64 input features, float activations; a data-free encoder (min/max with a per-group clip search) and AWQ's activation-aware one.
 - `cquant.convert`: `quantize_checkpoint`: a float (or fp8) safetensors file in, a Comfy quantized file out, streamed tensor by tensor with memory near the largest tensor, atomically, with a per-layer report of what each layer got, why, and what it cost; the `cquant quantize / plan / report / demo` commands.
 - `cquant.fp8`: `float8_e4m3fn` and `float8_e5m2`: one fp32 scale per weight, FP8 elements, byte-compatible with comfy-kitchen, without its NaN and fp16-overflow failures.
 - `cquant.int8`: Symmetric absmax INT8 weights with one scale per tensor or per row, optional ConvRot rotation, and the linear layer as comfy-kitchen runs it: per-token INT8 activations and an exact integer GEMM.

@@ -98,6 +98,7 @@ class Option:
     choices: tuple|None = None
     stored: bool = True          # lives in comfy_quant (else: an encoder-only knob)
     write: Any = 'always'        # 'always' | 'non_default' | callable(options dict) -> bool
+    nested: bool = True          # ComfyUI also reads it from comfy_quant['params'] (False: the top level only)
 
     def coerce(self, value, prefix:str=''):
         "Check and normalise `value`; raise `QuantFormatError` naming the option otherwise."
@@ -286,7 +287,7 @@ def _format_spec_resolve(self, config:dict|None=None, prefix:str='', **given) ->
     for o in self.options:
         if o.name in given: v = given[o.name]
         elif o.stored and o.name in config: v = config[o.name]
-        elif o.stored and o.name in nested: v = nested[o.name]
+        elif o.stored and o.nested and o.name in nested: v = nested[o.name]
         else: v = o.default
         out[o.name] = o.coerce(v, prefix)
     return out

@@ -51,14 +51,15 @@ def test_declared_facts_reproduce_the_old_tables():
     F = cq.FORMATS
     flag = lambda fact: {n for n, s in F.items() if getattr(s, fact)}
     assert flag('row_gather') == flag('embedding') == {'float8_e4m3fn', 'float8_e5m2', 'int8_tensorwise'}
-    assert {n for n, s in F.items() if s.rows_independent({})} == {'convrot_w4a4', 'asym_w4a8_int8', 'w6a8_int8'}
+    assert {n for n, s in F.items() if s.rows_independent({})} == {'convrot_w4a4', 'asym_w4a8_int8', 'w6a8_int8', 'awq_w4a16'}
     assert F['int8_tensorwise'].rows_independent({'convrot': True}) and F['int8_tensorwise'].rows_independent({'per_row': True})
     assert {n for n, s in F.items() if s.bank_is_flat({})} == {'asym_w4a8_int8', 'w6a8_int8'}
     i8 = F['int8_tensorwise']
     assert i8.bank_is_flat({'per_row': True}) and not i8.bank_is_flat({'per_row': True}, {'weight_scale': torch.ones(())})
     assert i8.bank_is_flat({}, {'weight_scale': torch.ones(2, 3, 1)})
     assert {n: s.row_assembly for n, s in F.items() if s.row_assembly} == {
-        'asym_w4a8_int8': {'weight_codebook': 'shared', 'weight_correction': 1}}
+        'asym_w4a8_int8': {'weight_codebook': 'shared', 'weight_correction': 1},
+        'awq_w4a16': {'weight_scale': 1, 'weight_zeros': 1}}
     assert {n: s.input_scale_rule.divisor for n, s in F.items() if s.input_scale_rule} == {
         'float8_e4m3fn': 448.0, 'float8_e5m2': 57344.0, 'nvfp4': 2688}
     assert flag('smoothing') == {'nvfp4'} and flag('dynamic_reason') == {'mxfp8'}
@@ -68,7 +69,8 @@ def test_declared_facts_reproduce_the_old_tables():
 
 def test_native_compute_follows_comfyui(monkeypatch):
     "ComfyUI's disabled formats per device, from each format's native_compute (CUDA faked: capability and torch version)."
-    every = set(cq.FORMATS)
+    always = {'awq_w4a16'}                      # kitchen's eager GEMV: ComfyUI disables it on no device
+    every = set(cq.FORMATS) - always
     ints = {'int8_tensorwise', 'convrot_w4a4', 'asym_w4a8_int8', 'w6a8_int8'}
     assert modules.comfy_disabled_formats('cpu') == every - ints
     assert modules.comfy_disabled_formats('xpu') == every
