@@ -697,6 +697,9 @@ def round_stochastic(x:torch.Tensor, seed:int) -> torch.Tensor:
 # %% ../nbs/01_tensor.ipynb #e0bbb99a
 def _searched(spec:FormatSpec, w, opts:dict, rounding, calibration, stochastic_rounding:int, name:str) -> tuple:
     "`quantize` with a registered rounding other than 'nearest', after checking that the request makes sense."
+    if rounding == 'nearest' and spec.calibrated:
+        raise format_error('', 'option stochastic_rounding', f'0 with calibration inputs ({spec.name}\'s calibrated '
+                           'encoder chooses the codes)', repr(stochastic_rounding))
     if rounding == 'nearest':
         own = sorted(n for n, s in FORMATS.items() if s.calibrated)
         raise format_error('', 'calibration', f"None with rounding='nearest' for {spec.name} (inputs choose the codes of "
