@@ -153,3 +153,12 @@ def test_gptq_act_order_writes_a_valid_better_layer(fmt, opts):
                              dtype=torch.float32)
     assert torch.equal(back.dequantize(), qt.dequantize(torch.float32))
     assert out_sqnr(w, qt, held) > out_sqnr(w, cq.quantize(w, fmt, **opts), held) + 0.5
+
+
+def test_calibrated_formats_refuse_stochastic_rounding():
+    "A format with its own calibrated encoder names the option instead of the GPTQ message."
+    calibrated = [n for n, s in cq.FORMATS.items() if s.calibrated]
+    assert calibrated
+    for n in calibrated:
+        with pytest.raises(cq.QuantFormatError, match=rf"stochastic_rounding': expected 0 with calibration inputs \({n}'s"):
+            cq.quantize(torch.randn(8, 128), n, calibration=torch.randn(32, 128), stochastic_rounding=3)
