@@ -21,6 +21,7 @@ from .mxfp8 import MXFP8
 from .int8 import INT8_TENSORWISE
 from .w4a4 import CONVROT_W4A4
 from .w4a8 import ASYM_W4A8_INT8
+from .awq import AWQ_W4A16
 from .checkpoint import Checkpoint, open_checkpoint
 from .numerics import energy_db, is_power_of_4
 from .modules import QuantLinear, is_linear, submodule, swap_module
@@ -33,12 +34,13 @@ __all__ = ['PRESETS', 'MODES', 'Preset', 'PolicyWarning', 'detect_preset', 'int8
 # %% ../nbs/16_policy.ipynb #e68726bc
 @dataclass(frozen=True)
 class Preset:
-    "An architecture preset: layers kept float, layers the INT8 budget takes first, and the auto-detection markers."
+    "An architecture preset: layers kept float, layers the INT8 budget takes first, auto-detection markers, weight-only layers."
     name: str
     keep_float: tuple = ()       # substrings of layer names that stay in the source dtype
     int4_sensitive: tuple = ()   # substrings of layer names that the int4_mixed INT8 budget takes first
     fingerprint: tuple = ()      # auto-detection: markers counted when found in any module name
     required: tuple = ()         # auto-detection: at least one must be found, else the preset is not a candidate
+    weight_only: tuple = ()      # (cquant) small-batch layers (modulation) given AWQ W4A16 in the 4-bit modes
 
 # %% ../nbs/16_policy.ipynb #50afefce
 _FLUX2_KEEP = ('img_in', 'time_in', 'guidance_in', 'txt_in', 'final_layer', 'double_stream_modulation_img',
@@ -80,7 +82,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            ('video_patch_proj', 'audio_patch_proj', 'condition_proj', 'token_refiner', 'adaln_proj'),
            ('video_patch_proj', 'audio_patch_proj', 'token_refiner')),
     Preset('qwen', ('time_text_embed', 'img_in', 'norm_out', 'proj_out', 'txt_in'), (),
-           ('time_text_embed', 'norm_out', 'proj_out'), ('time_text_embed', 'norm_out', 'proj_out')),
+           ('time_text_embed', 'norm_out', 'proj_out'), ('time_text_embed', 'norm_out', 'proj_out'),
+           weight_only=('img_mod', 'txt_mod')),
     Preset('sdxl', ('time_embed', 'label_emb', 'emb_layers', 'proj_in', 'proj_out')),    # detected by its label_emb rule
     Preset('wan', ('patch_embedding', 'text_embedding', 'time_embedding', 'time_projection', 'head', 'img_emb',
                    'face_adapter', 'face_encoder', 'motion_encoder', 'pose_patch_embedding'), (),
@@ -100,7 +103,8 @@ def _dedup(items) -> tuple:
 
 # %% ../nbs/16_policy.ipynb #c46c288a
 CONSERVATIVE = Preset('auto-conservative', _dedup(p for s in PRESETS.values() for p in s.keep_float),
-                      _dedup(p for s in PRESETS.values() for p in s.int4_sensitive))
+                      _dedup(p for s in PRESETS.values() for p in s.int4_sensitive),
+                      weight_only=_dedup(p for s in PRESETS.values() for p in s.weight_only))
 
 # %% ../nbs/16_policy.ipynb #48ee88e5
 _DETECT = ('flux2', 'hidream o1', 'ideogram4', 'krea2', 'minimax_h3', 'z-image', 'chroma', 'boogu', 'wan', 'ltx2', 'qwen',
@@ -242,7 +246,8 @@ _W4A8 = _choice('W4A8', ASYM_W4A8_INT8.name, group_size=16, convrot_groupsize=25
 _FP8 = _choice('FP8', FP8_E4M3.name)
 _NVFP4 = _choice('NVFP4', NVFP4.name)
 _MXFP8 = _choice('MXFP8', MXFP8.name)
-CHOICES = {c.label: c for c in (_INT8, _INT8_CONVROT, _W4A4, _W4A8, _FP8, _NVFP4, _MXFP8)}   # by label
+_AWQ = _choice('AWQ W4A16', AWQ_W4A16.name, group_size=64)
+CHOICES = {c.label: c for c in (_INT8, _INT8_CONVROT, _W4A4, _W4A8, _FP8, _NVFP4, _MXFP8, _AWQ)}   # by label
 
 # %% ../nbs/16_policy.ipynb #a1f0c002
 AUTO_GROUPS = (256, 64, 16, 4)   # convrot_groupsize='auto': tried largest first
@@ -275,17 +280,19 @@ class Mode:
     chain: tuple
     budget: tuple = ()
     doc: str = ''
+    weight_only: bool = False   # the preset's weight_only layers get AWQ W4A16 first (the 4-bit modes)
 
 # %% ../nbs/16_policy.ipynb #dc59716f
 MODES: dict[str, Mode] = {m.name: m for m in [
     Mode('int8', (_INT8,), doc='per-row INT8 W8A8 everywhere'),
     Mode('int8_convrot', (_INT8_CONVROT, _INT8), doc='ConvRot INT8 where K % 256 == 0, else per-row INT8'),
     Mode('int4_mixed', (_W4A4, _INT8), (_INT8_CONVROT, _INT8),
-         doc='ConvRot W4A4, with int4_mixed_ratio of the W4-compatible layers in ConvRot INT8'),
-    Mode('int4_full', (_W4A4, _INT8), doc='ConvRot W4A4 wherever it fits, else per-row INT8'),
-    Mode('w4a8', (_W4A8, _INT8), doc='asymmetric 4-bit weights with INT8 ConvRot activations, else per-row INT8'),
+         doc='ConvRot W4A4, with int4_mixed_ratio of the W4-compatible layers in ConvRot INT8', weight_only=True),
+    Mode('int4_full', (_W4A4, _INT8), doc='ConvRot W4A4 wherever it fits, else per-row INT8', weight_only=True),
+    Mode('w4a8', (_W4A8, _INT8), doc='asymmetric 4-bit weights with INT8 ConvRot activations, else per-row INT8',
+         weight_only=True),
     Mode('fp8', (_FP8,), doc='float8_e4m3fn with a per-tensor scale'),
-    Mode(NVFP4.name, (_NVFP4, _FP8), doc='NVFP4 (E2M1 blocks of 16), else FP8'),
+    Mode(NVFP4.name, (_NVFP4, _FP8), doc='NVFP4 (E2M1 blocks of 16), else FP8', weight_only=True),
     Mode(MXFP8.name, (_MXFP8, _FP8), doc='MXFP8 (E4M3 blocks of 32), else FP8'),
 ]}
 
@@ -533,7 +540,7 @@ class Policy:
         return cls.from_dict(d)
 
     def resolve_preset(self, names, shapes=None) -> tuple:
-        "(preset name, keep_float [(pattern, source)], int4_sensitive patterns, note) for a model with these module names."
+        "(preset name, keep_float [(pattern, source)], int4_sensitive patterns, note, weight_only patterns) for a model with these module names."
         return _resolve_preset(self, names, shapes)
 
     def plan(self, layers, # {name: (out, in)}, a state dict, a Checkpoint, a safetensors path, or an nn.Module
@@ -598,13 +605,13 @@ def _resolve_preset(policy:Policy, names, shapes=None) -> tuple:
     else: p = CONSERVATIVE if policy.preset == 'auto-conservative' else PRESETS[policy.preset]
     keep = list(dict.fromkeys([(k, f'preset {p.name}') for k in p.keep_float]))
     keep += [(k, 'user') for k in policy.keep_float if k not in p.keep_float]
-    return p.name, keep, _dedup(p.int4_sensitive + policy.int4_sensitive), note
+    return p.name, keep, _dedup(p.int4_sensitive + policy.int4_sensitive), note, p.weight_only
 
 # %% ../nbs/16_policy.ipynb #08b768da
 def _plan(policy:Policy, src:LayerSource, calibration, model, outputs=None, greedy=None) -> Plan:
     "`Policy.plan` on a `LayerSource` (`model`: the nn.Module it came from, for calibration batches)."
     mode, g = MODES[policy.mode], policy.convrot_groupsize
-    preset, keep, sens, note = _resolve_preset(policy, src.names, {n: i.shape for n, i in src.infos.items()})
+    preset, keep, sens, note, wo = _resolve_preset(policy, src.names, {n: i.shape for n, i in src.infos.items()})
     out, pending, cands = {}, [], []
     for name, info in src.infos.items():
         why = ineligible(info)
@@ -613,6 +620,10 @@ def _plan(policy:Policy, src:LayerSource, calibration, model, outputs=None, gree
         if ov is not None: out[name] = _override(name, info, ov); continue
         k = next(((p, s) for p, s in keep if p in name), None)
         if k is not None: out[name] = _float(f"keep_float pattern {k[0]!r} ({k[1]})", 'keep_float', info.shape); continue
+        w = next((p for p in wo if p in name), None) if mode.weight_only else None
+        if w is not None:
+            out[name] = _walk((_AWQ,) + mode.chain, info, name, policy.mode, f"weight_only pattern {w!r} (preset {preset})",
+                              False, g); continue
         out[name] = None; pending.append(name)
         if mode.budget and grouped(mode.chain[0], info.shape, name, g).check(info.shape, name + '.') is None:
             cands.append(name)

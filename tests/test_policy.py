@@ -321,3 +321,18 @@ def test_auto_group_int8_convrot_and_fallback():
     # a fixed group other than the default is stated too
     r = Policy('int4_full', 'none', convrot_groupsize=64).plan({'a': (64, 1536)})
     assert r['a'].config['convrot_groupsize'] == 64 and 'W4A4 (ConvRot group 64)' in r['a'].reason
+
+
+def test_weight_only_preset_layers_get_awq():
+    "A preset's weight_only layers get AWQ W4A16 in the 4-bit modes only, with the reason; the shape rule still holds."
+    sd = {'blocks.0.img_mod.1.weight': torch.zeros(768, 384), 'blocks.0.txt_mod.1.weight': torch.zeros(768, 100),
+          'blocks.0.attn.to_q.weight': torch.zeros(512, 512), 'time_text_embed.l.weight': torch.zeros(64, 64)}
+    awq = cq.FORMATS['awq_w4a16'].name
+    p = Policy(preset='qwen', mode='int4_full').plan(sd)
+    assert p['blocks.0.img_mod.1'].format == awq and p['blocks.0.img_mod.1'].options == {'group_size': 64}
+    assert "weight_only pattern 'img_mod' (preset qwen)" in p['blocks.0.img_mod.1'].reason
+    assert p['blocks.0.txt_mod.1'].format != awq and 'AWQ W4A16 does not fit' in p['blocks.0.txt_mod.1'].reason
+    assert p['blocks.0.attn.to_q'].format == 'convrot_w4a4' and p['time_text_embed.l'].format is None
+    assert Policy(preset='qwen', mode='int8').plan(sd)['blocks.0.img_mod.1'].format == 'int8_tensorwise'
+    assert Policy(preset='flux2', mode='int4_full').plan(sd)['blocks.0.img_mod.1'].format == 'int8_tensorwise'  # K=384
+    assert set(PRESETS['qwen'].weight_only) <= set(CONSERVATIVE.weight_only)
