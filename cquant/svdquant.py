@@ -100,19 +100,18 @@ def svdquant_linear(x:torch.Tensor, # [..., K] activations, in the dtype of the 
     if bias is not None: out = out + bias
     return out.view(*lead, out.shape[-1])
 
-# %% ../nbs/07b_svdquant.ipynb #8eb61439
+# %% ../nbs/07b_svdquant.ipynb #4c28a6be
 def svdquant_weight(qdata:torch.Tensor, # int8 residual (natural or tile-packed)
-                    scale:torch.Tensor, # group scales
+                    scale:torch.Tensor, # group scales: their dtype is the compute dtype
                     proj_down:torch.Tensor, # [K, R]
                     proj_up:torch.Tensor, # [N, R] (or tile-packed)
                     smooth:torch.Tensor, # [K]
-                    orig_dtype:torch.dtype, # the logical dtype (kitchen feeds an identity input of this dtype)
-                   ) -> torch.Tensor: # [N, K]
+                   ) -> torch.Tensor: # [N, K] in the scales' dtype
     "The effective weight: kitchen's `dequantize` (the linear of an identity input), computed column by column."
-    K = smooth.shape[0]
-    inv = torch.ones(K, dtype=orig_dtype) / smooth.cpu()   # row i of eye / smooth holds 1/s_i alone in its group
+    dt = scale.dtype
+    inv = torch.ones(smooth.shape[0], dtype=dt, device=smooth.device) / smooth   # row i of eye / smooth: 1/s_i alone
     s = inv.abs().clamp(min=1e-10) / SVDQ_QMAX
-    a = ((inv / s).round().clamp(-SVDQ_QMAX, SVDQ_QMAX).to(scale.dtype) * s.to(orig_dtype)).to(qdata.device)
+    a = ((inv / s).round().clamp(-SVDQ_QMAX, SVDQ_QMAX).to(dt) * s.to(dt)).to(qdata.device)
     low = natural_up(proj_up).float() @ proj_down.float().t()
     w = a * residual_weight(qdata, scale)
     return w + low.to(w.dtype)
@@ -185,7 +184,7 @@ class SVDQuantParams(Params):
     group_clip: str = 'absmax'
     alpha: float|None = None
 
-# %% ../nbs/07b_svdquant.ipynb #cc15fbd2
+# %% ../nbs/07b_svdquant.ipynb #0ee27367
 class SVDQuantLayout(Layout):
     "Storage layout of `svdquant_w4a4`: int4 residual + group scales, a rank-R branch, a smoothing factor."
     Params = SVDQuantParams
@@ -205,7 +204,7 @@ class SVDQuantLayout(Layout):
     @classmethod
     def dequantize(cls, qdata, params, dtype):
         p = params
-        return svdquant_weight(qdata, p.scale, p.proj_down, p.proj_up, p.smooth_factor, p.orig_dtype).to(dtype)
+        return svdquant_weight(qdata, p.scale, p.proj_down, p.proj_up, p.smooth_factor).to(dtype)
 
     @classmethod
     def tensors(cls, qdata, params):
