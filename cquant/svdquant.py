@@ -260,14 +260,14 @@ def _svdq_pack(w, smooth, opts:dict, seed:int=0) -> tuple:
     return qdata, SVDQuantParams(tuple(w.shape), w.dtype, scale, down, up, smooth, rank, opts['layout'],
                                  bool(opts['act_unsigned']), opts['group_clip'], opts['alpha'])
 
-# %% ../nbs/07b_svdquant.ipynb #8cd65766
+# %% ../nbs/07b_svdquant.ipynb #0a75b097
 def _svdq_from_tensors(tensors, opts, shape, dtype, prefix=''):
     N, K = shape
     T, G = N // TILE_N, K // SVDQ_GROUP
     tiled = opts.get('layout') == TILE_PACKED
     down = tensors['weight_proj_down']
     R = down.shape[-1] if down.dim() == 2 else None
-    want = {'weight_scale': (T, G, TILE_N) if tiled else (G, N), 'weight_proj_down': (K, R),
+    want = {'weight_proj_down': (K, R), 'weight_scale': (T, G, TILE_N) if tiled else (G, N),
             'weight_proj_up': (T, R, TILE_N) if tiled else (N, R), 'weight_smooth_factor': (K,)}
     for k, shp in want.items():
         t = tensors[k]
