@@ -170,7 +170,7 @@ def svdquant_encode(w:torch.Tensor, # [N, K] float weight
     qdata, scale = _group_codes(res.float(), dt, clip, seed)
     return qdata, scale, down, up
 
-# %% ../nbs/07b_svdquant.ipynb #35cec6f6
+# %% ../nbs/07b_svdquant.ipynb #a1b6904a
 @dataclass(frozen=True)
 class SVDQuantParams(Params):
     "Params of `svdquant_w4a4`: the four tensors beside the residual (as stored: natural or tile-packed) and the options."
@@ -182,7 +182,7 @@ class SVDQuantParams(Params):
     layout: str|None = None             # None: natural storage; TILE_PACKED
     act_unsigned: bool = False
     group_clip: str = 'absmax'
-    alpha: float|None = None
+    alpha: float|None = None            # the smoothing exponent used (None: no smoothing)
 
 # %% ../nbs/07b_svdquant.ipynb #0ee27367
 class SVDQuantLayout(Layout):
@@ -286,29 +286,29 @@ def _svdq_from_tensors(tensors, opts, shape, dtype, prefix=''):
                                              tensors['weight_smooth_factor'], R, opts.get('layout'),
                                              bool(opts.get('act_unsigned', False)), opts.get('group_clip', 'absmax'))
 
-# %% ../nbs/07b_svdquant.ipynb #44e9b9ba
+# %% ../nbs/07b_svdquant.ipynb #e8a2f1be
 def svdquant_calibrated(w:torch.Tensor, # [N, K] float weight
                         opts:dict, # resolved options
                         calibration:torch.Tensor, # the layer's inputs [..., K]
                         name:str='weight', # the weight's name, for errors
                        ) -> tuple: # (qdata, params)
-    "SVDQuant: smooth_factor from activation / weight channel maxima, alpha searched on the output error of the real linear."
+    "SVDQuant: smooth_factor from activation / weight channel maxima, alpha chosen by the held-out error of the real linear."
     prefix = name[:-len('weight')] if name.endswith('weight') else name + ' '
     x = _check_calibration(calibration, tuple(w.shape), prefix)
     x = x.reshape(-1, w.shape[1]).to(w.device)
     aw = w.abs().amax(0)
+    smooth = lambda rows, a: torch.ones_like(aw) if a is None else smooth_factor(rows.abs().amax(0), aw, a).to(w.dtype)
     alpha = opts['alpha']
     if alpha is not None and not 0 <= alpha <= 1: raise format_error(prefix, 'option alpha', 'a number in [0, 1] or None', alpha)
-    if alpha is None:       # choose alpha on held-out rows: smoothing from the even rows, error on the odd ones
-        fit, held = (x[0::2], x[1::2]) if len(x) > 1 else (x, x)
-        ref, ax = held.double() @ w.double().t(), fit.abs().amax(0)
-        errs = []
-        for a in ALPHAS:
-            qdata, p = _svdq_pack(w, smooth_factor(ax, aw, a).to(w.dtype), opts)
-            errs.append(float((SVDQuantLayout.linear(held.to(w.dtype), qdata, p).double() - ref).pow(2).mean()))
-        alpha = ALPHAS[min(range(len(ALPHAS)), key=errs.__getitem__)]
-    qdata, p = _svdq_pack(w, smooth_factor(x.abs().amax(0), aw, alpha).to(w.dtype), opts)
-    return qdata, replace(p, alpha=float(alpha))
+    if alpha is None:       # choose on held-out rows: smoothing from the first half, the error on the second
+        fit, held = (x[:len(x) // 2], x[len(x) // 2:]) if len(x) > 1 else (x, x)
+        ref, errs = held.double() @ w.double().t(), {}
+        for a in (None, *ALPHAS):
+            qdata, p = _svdq_pack(w, smooth(fit, a), opts)
+            errs[a] = float((SVDQuantLayout.linear(held.to(w.dtype), qdata, p).double() - ref).pow(2).mean())
+        alpha = min(errs, key=errs.get)
+    qdata, p = _svdq_pack(w, smooth(x, alpha), opts)
+    return qdata, replace(p, alpha=alpha)
 
 # %% ../nbs/07b_svdquant.ipynb #d8137b2d
 def _check_calibration(x, shape:tuple, prefix:str) -> torch.Tensor:
@@ -322,7 +322,7 @@ def _check_calibration(x, shape:tuple, prefix:str) -> torch.Tensor:
     check_finite(x, f"{prefix}calibration")
     return x
 
-# %% ../nbs/07b_svdquant.ipynb #11b08ea8
+# %% ../nbs/07b_svdquant.ipynb #c6593b70
 SVDQUANT_W4A4 = register_format(FormatSpec(
     'svdquant_w4a4', SVDQuantLayout, torch.int8,
     keys=('weight_scale', 'weight_proj_down', 'weight_proj_up', 'weight_smooth_factor'),
@@ -334,7 +334,7 @@ SVDQUANT_W4A4 = register_format(FormatSpec(
                     write='non_default'),
              Option('group_clip', 'absmax', str, "residual group scales: 'absmax' (max/7) or 'mse' (clip searched)",
                     choices=('absmax', 'mse'), stored=False),
-             Option('alpha', None, (float, int, type(None)), 'smoothing exponent (None: searched over 0, 1/8, ..., 1)',
+             Option('alpha', None, (float, int, type(None)), 'smoothing exponent (None: chosen from none, 0, 1/8, ..., 1)',
                     stored=False)),
     quantize_input=False, extra_keys=(),
     value_rules={'weight_scale': ValueRule('a group scale multiplies its int4 values', zero_ok=True),
