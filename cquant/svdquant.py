@@ -260,33 +260,35 @@ def _svdq_pack(w, smooth, opts:dict, seed:int=0) -> tuple:
     return qdata, SVDQuantParams(tuple(w.shape), w.dtype, scale, down, up, smooth, rank, opts['layout'],
                                  bool(opts['act_unsigned']), opts['group_clip'], opts['alpha'])
 
-# %% ../nbs/07b_svdquant.ipynb #0a75b097
+# %% ../nbs/07b_svdquant.ipynb #525c87b5
 def _svdq_from_tensors(tensors, opts, shape, dtype, prefix=''):
     N, K = shape
     T, G = N // TILE_N, K // SVDQ_GROUP
     tiled = opts.get('layout') == TILE_PACKED
     down = tensors['weight_proj_down']
-    R = down.shape[-1] if down.dim() == 2 else None
+    if down.dim() != 2 or down.shape[0] != K:
+        raise format_error(prefix, 'weight_proj_down', f'shape (K={K}, R) for weight {tuple(shape)}', f'shape {tuple(down.shape)}')
+    R = down.shape[1]
+    if opts.get('rank') is not None and opts['rank'] != R:
+        raise format_error(prefix, "comfy_quant['rank']", f'the rank of weight_proj_down {tuple(down.shape)}, {R}', opts['rank'])
+    _svdq_check_shape(shape, {**opts, 'rank': R}, prefix)
     want = {'weight_proj_down': (K, R), 'weight_scale': (T, G, TILE_N) if tiled else (G, N),
             'weight_proj_up': (T, R, TILE_N) if tiled else (N, R), 'weight_smooth_factor': (K,)}
     for k, shp in want.items():
         t = tensors[k]
         if t.dtype not in SCALE_DTYPES: raise format_error(prefix, k, 'a float32, bfloat16 or float16 tensor', f'dtype {t.dtype}')
-        if R is None or tuple(t.shape) != shp:
-            raise format_error(prefix, k, f"shape {shp if R is not None else (K, 'R')} for weight {tuple(shape)}"
-                               + (f" and rank R={R} (from weight_proj_down)" if R is not None and k != 'weight_proj_down' else '')
+        if tuple(t.shape) != shp:
+            raise format_error(prefix, k, f"shape {shp} for weight {tuple(shape)} and rank R={R} (from weight_proj_down)"
                                + (f', {TILE_PACKED}' if tiled else ''), f'shape {tuple(t.shape)}')
         if k.startswith('weight_proj') and not bool(torch.isfinite(t).all()):
             raise format_error(prefix, k, 'finite values (the low-rank branch adds x @ proj_down @ proj_up^T)',
                                f'{int((~torch.isfinite(t)).sum())} non-finite of {t.numel()}')
-    if opts.get('rank') is not None and opts['rank'] != R:
-        raise format_error(prefix, "comfy_quant['rank']", f'the rank of weight_proj_down {tuple(down.shape)}, {R}', opts['rank'])
-    _svdq_check_shape(shape, {**opts, 'rank': R}, prefix)
-    return tensors['weight'], SVDQuantParams(tuple(shape), dtype, tensors['weight_scale'], down, tensors['weight_proj_up'],
-                                             tensors['weight_smooth_factor'], R, opts.get('layout'),
-                                             bool(opts.get('act_unsigned', False)), opts.get('group_clip', 'absmax'))
+    return tensors['weight'], SVDQuantParams(tuple(shape), dtype, tensors['weight_scale'], down,
+                                             tensors['weight_proj_up'], tensors['weight_smooth_factor'], R,
+                                             opts.get('layout'), bool(opts.get('act_unsigned', False)),
+                                             opts.get('group_clip', 'absmax'))
 
-# %% ../nbs/07b_svdquant.ipynb #e8a2f1be
+# %% ../nbs/07b_svdquant.ipynb #1a82073c
 def svdquant_calibrated(w:torch.Tensor, # [N, K] float weight
                         opts:dict, # resolved options
                         calibration:torch.Tensor, # the layer's inputs [..., K]
@@ -297,9 +299,12 @@ def svdquant_calibrated(w:torch.Tensor, # [N, K] float weight
     x = _check_calibration(calibration, tuple(w.shape), prefix)
     x = x.reshape(-1, w.shape[1]).to(w.device)
     aw = w.abs().amax(0)
-    smooth = lambda rows, a: torch.ones_like(aw) if a is None else smooth_factor(rows.abs().amax(0), aw, a).to(w.dtype)
+    def smooth(rows, a):
+        "The stored smoothing factor with exponent `a` from the maxima of `rows` (None: no smoothing)."
+        return torch.ones_like(aw) if a is None else smooth_factor(rows.abs().amax(0), aw, a).to(w.dtype)
     alpha = opts['alpha']
-    if alpha is not None and not 0 <= alpha <= 1: raise format_error(prefix, 'option alpha', 'a number in [0, 1] or None', alpha)
+    if alpha is not None and not 0 <= alpha <= 1:
+        raise format_error(prefix, 'option alpha', 'a number in [0, 1] or None', alpha)
     if alpha is None:       # choose on held-out rows: smoothing from the first half, the error on the second
         fit, held = (x[:len(x) // 2], x[len(x) // 2:]) if len(x) > 1 else (x, x)
         ref, errs = held.double() @ w.double().t(), {}

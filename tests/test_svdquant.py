@@ -239,7 +239,7 @@ def test_bad_files_name_module_key_and_shape():
             r"'m\.weight_proj_up': expected shape \(64, 8\) for weight \(64, 128\) and rank R=8 \(from weight_proj_down\), found shape \(64, 4\)"),
            ({"weight_scale": torch.ones(3, 64, dtype=torch.bfloat16)}, r"'m\.weight_scale': expected shape \(2, 64\)"),
            ({"weight_smooth_factor": torch.ones(127, dtype=torch.bfloat16)}, r"'m\.weight_smooth_factor': expected shape \(128,\)"),
-           ({"weight_proj_down": torch.ones(128, dtype=torch.bfloat16)}, r"'m\.weight_proj_down': expected shape \(128, 'R'\)"),
+           ({"weight_proj_down": torch.ones(128, dtype=torch.bfloat16)}, r"'m\.weight_proj_down': expected shape \(K=128, R\) for weight \(64, 128\), found shape \(128,\)"),
            ({"weight_proj_down": torch.ones(128, 8, dtype=torch.int8)}, r"'m\.weight_proj_down': expected a float32, bfloat16 or float16"),
            ({"weight_proj_down": torch.full((128, 8), float("inf"))}, r"'m\.weight_proj_down': expected finite values"),
            ({"weight_smooth_factor": -torch.ones(128)}, r"'m\.weight_smooth_factor': expected finite and > 0"),
