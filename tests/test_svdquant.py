@@ -253,3 +253,31 @@ def test_bad_files_name_module_key_and_shape():
     missing = {k: v for k, v in t.items() if k != "weight_smooth_factor"}
     with pytest.raises(cq.QuantFormatError, match=r"'m\.weight_smooth_factor': expected svdquant_w4a4 tensors"):
         ours(missing, N, K, torch.bfloat16)
+
+
+def test_quantize_checkpoint_writes_calibrated_files(tmp_path):
+    "The streaming job with {layer: inputs} writes the calibrated encoder's tensors, loadable by the module layer."
+    from dataclasses import replace
+    from cquant.calibrate import Calibration
+    from cquant.policy import Plan
+    model = cq.dit_model(0)
+    src = tmp_path / "float.safetensors"
+    cq.save_file(model.state_dict(), src)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = cq.Policy(mode="int4_full").plan(cq.load_file(src))
+    layers = [n for n, d in plan.items() if d.format is not None][:3]
+    svd = {n: replace(d, format=FMT, config={"format": FMT}, options={}) if n in layers else replace(d, format=None, config=None)
+           for n, d in plan.items()}
+    svd = Plan(svd, plan.policy, plan.preset, plan.keep_float, plan.int4_sensitive, plan.note, plan.budget)
+    cal = Calibration.of(cq.dit_batches(1, 2, 64, seed=1)).prepare(model, {n: FMT for n in layers}, set(layers))
+    inputs = {n: cal.layer_inputs(n) for n in layers}
+    cq.quantize_checkpoint(src, tmp_path / "q.safetensors", plan=svd, calibration=inputs, progress=False, measure=False)
+    sd = cq.load_file(tmp_path / "q.safetensors")
+    for n in layers:
+        assert cq.decode_json(sd[f"{n}.comfy_quant"])["format"] == FMT
+        want = cq.quantize(model.get_submodule(n).weight.detach(), FMT, calibration=inputs[n], name=f"{n}.weight")
+        got = cq.load_quantized(sd, n, dtype=want.dtype)
+        assert all(same_bits(got.state_dict("")[k], v) for k, v in want.state_dict("").items()), n
+    q = cq.load_quantized_model(cq.dit_model(0), sd)
+    assert sorted(n for n, m in q.named_modules() if getattr(m, "format", None) == FMT) == sorted(layers)
