@@ -116,11 +116,12 @@ def svdquant_weight(qdata:torch.Tensor, # int8 residual (natural or tile-packed)
     w = a * residual_weight(qdata, scale)
     return w + low.to(w.dtype)
 
-# %% ../nbs/07b_svdquant.ipynb #6c77b496
+# %% ../nbs/07b_svdquant.ipynb #ee6d3b88
 def _group_codes(r:torch.Tensor, # fp32 [N, K] residual (smoothed basis)
                  dtype:torch.dtype, # dtype of the stored scales
                  clip:str='absmax', # 'absmax' or 'mse' (each group's clip ratio chosen for the least squared error)
                  seed:int=0, # stochastic rounding seed (0: nearest)
+                 v:torch.Tensor|None=None, # [K]: round so that each row's sum of q * s * v stays near 0 (act_unsigned)
                 ) -> tuple: # (int8 [N, K/2] packed codes, [K/64, N] scales)
     "Symmetric int4 per row and group of 64 with the scale stored in `dtype` (absmax/7, or MSE-clipped)."
     N, K = r.shape
@@ -139,10 +140,28 @@ def _group_codes(r:torch.Tensor, # fp32 [N, K] residual (smoothed basis)
             err = (q * sf - g).pow(2).sum(-1)
             if best is None: best, s = err, sc
             else: s, best = torch.where(err < best, sc, s), torch.minimum(err, best)
-    q, _ = codes(s)
+    q, sf = codes(s)
+    if v is not None: q = _zero_weighted_sum(q.view(N, K), (g / sf.clamp(min=1e-30)).view(N, K),
+                                             (sf * v.view(1, -1, SVDQ_GROUP).float()).view(N, K))
     return pack_int4(q.to(torch.int8).view(N, K)), s.t().contiguous()
 
-# %% ../nbs/07b_svdquant.ipynb #e7fda95c
+# %% ../nbs/07b_svdquant.ipynb #b54114aa
+def _zero_weighted_sum(q:torch.Tensor, # [N, K] codes (float), rounded to nearest
+                       t:torch.Tensor, # [N, K] the values they round (code units)
+                       c:torch.Tensor, # [N, K] >= 0: what one code step adds to the row's weighted sum
+                      ) -> torch.Tensor: # [N, K] codes whose rows' sum of q * c is near 0
+    "Move the cheapest codes one step (those rounded nearest to .5) until each row's weighted sum is near zero."
+    d = (q * c).sum(1, keepdim=True)
+    sgn = torch.sign(d)
+    f = (q - t) * sgn                      # > 0: a step against sgn also moves the code toward its value's other side
+    ok = (f > 0) & ((q - sgn).abs() <= SVDQ_QMAX) & (c > 0)
+    cost = torch.where(ok, (1 - 2 * f) / c.clamp(min=1e-30), torch.full_like(f, float('inf')))
+    order = cost.argsort(1)
+    step = torch.gather(c * ok, 1, order)
+    take = (step.cumsum(1) <= d.abs()) & torch.gather(ok, 1, order)
+    return q - sgn * torch.zeros_like(q).scatter(1, order, take.to(q.dtype))
+
+# %% ../nbs/07b_svdquant.ipynb #13c0f246
 def smooth_factor(amax_x:torch.Tensor, # [K] max |x| per input channel (calibration)
                   amax_w:torch.Tensor, # [K] max |w| per input channel
                   alpha:float, # migration strength
@@ -152,25 +171,31 @@ def smooth_factor(amax_x:torch.Tensor, # [K] max |x| per input channel (calibrat
     s = amax_x.float().clamp(min=1e-12).pow(alpha) / amax_w.float().clamp(min=1e-12).pow(1 - alpha)
     return torch.where(ok, s, torch.ones_like(s)).clamp(1e-4, 1e4)
 
-# %% ../nbs/07b_svdquant.ipynb #c92c9ae3
+# %% ../nbs/07b_svdquant.ipynb #ebff1aeb
 def svdquant_encode(w:torch.Tensor, # [N, K] float weight
                     smooth:torch.Tensor, # [K] smooth_factor, already in the stored dtype
                     rank:int, # R
                     clip:str='absmax', # residual group clipping
                     seed:int=0, # stochastic rounding of the residual (0: nearest)
+                    unsigned:bool=False, # act_unsigned: keep the residual's rows orthogonal to 1/smooth
                    ) -> tuple: # (qdata, scale, proj_down, proj_up), tensors in w's dtype
     "W' = W * smooth; proj_up, proj_down from the top-R SVD of W' (down divided by smooth); the int4 residual of the rest."
     dt, sf = w.dtype, smooth.double()
     ws = w.double() * sf
     U, S, Vh = torch.linalg.svd(ws, full_matrices=False)
-    r = S[:rank].sqrt()
-    up = (U[:, :rank] * r).to(dt)
-    down = (Vh[:rank].t() * r / sf[:, None]).to(dt)
+    r0 = rank - 1 if unsigned else rank
+    r = S[:r0].sqrt()
+    up, dn = U[:, :r0] * r, Vh[:r0].t() * r                # the branch in the smoothed basis
+    v = 1 / sf
+    if unsigned:            # the shifted input adds shift * (residual @ v): move that direction into the branch
+        up, dn = torch.cat([up, ((ws - up @ dn.t()) @ v / (v @ v))[:, None]], 1), torch.cat([dn, v[:, None]], 1)
+    up, down = up.to(dt), (dn / sf[:, None]).to(dt)
     res = ws - up.double() @ (down.double() * sf[:, None]).t()     # what the stored (rounded) branch leaves
-    qdata, scale = _group_codes(res.float(), dt, clip, seed)
+    if unsigned: res = res - (res @ v)[:, None] * v / (v @ v)       # the branch's rounding share: tiny
+    qdata, scale = _group_codes(res.float(), dt, clip, seed, v.float() if unsigned else None)
     return qdata, scale, down, up
 
-# %% ../nbs/07b_svdquant.ipynb #a1b6904a
+# %% ../nbs/07b_svdquant.ipynb #91053587
 @dataclass(frozen=True)
 class SVDQuantParams(Params):
     "Params of `svdquant_w4a4`: the four tensors beside the residual (as stored: natural or tile-packed) and the options."
@@ -184,7 +209,7 @@ class SVDQuantParams(Params):
     group_clip: str = 'absmax'
     alpha: float|None = None            # the smoothing exponent used (None: no smoothing)
 
-# %% ../nbs/07b_svdquant.ipynb #0ee27367
+# %% ../nbs/07b_svdquant.ipynb #04f48e3f
 class SVDQuantLayout(Layout):
     "Storage layout of `svdquant_w4a4`: int4 residual + group scales, a rank-R branch, a smoothing factor."
     Params = SVDQuantParams
@@ -234,7 +259,7 @@ class SVDQuantLayout(Layout):
                               None if bias is None else bias.to(dt), p.act_unsigned)
         return out.to(x.dtype)
 
-# %% ../nbs/07b_svdquant.ipynb #15bd8844
+# %% ../nbs/07b_svdquant.ipynb #7c667c9e
 def _svdq_check_shape(shape, opts, prefix=''):
     shape = tuple(shape)
     check_2d(shape, 'svdquant_w4a4', prefix)
@@ -250,17 +275,17 @@ def _svdq_check_shape(shape, opts, prefix=''):
         raise format_error(prefix, "comfy_quant['layout']", f'N % 128 == 0 for {TILE_PACKED} (tiles of 128 output '
                            f'rows), weight shape {shape}', f'N={N} (N % 128 = {N % TILE_N})')
 
-# %% ../nbs/07b_svdquant.ipynb #e344dce3
+# %% ../nbs/07b_svdquant.ipynb #27a73ce2
 def _svdq_pack(w, smooth, opts:dict, seed:int=0) -> tuple:
     "(qdata, params) of weight `w` with the stored `smooth` factor and resolved options (rank None: min(32, N, K))."
     N, K = w.shape
     rank = opts['rank'] or min(DEFAULT_RANK, N, K)
-    qdata, scale, down, up = svdquant_encode(w, smooth, rank, opts['group_clip'], seed)
+    qdata, scale, down, up = svdquant_encode(w, smooth, rank, opts['group_clip'], seed, bool(opts['act_unsigned']))
     if opts['layout'] == TILE_PACKED: qdata, scale, up = tile_pack(qdata, scale, up)
     return qdata, SVDQuantParams(tuple(w.shape), w.dtype, scale, down, up, smooth, rank, opts['layout'],
                                  bool(opts['act_unsigned']), opts['group_clip'], opts['alpha'])
 
-# %% ../nbs/07b_svdquant.ipynb #525c87b5
+# %% ../nbs/07b_svdquant.ipynb #5ce9defe
 def _svdq_from_tensors(tensors, opts, shape, dtype, prefix=''):
     N, K = shape
     T, G = N // TILE_N, K // SVDQ_GROUP
@@ -288,13 +313,13 @@ def _svdq_from_tensors(tensors, opts, shape, dtype, prefix=''):
                                              opts.get('layout'), bool(opts.get('act_unsigned', False)),
                                              opts.get('group_clip', 'absmax'))
 
-# %% ../nbs/07b_svdquant.ipynb #1a82073c
+# %% ../nbs/07b_svdquant.ipynb #ed16a7f5
 def svdquant_calibrated(w:torch.Tensor, # [N, K] float weight
                         opts:dict, # resolved options
                         calibration:torch.Tensor, # the layer's inputs [..., K]
                         name:str='weight', # the weight's name, for errors
                        ) -> tuple: # (qdata, params)
-    "SVDQuant: smooth_factor from activation / weight channel maxima, alpha chosen by the held-out error of the real linear."
+    "SVDQuant: smoothing from activation / weight channel maxima; alpha and act_unsigned chosen by the held-out error."
     prefix = name[:-len('weight')] if name.endswith('weight') else name + ' '
     x = _check_calibration(calibration, tuple(w.shape), prefix)
     x = x.reshape(-1, w.shape[1]).to(w.device)
@@ -305,17 +330,22 @@ def svdquant_calibrated(w:torch.Tensor, # [N, K] float weight
     alpha = opts['alpha']
     if alpha is not None and not 0 <= alpha <= 1:
         raise format_error(prefix, 'option alpha', 'a number in [0, 1] or None', alpha)
-    if alpha is None:       # choose on held-out rows: smoothing from the first half, the error on the second
+    # act_unsigned is a candidate where every input lies on the shifted grid (post-GELU: min GELU > -0.171875)
+    unsigned = (True,) if opts['act_unsigned'] else (False, True) if float(x.min()) >= -GELU_SHIFT else (False,)
+    alphas = (None, *ALPHAS) if alpha is None else (alpha,)
+    if len(unsigned) * len(alphas) > 1:     # choose on held-out rows: smoothing from the first half, error on the second
         fit, held = (x[:len(x) // 2], x[len(x) // 2:]) if len(x) > 1 else (x, x)
         ref, errs = held.double() @ w.double().t(), {}
-        for a in (None, *ALPHAS):
-            qdata, p = _svdq_pack(w, smooth(fit, a), opts)
-            errs[a] = float((SVDQuantLayout.linear(held.to(w.dtype), qdata, p).double() - ref).pow(2).mean())
-        alpha = min(errs, key=errs.get)
-    qdata, p = _svdq_pack(w, smooth(x, alpha), opts)
+        for u in unsigned:
+            for a in alphas:
+                qdata, p = _svdq_pack(w, smooth(fit, a), {**opts, 'act_unsigned': u})
+                errs[a, u] = float((SVDQuantLayout.linear(held.to(w.dtype), qdata, p).double() - ref).pow(2).mean())
+        alpha, u = min(errs, key=errs.get)
+    else: u = unsigned[0]
+    qdata, p = _svdq_pack(w, smooth(x, alpha), {**opts, 'act_unsigned': u})
     return qdata, replace(p, alpha=alpha)
 
-# %% ../nbs/07b_svdquant.ipynb #d8137b2d
+# %% ../nbs/07b_svdquant.ipynb #805b4cbc
 def _check_calibration(x, shape:tuple, prefix:str) -> torch.Tensor:
     "The calibration inputs of a weight of `shape`, or an error naming the module, 'calibration' and the shapes."
     K = shape[1]
@@ -327,7 +357,7 @@ def _check_calibration(x, shape:tuple, prefix:str) -> torch.Tensor:
     check_finite(x, f"{prefix}calibration")
     return x
 
-# %% ../nbs/07b_svdquant.ipynb #c6593b70
+# %% ../nbs/07b_svdquant.ipynb #7be1099f
 SVDQUANT_W4A4 = register_format(FormatSpec(
     'svdquant_w4a4', SVDQuantLayout, torch.int8,
     keys=('weight_scale', 'weight_proj_down', 'weight_proj_up', 'weight_smooth_factor'),
@@ -335,7 +365,8 @@ SVDQUANT_W4A4 = register_format(FormatSpec(
                     'read from weight_proj_down when loading)'),
              Option('layout', None, (str, type(None)), f"storage: None (natural) or '{TILE_PACKED}'",
                     choices=(None, TILE_PACKED), write='non_default'),
-             Option('act_unsigned', False, bool, 'post-GELU layers: input + 0.171875 on the unsigned int4 grid',
+             Option('act_unsigned', False, bool, 'post-GELU layers: input + 0.171875 on the unsigned int4 grid (calibrated: '
+                    'chosen where the inputs allow)',
                     write='non_default'),
              Option('group_clip', 'absmax', str, "residual group scales: 'absmax' (max/7) or 'mse' (clip searched)",
                     choices=('absmax', 'mse'), stored=False),

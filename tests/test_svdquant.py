@@ -281,3 +281,25 @@ def test_quantize_checkpoint_writes_calibrated_files(tmp_path):
         assert all(same_bits(got.state_dict("")[k], v) for k, v in want.state_dict("").items()), n
     q = cq.load_quantized_model(cq.dit_model(0), sd)
     assert sorted(n for n, m in q.named_modules() if getattr(m, "format", None) == FMT) == sorted(layers)
+
+
+def test_unsigned_grid_for_gelu_inputs():
+    "Post-GELU inputs: the encoder picks act_unsigned, the shift adds ~nothing (zero weighted sums), and the error drops."
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(96, 256, generator=g)
+    x, xe = F.gelu(torch.randn(256, 256, generator=g) * 2), F.gelu(torch.randn(128, 256, generator=g) * 2)
+    ref = xe @ w.t()
+    qt = cq.quantize(w, FMT, calibration=x)
+    signed = cq.quantize(w, FMT, calibration=x * 1 - 1.0)            # shifted below the grid: the signed grid only
+    assert qt.params.act_unsigned and qt.config == {"format": FMT, "rank": 32, "act_unsigned": True}
+    assert not signed.params.act_unsigned
+    p = qt.params
+    v = 1 / p.smooth_factor.double()
+    shift = S.residual_weight(qt.qdata, p.scale).double() @ v * S.GELU_SHIFT      # what the shift adds to each output
+    assert shift.abs().max() < 1e-2 * ref.pow(2).mean().sqrt(), shift.abs().max()
+    fixed_alpha = cq.quantize(w, FMT, calibration=x, alpha=0.5)     # alpha given: both grids still tried
+    assert fixed_alpha.params.act_unsigned and fixed_alpha.params.alpha == 0.5
+    err = lambda q: cq.sqnr(ref, F.linear(xe, q))
+    signed_free, unsigned_free = err(cq.quantize(w, FMT)), err(cq.quantize(w, FMT, act_unsigned=True))
+    assert unsigned_free > signed_free + 2 and err(qt) >= unsigned_free - 0.5, (err(qt), unsigned_free, signed_free)
+    assert err(qt) > err(cq.quantize(w, "convrot_w4a4")) + 5
