@@ -829,6 +829,13 @@ def comfy_unread(mods:Mapping) -> dict:
     out = {m: [k for k in getattr(FORMATS.get(e.format), 'comfy_unread', ()) if k in e.keys] for m, e in mods.items()}
     return {m: ks for m, ks in out.items() if ks}
 
+def _comfy_unloadable(mods:Mapping) -> dict:
+    "`{format: modules}` of the modules whose format ComfyUI's core loader does not register (`FormatSpec.comfy_loader`)."
+    out = {}
+    for m, e in mods.items():
+        if e.format in FORMATS and not FORMATS[e.format].comfy_loader: out[e.format] = out.get(e.format, 0) + 1
+    return out
+
 def _warn_comfy_unread(path, mods:Mapping):
     bad = comfy_unread(mods)
     if not bad: return
@@ -1010,7 +1017,7 @@ def inspect_checkpoint(src, shapes:Mapping|None=None) -> dict:
         for t in (*totals.values(), total): t['compression'] = round(t['bf16_bytes'] / t['bytes'], 3) if t['bytes'] else None
         all_bytes = sum(ck.info(k).nbytes for k in ck)
         return dict(file=ck.path, legacy=ck.legacy, tensors=len(ck), tensor_bytes=all_bytes, modules=rows, totals=totals, total=total,
-                    comfy_unread=comfy_unread(mods),
+                    comfy_unread=comfy_unread(mods), comfy_unloadable=_comfy_unloadable(mods),
                     attention={e.name: e.attention for e in mods.values() if e.attention is not None},
                     metadata={k: (v if len(v) <= 200 else v[:200] + '...') for k, v in ck.metadata.items()})
     finally:
@@ -1072,4 +1079,7 @@ def format_inspect(r:dict) -> str:
     for m, cfg in r['attention'].items(): out.append(f"attention {m}: {json.dumps(cfg)}")
     for m, ks in r.get('comfy_unread', {}).items():
         out.append(f"warning: {m} stores {', '.join(ks)}, which ComfyUI's loader never reads: it decodes wrongly in ComfyUI")
+    for f, k in r.get('comfy_unloadable', {}).items():
+        out.append(f"warning: {k} module(s) use {f}, which ComfyUI's core loader does not register: ComfyUI cannot load "
+                   "this file (cquant's module layer and comfy-kitchen can)")
     return '\n'.join(out)

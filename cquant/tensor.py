@@ -196,8 +196,8 @@ def remove_fast_paths(fns=None):
         FAST_PATHS[key] = [(f, g) for f, g in FAST_PATHS[key] if fns is not None and g not in fns]
         if not FAST_PATHS[key]: del FAST_PATHS[key]
 
-def layout_op(layout:type, op:str, *args, **kwargs):
-    "Run `layout.<op>(*args, **kwargs)` through the first fitting fast path, else the classmethod."
+def layout_op(layout:type, op:str, /, *args, **kwargs):
+    "Run `layout.<op>(*args, **kwargs)` through the first fitting fast path, else the classmethod (an option may be named `layout`)."
     for fits, fn in FAST_PATHS.get((layout, op), ()):
         if fits(*args, **kwargs): return fn(*args, **kwargs)
     return getattr(layout, op)(*args, **kwargs)
@@ -231,6 +231,7 @@ class FormatSpec:
     native_compute: Any = None          # hook(device) -> bool: ComfyUI computes it natively there (None: never)
     study_variants: tuple = ()          # extra ((label, options), ...) the quality studies compare
     comfy_unread: tuple = ()            # stored keys ComfyUI's loader never reads
+    comfy_loader: bool = True           # ComfyUI's core loader registers it (False: only cquant's module layer and comfy-kitchen read it)
     value_rules: dict = field(default_factory=dict)  # stored scale key -> `ValueRule`: the values it may hold
     grid: Any = None                    # hook(w, options, tensor_clip) -> `Grid`: its rounding, for rounding='mse'/'gptq'
     calibrated: Any = None              # hook(w, options, calibration, name) -> (qdata, params): its own data-aware encoder

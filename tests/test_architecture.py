@@ -64,12 +64,13 @@ def test_declared_facts_reproduce_the_old_tables():
         'float8_e4m3fn': 448.0, 'float8_e5m2': 57344.0, 'nvfp4': 2688}
     assert flag('smoothing') == {'nvfp4'} and flag('dynamic_reason') == {'mxfp8'}
     assert {n: s.comfy_unread for n, s in F.items() if s.comfy_unread} == {'asym_w4a8_int8': ('weight_correction',)}
+    assert {n for n, s in F.items() if not s.comfy_loader} == {'svdquant_w4a4'}
     assert [l for _, s in F.items() for l, _ in s.study_variants] == ['int8_per_row', 'int8_convrot16', 'int8_convrot64', 'int8_convrot256']
 
 
 def test_native_compute_follows_comfyui(monkeypatch):
     "ComfyUI's disabled formats per device, from each format's native_compute (CUDA faked: capability and torch version)."
-    always = {'awq_w4a16'}                      # kitchen's eager GEMV: ComfyUI disables it on no device
+    always = {'awq_w4a16', 'svdquant_w4a4'}    # kitchen's eager code runs them: ComfyUI disables them on no device
     every = set(cq.FORMATS) - always
     ints = {'int8_tensorwise', 'convrot_w4a4', 'asym_w4a8_int8', 'w6a8_int8'}
     assert modules.comfy_disabled_formats('cpu') == every - ints
