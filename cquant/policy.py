@@ -22,6 +22,7 @@ from .int8 import INT8_TENSORWISE
 from .w4a4 import CONVROT_W4A4
 from .w4a8 import ASYM_W4A8_INT8
 from .awq import AWQ_W4A16
+from .svdquant import SVDQUANT_W4A4
 from .checkpoint import Checkpoint, open_checkpoint
 from .numerics import energy_db, is_power_of_4
 from .modules import QuantLinear, is_linear, submodule, swap_module
@@ -247,7 +248,8 @@ _FP8 = _choice('FP8', FP8_E4M3.name)
 _NVFP4 = _choice('NVFP4', NVFP4.name)
 _MXFP8 = _choice('MXFP8', MXFP8.name)
 _AWQ = _choice('AWQ W4A16', AWQ_W4A16.name, group_size=64)
-CHOICES = {c.label: c for c in (_INT8, _INT8_CONVROT, _W4A4, _W4A8, _FP8, _NVFP4, _MXFP8, _AWQ)}   # by label
+_SVDQ = _choice('SVDQuant W4A4', SVDQUANT_W4A4.name)
+CHOICES = {c.label: c for c in (_INT8, _INT8_CONVROT, _W4A4, _W4A8, _FP8, _NVFP4, _MXFP8, _AWQ, _SVDQ)}   # by label
 
 # %% ../nbs/16_policy.ipynb #a1f0c002
 AUTO_GROUPS = (256, 64, 16, 4)   # convrot_groupsize='auto': tried largest first
@@ -294,6 +296,8 @@ MODES: dict[str, Mode] = {m.name: m for m in [
     Mode('fp8', (_FP8,), doc='float8_e4m3fn with a per-tensor scale'),
     Mode(NVFP4.name, (_NVFP4, _FP8), doc='NVFP4 (E2M1 blocks of 16), else FP8', weight_only=True),
     Mode(MXFP8.name, (_MXFP8, _FP8), doc='MXFP8 (E4M3 blocks of 32), else FP8'),
+    Mode('svdquant', (_SVDQ, _INT8), doc='SVDQuant W4A4 (int4 residual + low-rank branch, calibrated) wherever it fits, '
+         'else per-row INT8', weight_only=True),
 ]}
 
 # %% ../nbs/16_policy.ipynb #269c933b
@@ -518,6 +522,7 @@ class Policy:
     overrides: tuple = ()               # ((pattern, format or None, options), ...): first match wins
     convrot_groupsize: int|str = 256    # ConvRot rotation group: a power of 4, or 'auto' (per layer, see below)
     rounding: str = 'nearest'           # 'nearest' (kitchen's bytes), 'mse' (data-free clipping) or 'gptq' (calibration)
+    svdquant_rank: int|None = None      # svdquant mode: rank of the low-rank branch (None: min(32, N, K) per layer)
 
     def __post_init__(self): _validate(self)
 
@@ -527,7 +532,7 @@ class Policy:
         return dict(mode=self.mode, preset=self.preset, int4_mixed_ratio=self.int4_mixed_ratio,
                     keep_float=list(self.keep_float), int4_sensitive=list(self.int4_sensitive), selection=self.selection,
                     overrides=[dict(pattern=p, format=f, options=dict(o)) for p, f, o in self.overrides],
-                    convrot_groupsize=self.convrot_groupsize, rounding=self.rounding)
+                    convrot_groupsize=self.convrot_groupsize, rounding=self.rounding, svdquant_rank=self.svdquant_rank)
     @classmethod
     def from_dict(cls, d:Mapping) -> 'Policy':
         "The policy of `to_dict`'s data (unknown fields refused)."
@@ -578,12 +583,15 @@ def _validate(p:Policy):
     g = p.convrot_groupsize
     if g != 'auto' and (isinstance(g, bool) or not isinstance(g, int) or not is_power_of_4(g)):
         raise ValueError(f"Policy.convrot_groupsize: expected 'auto' or a power of 4 (4, 16, 64, 256, ...), found {g!r}")
+    r = p.svdquant_rank
+    if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
+        raise ValueError(f"Policy.svdquant_rank: expected None or a positive int (16, 32, 64, ...), found {r!r}")
 
 def _policy_fields(d:Mapping) -> Mapping:
     "`d` checked to be a mapping of `Policy` fields."
     if not isinstance(d, Mapping): raise ValueError(f"Policy.from_dict: expected an object, found {type(d).__name__}")
     known = {'mode', 'preset', 'int4_mixed_ratio', 'keep_float', 'int4_sensitive', 'selection', 'overrides',
-             'convrot_groupsize', 'rounding'}
+             'convrot_groupsize', 'rounding', 'svdquant_rank'}
     extra = sorted(set(d) - known)
     if extra: raise ValueError(f"Policy.from_dict: unknown field(s) {extra}; expected some of {sorted(known)}")
     return d
@@ -607,10 +615,18 @@ def _resolve_preset(policy:Policy, names, shapes=None) -> tuple:
     keep += [(k, 'user') for k in policy.keep_float if k not in p.keep_float]
     return p.name, keep, _dedup(p.int4_sensitive + policy.int4_sensitive), note, p.weight_only
 
+# %% ../nbs/16_policy.ipynb #e3937f23
+def _ranked(mode:Mode, rank:int|None) -> Mode:
+    "`mode` with the low-rank branch's `rank` in its choices whose format has one (`mode` itself for None)."
+    if rank is None: return mode
+    r = lambda cs: tuple(replace(c, options=tuple(sorted({**c.opts, 'rank': rank}.items())))
+                         if 'rank' in c.spec().option_names else c for c in cs)
+    return replace(mode, chain=r(mode.chain), budget=r(mode.budget))
+
 # %% ../nbs/16_policy.ipynb #08b768da
 def _plan(policy:Policy, src:LayerSource, calibration, model, outputs=None, greedy=None) -> Plan:
     "`Policy.plan` on a `LayerSource` (`model`: the nn.Module it came from, for calibration batches)."
-    mode, g = MODES[policy.mode], policy.convrot_groupsize
+    mode, g = _ranked(MODES[policy.mode], policy.svdquant_rank), policy.convrot_groupsize
     preset, keep, sens, note, wo = _resolve_preset(policy, src.names, {n: i.shape for n, i in src.infos.items()})
     out, pending, cands = {}, [], []
     for name, info in src.infos.items():

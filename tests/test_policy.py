@@ -336,3 +336,28 @@ def test_weight_only_preset_layers_get_awq():
     assert Policy(preset='qwen', mode='int8').plan(sd)['blocks.0.img_mod.1'].format == 'int8_tensorwise'
     assert Policy(preset='flux2', mode='int4_full').plan(sd)['blocks.0.img_mod.1'].format == 'int8_tensorwise'  # K=384
     assert set(PRESETS['qwen'].weight_only) <= set(CONSERVATIVE.weight_only)
+
+
+def test_svdquant_mode_and_rank():
+    "mode='svdquant': SVDQuant W4A4 where K % 64 == 0 and the rank fits, else per-row INT8; the rank a policy setting."
+    sd = {'a.weight': torch.zeros(256, 512), 'b.weight': torch.zeros(8, 100), 'c.weight': torch.zeros(16, 128)}
+    svdq = cq.FORMATS['svdquant_w4a4'].name
+    p = Policy(mode='svdquant', preset='none').plan(sd)
+    assert [p[n].format for n in 'abc'] == [svdq, 'int8_tensorwise', svdq] and p['a'].options == {}
+    assert 'SVDQuant W4A4 does not fit: weight: K=100' in p['b'].reason
+    r = Policy(mode='svdquant', preset='none', svdquant_rank=64).plan(sd)
+    assert r['a'].options == {'rank': 64} and r['c'].format == 'int8_tensorwise' and 'rank=64' in r['c'].reason
+    assert Policy.from_json(Policy(mode='svdquant', svdquant_rank=16).to_json()).svdquant_rank == 16
+    for bad in (0, 1.5, True, '32'):
+        with pytest.raises(ValueError, match='Policy.svdquant_rank: expected None or a positive int'):
+            Policy(svdquant_rank=bad)
+    model, cal, held = dit_model(0, depth=2, experts=2), dit_batches(2, tokens=32, seed=1), dit_batches(1, tokens=32, seed=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', PolicyWarning)
+        qs = {m: cq.quantize_model(dit_model(0, depth=2, experts=2), Policy(mode=m).plan(model), calibration=cal)
+              for m in ('svdquant', 'int4_full')}
+    assert any(getattr(q.weight, 'format', None) == svdq for q in qs['svdquant'].modules() if hasattr(q, 'weight'))
+    with torch.no_grad():
+        ref = torch.cat([model(*b).flatten() for b in held])
+        got = {m: cq.sqnr(ref, torch.cat([q(*b).flatten() for b in held])) for m, q in qs.items()}
+    assert got['svdquant'] > got['int4_full'] + 2, got        # measured +2.7 dB here, +7.1 dB on the 4-block DiT (07b)
