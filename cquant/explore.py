@@ -582,6 +582,8 @@ def kitchen_numbers(a:Analysis, # an analysis (kitchen quantizes the same rows)
         kdq = kq.dequantize().float()
         return dict(kitchen_bytes=kb, kitchen_same=same, kitchen_sqnr_db=error_numbers(a.w, kdq)['sqnr_db'],
                     kitchen_s=secs)
+    except NotImplementedError:                # AWQ, SVDQuant: kitchen only loads them ("requires offline calibration")
+        return dict(kitchen_error=f"comfy-kitchen does not quantize {a.format} (offline calibration); it loads cquant's files")
     except Exception as e:
         return dict(kitchen_error=f"{type(e).__name__}: {str(e)[:120]}")
 

@@ -507,3 +507,14 @@ def test_minilm_opens_on_a_linear_layer():
     ex = explore(str(path))
     assert ex.layer.startswith('encoder.layer.0.') and 'embeddings' not in ex.layer
     assert ex.numbers['bits_per_weight'] < 5 and ex.numbers['sqnr_db'] < 25
+
+
+def test_kitchen_numbers_for_formats_kitchen_only_loads():
+    "AWQ and SVDQuant: kitchen's layouts refuse to quantize; the explorer says so instead of a raw error."
+    from cquant.explore import analyze, kitchen_numbers
+    pytest.importorskip('comfy_kitchen')
+    w = torch.randn(64, 128)
+    for f in ('awq_w4a16', 'svdquant_w4a4'):
+        assert kitchen_numbers(analyze(w, f)) == {
+            'kitchen_error': f"comfy-kitchen does not quantize {f} (offline calibration); it loads cquant's files"}
+    assert kitchen_numbers(analyze(w, 'nvfp4'))['kitchen_same'] is True
