@@ -9,7 +9,7 @@ Docs: https://cquant-dev.github.io/cquant/awq.html.md"""
 from __future__ import annotations
 from dataclasses import dataclass
 import torch
-from .tensor import Params, Layout, Option, FormatSpec, ValueRule, register_format, format_error, check_2d
+from .tensor import Params, Layout, Int4PackedLayout, Option, FormatSpec, ValueRule, register_format, format_error, check_2d
 from .tensor import round_stochastic, check_finite
 from .numerics import pack_uint4, unpack_uint4, SCALE_DTYPES
 
@@ -240,21 +240,13 @@ def _awq_from_tensors(tensors, opts, shape, dtype, prefix=''):
     return tensors['weight'], AWQParams(tuple(shape), dtype, s, z, int(G), bool(opts.get('clip_search', True)))
 
 # %% ../nbs/07a_awq.ipynb #2161a64f
-class AWQLayout(Layout):
+class AWQLayout(Int4PackedLayout):
     "Storage layout of `awq_w4a16`: packed uint4 codes [N, K/2] + group scales and zeros [K/G, N]."
     Params = AWQParams
     MIN_SM_VERSION = None     # comfy-kitchen's TensorCoreAWQW4A16Layout: the eager GEMV runs anywhere
 
     @classmethod
     def check_shape(cls, shape, opts, prefix=''): return _awq_check_shape(shape, opts, prefix)
-
-    @classmethod
-    def storage_shape(cls, shape, opts): return (shape[0], shape[1] // 2)
-
-    @classmethod
-    def logical_shape(cls, tensors, opts):
-        w = tensors['weight']
-        return (w.shape[0], 2 * w.shape[1]) if w.dim() == 2 else tuple(w.shape)
 
     @classmethod
     def quantize(cls, w, stochastic_rounding=0, group_size=64, clip_search=True):

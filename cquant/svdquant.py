@@ -10,7 +10,7 @@ Docs: https://cquant-dev.github.io/cquant/svdquant.html.md"""
 from __future__ import annotations
 from dataclasses import dataclass, replace
 import torch
-from .tensor import Params, Layout, Option, FormatSpec, ValueRule, register_format, format_error, check_2d
+from .tensor import Params, Layout, Int4PackedLayout, Option, FormatSpec, ValueRule, register_format, format_error, check_2d
 from .tensor import check_finite, round_stochastic
 from .numerics import pack_int4, unpack_int4, SCALE_DTYPES
 
@@ -210,7 +210,7 @@ class SVDQuantParams(Params):
     alpha: float|None = None            # the smoothing exponent used (None: no smoothing)
 
 # %% ../nbs/07b_svdquant.ipynb #04f48e3f
-class SVDQuantLayout(Layout):
+class SVDQuantLayout(Int4PackedLayout):
     "Storage layout of `svdquant_w4a4`: int4 residual + group scales, a rank-R branch, a smoothing factor."
     Params = SVDQuantParams
     MIN_SM_VERSION = (8, 0)     # comfy-kitchen's TensorCoreSVDQuantW4A4Layout (int4 MMA, Ampere)
@@ -240,13 +240,13 @@ class SVDQuantLayout(Layout):
     def storage_shape(cls, shape, opts):
         N, K = shape
         if opts.get('layout') == TILE_PACKED: return (N // TILE_N, K // SVDQ_GROUP, TILE_N // TILE_INTERLEAVE, 128)
-        return (N, K // 2)
+        return super().storage_shape(shape, opts)
 
     @classmethod
     def logical_shape(cls, tensors, opts):
         w = tensors['weight']
         if w.dim() == 4: return (w.shape[0] * TILE_N, w.shape[1] * SVDQ_GROUP)
-        return (w.shape[0], 2 * w.shape[1]) if w.dim() == 2 else tuple(w.shape)
+        return super().logical_shape(tensors, opts)
 
     @classmethod
     def from_tensors(cls, tensors, opts, shape, dtype, prefix=''): return _svdq_from_tensors(tensors, opts, shape, dtype, prefix)
@@ -372,7 +372,7 @@ SVDQUANT_W4A4 = register_format(FormatSpec(
                     choices=('absmax', 'mse'), stored=False),
              Option('alpha', None, (float, int, type(None)), 'smoothing exponent (None: chosen from none, 0, 1/8, ..., 1)',
                     stored=False)),
-    quantize_input=False, extra_keys=(),
+    quantize_input=False, extra_keys=(), aliases=('svdquant', 'svdq'),
     value_rules={'weight_scale': ValueRule('a group scale multiplies its int4 values', zero_ok=True),
                  'weight_smooth_factor': ValueRule('the input is divided by it before it is quantized')},
     doc='SVDQuant: int4 residual with per-64 group scales, int4 activations, a 16-bit rank-R branch and smoothing.',

@@ -12,9 +12,9 @@ from typing import Any, Callable
 import torch
 
 # %% auto #0
-__all__ = ['FORMATS', 'QuantFormatError', 'encode_json', 'decode_json', 'unique_keys', 'Option', 'Params', 'Layout', 'FormatSpec',
-           'register_format', 'ScaleRule', 'ValueRule', 'Grid', 'get_format', 'QuantizedTensor', 'quantize',
-           'load_quantized']
+__all__ = ['FORMATS', 'QuantFormatError', 'encode_json', 'decode_json', 'unique_keys', 'Option', 'Params', 'Layout',
+           'Int4PackedLayout', 'FormatSpec', 'register_format', 'ScaleRule', 'ValueRule', 'Grid', 'get_format',
+           'QuantizedTensor', 'quantize', 'load_quantized']
 
 # %% ../nbs/01_tensor.ipynb #464385b5
 log = logging.getLogger("cquant")
@@ -174,6 +174,16 @@ class Layout:
     def reshape(cls, func, qdata, params, shape:tuple):
         "`(qdata, params)` of a view/reshape (`func`) to logical `shape`, or None when the storage cannot keep it."
         return None
+
+# %% ../nbs/01_tensor.ipynb #f4fc4d7b
+class Int4PackedLayout(Layout):
+    "Base of the layouts that pack two 4-bit codes per byte along K (low nibble first): `weight` [N, K/2]."
+    @classmethod
+    def storage_shape(cls, shape:tuple, opts:dict) -> tuple: return (shape[0], shape[1] // 2)
+    @classmethod
+    def logical_shape(cls, tensors:dict, opts:dict) -> tuple:
+        w = tensors['weight']
+        return (w.shape[0], 2 * w.shape[1]) if w.dim() == 2 else tuple(w.shape)
 
 # %% ../nbs/01_tensor.ipynb #734cf809
 FAST_PATH_OPS = ('quantize', 'dequantize', 'linear')

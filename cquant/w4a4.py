@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 from .tensor import ValueRule, int8_compute
-from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, check_2d, round_stochastic
+from .tensor import Params, Layout, Int4PackedLayout, Option, FormatSpec, register_format, format_error, check_2d, round_stochastic
 from .numerics import absmax, rotate, pack_int4, unpack_int4, is_power_of_4, SCALE_DTYPES
 from .int8 import int_mm, quantize_rows_int8
 from .tensor import Grid
@@ -117,7 +117,7 @@ class W4A4Params(Params):
     linear_dtype: str = 'int4'
 
 # %% ../nbs/06_convrot_w4a4.ipynb #913ce544
-class W4A4Layout(Layout):
+class W4A4Layout(Int4PackedLayout):
     "Storage layout of `convrot_w4a4`: int8 [N, K/2] packed int4 + fp32 [N] scale, ConvRot always on."
     Params = W4A4Params
     MIN_SM_VERSION = (7, 5)     # comfy-kitchen's TensorCoreConvRotW4A4Layout
@@ -136,14 +136,6 @@ class W4A4Layout(Layout):
 
     @classmethod
     def tensors(cls, qdata, params): return {'weight': qdata, 'weight_scale': params.scale}
-
-    @classmethod
-    def storage_shape(cls, shape, opts): return (shape[0], shape[1] // 2)
-
-    @classmethod
-    def logical_shape(cls, tensors, opts):
-        w = tensors['weight']
-        return (w.shape[0], 2 * w.shape[1]) if w.dim() == 2 else tuple(w.shape)
 
     @classmethod
     def from_tensors(cls, tensors, opts, shape, dtype, prefix=''):

@@ -94,7 +94,8 @@ def test_policy_mode_as_format():
     with pytest.raises(cq.QuantFormatError) as err: cq.quantize(w, 'fp8')
     assert str(err.value) == "cq.quantize: format 'fp8' is a policy mode or short name; the format is 'float8_e4m3fn'"
     for mode, fmt in [('int8', 'int8_tensorwise'), ('int8_convrot', 'int8_tensorwise'), ('int4_full', 'convrot_w4a4'),
-                      ('int4_mixed', 'convrot_w4a4'), ('w4a8', 'asym_w4a8_int8'), ('w6a8', 'w6a8_int8'), ('e5m2', 'float8_e5m2')]:
+                      ('int4_mixed', 'convrot_w4a4'), ('w4a8', 'asym_w4a8_int8'), ('w6a8', 'w6a8_int8'), ('e5m2', 'float8_e5m2'),
+                      ('svdquant', 'svdquant_w4a4'), ('awq', 'awq_w4a16')]:
         with pytest.raises(cq.QuantFormatError, match=f"format '{mode}' is a policy mode or short name; the format is '{fmt}'$"):
             cq.quantize(w, mode)
 
