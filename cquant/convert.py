@@ -463,6 +463,10 @@ def source_files(src) -> list:
     index = shard_index(src)
     return [os.fspath(src)] if index is None else [index, *dict.fromkeys(read_shards(index)[2].values())]
 
+def _source_names(src) -> dict:
+    "`{name: path}` of the files of `src` for `check_outputs`: 'source' (a sharded one's index), 'source shard <name>'."
+    return {'source' if i == 0 else f'source shard {os.path.basename(f)}': f for i, f in enumerate(source_files(src))}
+
 def _summary(rows:list, before:int, after:int) -> dict:
     "The per-layer summary recorded in the header (`cquant_summary`): layers and bytes per format, totals."
     fmts = {}
@@ -490,8 +494,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
     from tqdm import tqdm
     src, dst, policy = os.fspath(src), os.fspath(dst), _as_policy(policy)
     sums = dst + '.sha256' if hash_output else None
-    inputs = {'source' if i == 0 else f'source shard {i}': f for i, f in enumerate(source_files(src))}
-    check_outputs('quantize_checkpoint', inputs, {'destination': None if shard_size else dst, 'report': report, 'hash file': sums})
+    check_outputs('quantize_checkpoint', _source_names(src), {'destination': None if shard_size else dst, 'report': report, 'hash file': sums})
     t0 = time.time()
     device = check_device(device, 'quantize_checkpoint')
     cal = Calibration.of(calibration)
@@ -633,8 +636,8 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
     "Rewrite `src` with per-module `comfy_quant` entries (legacy headers and markers converted), streaming."
     from collections import Counter
     src, dst = os.fspath(src), os.fspath(dst)
-    check_outputs('convert_checkpoint', {'source': src}, {'destination': dst})
-    raw = set(read_header(src)[0])
+    check_outputs('convert_checkpoint', _source_names(src), {'destination': dst})
+    raw = set(read_header(src)[0] if shard_index(src) is None else read_shards(shard_index(src))[0])
     with open_checkpoint(src) as ck:
         mods = ck.modules()
         with StreamingWriter(dst, ck.metadata) as w:

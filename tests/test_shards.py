@@ -183,3 +183,27 @@ def test_batch_conversion(sd, sharded, tmp_path):
     assert rc == 1 and '--report and --plot take one source' in err
     rc, text, err = cquant('quantize', str(srcs / '*.nothing'), out)
     assert rc == 1 and 'expected files matching the pattern' in err
+
+
+def test_error_midway_leaves_no_folder(sharded, tmp_path, monkeypatch):
+    import cquant.convert as C
+    calls, orig = [], C._quantize_layer
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 3: raise KeyboardInterrupt
+        return orig(*a, **k)
+    monkeypatch.setattr(C, '_quantize_layer', failing)
+    with pytest.raises(KeyboardInterrupt):
+        quiet_quantize(sharded, tmp_path / 'out', POL, measure=False, shard_size='200KB', hash_output=True)
+    assert len(calls) == 3 and list(tmp_path.iterdir()) == []
+
+
+def test_convert_over_shards(sd, sharded, tmp_path):
+    from cquant.convert import convert_checkpoint
+    r = convert_checkpoint(sharded.parent, tmp_path / 'c.safetensors')
+    assert r['removed'] == [] and r['added'] == []
+    back = cq.load_file(tmp_path / 'c.safetensors')
+    assert sorted(back) == sorted(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    first = sorted(os.listdir(sharded.parent))[0]
+    with pytest.raises(ValueError, match=f'is the source shard {first} file'):
+        quiet_quantize(sharded, sharded.parent / first, POL)
