@@ -111,12 +111,13 @@ def cmd_quantize(args) -> int:
         raise ValueError("--report and --plot take one source; a batch prints one summary table (--json: every report)")
     if batch: os.makedirs(dst, exist_ok=True)
     outs = [_output(s, dst, args.shard_size is not None) if batch else dst for s in srcs]
+    for src, out in zip(srcs, outs):                 # every output checked before any work
+        check_outputs('', {'SRC': src}, {'DST': None if args.shard_size else out, '--report': args.report, '--plot': args.plot})
     cal = None
     if args.calibration:
         cal = Calibration(load_file(args.calibration), smoothing=not args.no_smoothing)
     reps = []
     for src, out in zip(srcs, outs):
-        check_outputs('', {'SRC': src}, {'DST': None if args.shard_size else out, '--report': args.report, '--plot': args.plot})
         reps.append(quantize_checkpoint(src, out, policy_from_args(args), progress=not args.quiet, report=args.report,
                                         measure=not args.no_sqnr, calibration=cal, requantize=args.requantize,
                                         device=args.device, shard_size=args.shard_size, hash_output=args.hash_output))
