@@ -85,14 +85,13 @@ def _sources(args) -> list:
     for s in args.src:
         hits = sorted(glob.glob(s)) if glob.has_magic(s) else [s]
         if not hits: raise ValueError(f"SRC {s!r}: expected files matching the pattern, found none")
-        out += [h for h in hits if not h.endswith('.sha256')]
+        out += hits
     return out
 
 def _output(src:str, folder:str, sharded:bool) -> str:
     "The output in `folder` for source `src` in a batch: its name (a sharded folder's name) as .safetensors or a folder."
     base = os.path.basename(os.path.normpath(src))
-    stem = base[:-len(INDEX_SUFFIX)] if base.endswith(INDEX_SUFFIX) else base.removesuffix('.safetensors')
-    if base.endswith(INDEX_SUFFIX): stem = os.path.basename(os.path.dirname(os.path.abspath(src)))
+    stem = os.path.basename(os.path.dirname(os.path.abspath(src))) if base.endswith(INDEX_SUFFIX) else base.removesuffix('.safetensors')
     return os.path.join(folder, stem if sharded else stem + '.safetensors')
 
 # %% ../nbs/18_cli.ipynb #sh18a003
@@ -109,8 +108,11 @@ def cmd_quantize(args) -> int:
     batch = len(srcs) > 1 or any(glob.has_magic(s) for s in args.src)
     if batch and (args.report or args.plot):
         raise ValueError("--report and --plot take one source; a batch prints one summary table (--json: every report)")
-    if batch: os.makedirs(dst, exist_ok=True)
     outs = [_output(s, dst, args.shard_size is not None) if batch else dst for s in srcs]
+    same = {o: [s for s, o2 in zip(srcs, outs) if o2 == o] for o in outs}
+    for o, ss in same.items():
+        if len(ss) > 1: raise ValueError(f"sources {ss} would all be written to {o!r}; convert them into separate folders")
+    if batch: os.makedirs(dst, exist_ok=True)
     for src, out in zip(srcs, outs):                 # every output checked before any work
         check_outputs('', {'SRC': src}, {'DST': None if args.shard_size else out, '--report': args.report, '--plot': args.plot})
     cal = None

@@ -183,6 +183,9 @@ def test_batch_conversion(sd, sharded, tmp_path):
     assert rc == 1 and '--report and --plot take one source' in err
     rc, text, err = cquant('quantize', str(srcs / '*.nothing'), out)
     assert rc == 1 and 'expected files matching the pattern' in err
+    (tmp_path / 'other').mkdir(); cq.save_file(sd, tmp_path / 'other' / 'a.safetensors')
+    rc, text, err = cquant('quantize', srcs / 'a.safetensors', tmp_path / 'other' / 'a.safetensors', tmp_path / 'out2')
+    assert rc == 1 and f"would all be written to '{tmp_path / 'out2' / 'a.safetensors'}'" in err and not (tmp_path / 'out2').exists()
 
 
 def test_error_midway_leaves_no_folder(sharded, tmp_path, monkeypatch):
