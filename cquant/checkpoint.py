@@ -1125,6 +1125,7 @@ class ShardedWriter:
         d, base = os.path.split(self.path)
         if not os.path.isdir(d): raise CheckpointError(self.path, f"expected the folder {d!r} to hold the shard folder, found none")
         self.tmp = tempfile.mkdtemp(prefix=f'.{base}.cquant-{_host()}-{os.getpid()}-', suffix='.shards', dir=d)
+        os.chmod(self.tmp, 0o777 & ~_umask())      # the folder it becomes: a plain new folder's permissions
         self.shards, self._of = [], {}        # StreamingWriters; module -> shard number
 
     def place(self, module:str, nbytes:int) -> StreamingWriter:
@@ -1200,7 +1201,9 @@ def write_sha256(files:list, dst) -> str:
     text = ''.join(f"{sha256_file(f)}  {os.path.relpath(os.path.abspath(f), d)}\n" for f in files)
     fd, tmp = temp_file(dst)
     try:
-        with os.fdopen(fd, 'w') as f: f.write(text)
+        with os.fdopen(fd, 'w') as f:
+            if hasattr(os, 'fchmod'): os.fchmod(f.fileno(), 0o666 & ~_umask())
+            f.write(text)
         os.replace(tmp, dst)
     except BaseException: _unlink(tmp); raise
     return os.fspath(dst)

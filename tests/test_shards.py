@@ -210,3 +210,23 @@ def test_convert_over_shards(sd, sharded, tmp_path):
     first = sorted(os.listdir(sharded.parent))[0]
     with pytest.raises(ValueError, match=f'is the source shard {first} file'):
         quiet_quantize(sharded, sharded.parent / first, POL)
+
+
+def test_shards_filled_by_output_size_and_permissions(tmp_path):
+    "Modules are placed by what they write (INT8: half the bf16 source), so two fit where the source had room for one."
+    g = torch.Generator().manual_seed(0)
+    sd = {f'b.{i}.fc.weight': torch.randn(512, 512, generator=g).to(torch.bfloat16) for i in range(4)}
+    cq.save_file(sd, tmp_path / 'src.safetensors')
+    out = tmp_path / 'out'
+    quiet_quantize(tmp_path / 'src.safetensors', out, Policy('int8', preset='none'), measure=False, shard_size=600_000,
+                   hash_output=True)
+    doc = json.loads((out / 'model.safetensors.index.json').read_text())
+    per = {}
+    for k, f in doc['weight_map'].items(): per.setdefault(f, set()).add(k.split('.')[1])
+    assert sorted(per) == ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
+    assert sorted(map(sorted, per.values())) == [['0', '1'], ['2', '3']]
+    for f in per:
+        assert sum(i.nbytes for i in read_header(out / f)[0].values()) <= 600_000
+    umask = os.umask(0); os.umask(umask)
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~umask
+    assert ((tmp_path / 'out.sha256').stat().st_mode & 0o777) == 0o666 & ~umask
