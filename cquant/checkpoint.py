@@ -796,7 +796,7 @@ def _quantized(self:Checkpoint, name:str, shape=None, dtype:torch.dtype=torch.bf
 Checkpoint.modules, Checkpoint.quantized, Checkpoint.groups = _modules, _quantized, _groups
 
 # %% ../nbs/11_checkpoint.ipynb #1a9293a1
-_TEMP = re.compile(r'\.cquant-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[a-z0-9_]+\.tmp$')
+_TEMP = re.compile(r'\.cquant-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[a-z0-9_]+\.(tmp|shards)$')   # a file, or a ShardedWriter's folder
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 def _host() -> str: return re.sub(r'[^A-Za-z0-9_.]', '_', socket.gethostname()) or 'localhost'
@@ -817,7 +817,7 @@ def _alive(pid:int) -> bool:
 
 # %% ../nbs/11_checkpoint.ipynb #41e2d85f
 def stale_temp_files(folder) -> list[str]:
-    "cquant temporary files in `folder` left by processes of this host that no longer run (killed mid-save)."
+    "cquant temporary files (and shard folders) in `folder` left by processes of this host that no longer run (killed mid-save)."
     folder, host = os.fspath(folder), _host()
     try: names = os.listdir(folder)
     except OSError: return []
@@ -825,10 +825,16 @@ def stale_temp_files(folder) -> list[str]:
     return sorted(os.path.join(folder, n) for n, m in hits if m and m['host'] == host and not _alive(int(m['pid'])))
 
 # %% ../nbs/11_checkpoint.ipynb #923fb896
+def _remove_stale(folder:str):
+    "Remove the `stale_temp_files` of `folder` (a stale shard folder with its files)."
+    for p in stale_temp_files(folder):
+        if os.path.isdir(p) and not os.path.islink(p): shutil.rmtree(p, ignore_errors=True)
+        else: _unlink(p)
+
 def temp_file(path) -> tuple[int, str]:
     "`(fd, name)` of a new temporary file beside `path`, `.<name>.cquant-<host>-<pid>-<random>.tmp`; stale ones are removed first."
     d, base = os.path.split(os.path.abspath(path))
-    for p in stale_temp_files(d): _unlink(p)
+    _remove_stale(d)
     return tempfile.mkstemp(prefix=f'.{base}.cquant-{_host()}-{os.getpid()}-', suffix='.tmp', dir=d)
 
 class DiskFullError(OSError):
@@ -1124,6 +1130,7 @@ class ShardedWriter:
         _check_metadata(self.path, self.metadata)
         d, base = os.path.split(self.path)
         if not os.path.isdir(d): raise CheckpointError(self.path, f"expected the folder {d!r} to hold the shard folder, found none")
+        _remove_stale(d)
         self.tmp = tempfile.mkdtemp(prefix=f'.{base}.cquant-{_host()}-{os.getpid()}-', suffix='.shards', dir=d)
         os.chmod(self.tmp, 0o777 & ~_umask())      # the folder it becomes: a plain new folder's permissions
         self.shards, self._of = [], {}        # StreamingWriters; module -> shard number
