@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/checkpoint.html.md"""
 
 # %% ../nbs/11_checkpoint.ipynb #4006f88f
 from __future__ import annotations
-import errno, itertools, json, math, os, re, socket, stat, struct, tempfile, textwrap, warnings
+import errno, glob, hashlib, itertools, json, math, os, re, shutil, socket, stat, struct, tempfile, textwrap, warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -17,13 +17,14 @@ from .tensor import (FormatSpec, QuantFormatError, QuantizedTensor, check_comfy_
 from .comfy import expert_tensors, file_value, split_bank
 
 # %% auto #0
-__all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'LEGACY_QMETA', 'LEGACY_MARKER', 'ATTENTION_KEY',
-           'ATTENTION_METHODS', 'HOLD_MAX', 'CheckpointError', 'CheckpointWarning', 'TensorInfo', 'read_header',
-           'convert_legacy', 'file_state', 'Checkpoint', 'open_checkpoint', 'AttentionChoice', 'attention_entries',
-           'encode_attention', 'decode_attention', 'select_attention', 'attention_available', 'sol_applicable',
-           'split_key', 'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'stale_temp_files', 'temp_file',
-           'DiskFullError', 'save_file', 'comfy_unread', 'load_file', 'StreamingWriter', 'inspect_checkpoint',
-           'size_ratio', 'text_table', 'format_inspect']
+__all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'INDEX_SUFFIX', 'LEGACY_QMETA', 'LEGACY_MARKER', 'ATTENTION_KEY',
+           'ATTENTION_METHODS', 'HOLD_MAX', 'PROVENANCE_KEYS', 'CheckpointError', 'CheckpointWarning', 'TensorInfo',
+           'read_header', 'shard_index', 'read_shards', 'convert_legacy', 'file_state', 'Checkpoint', 'open_checkpoint',
+           'AttentionChoice', 'attention_entries', 'encode_attention', 'decode_attention', 'select_attention',
+           'attention_available', 'sol_applicable', 'split_key', 'group_modules', 'scale_keys', 'shapes_of',
+           'ModuleEntry', 'stale_temp_files', 'temp_file', 'DiskFullError', 'save_file', 'comfy_unread', 'load_file',
+           'StreamingWriter', 'parse_size', 'ShardedWriter', 'sha256_file', 'write_sha256', 'provenance',
+           'inspect_checkpoint', 'size_ratio', 'text_table', 'format_inspect']
 
 # %% ../nbs/11_checkpoint.ipynb #5a7c0e11
 from .tensor import check_stray_scales
@@ -148,6 +149,60 @@ def read_header(path) -> tuple[dict, dict]:
     tensors = {i.name: TensorInfo(i.name, i.dtype, i.shape, i.nbytes, (data_start + i.offsets[0], data_start + i.offsets[1])) for i in infos}
     return tensors, dict(meta)
 
+# %% ../nbs/11_checkpoint.ipynb #sh01a002
+INDEX_SUFFIX = '.safetensors.index.json'
+
+def shard_index(path) -> str|None:
+    "The index file of a sharded checkpoint given as its folder or its `*.safetensors.index.json`; None for one file."
+    path = os.fspath(path)
+    if path.endswith(INDEX_SUFFIX): return path
+    if not os.path.isdir(path): return None
+    found = sorted(glob.glob(os.path.join(glob.escape(path), '*' + INDEX_SUFFIX)))
+    if not found: raise CheckpointError(path, f"expected a regular file, found a directory (with no '*{INDEX_SUFFIX}': "
+                                              "not a sharded checkpoint folder)")
+    if len(found) > 1: raise CheckpointError(path, f"expected a sharded checkpoint folder with one '*{INDEX_SUFFIX}' "
+                                                   f"(weight_map of its shards), found {len(found)}: {[os.path.basename(f) for f in found]}")
+    return found[0]
+
+# %% ../nbs/11_checkpoint.ipynb #sh01a003
+def _weight_map(index:str) -> dict:
+    "The validated `weight_map` of index file `index`: `{tensor name: shard file name}`."
+    try:
+        with open(index, 'rb') as f: doc = json.loads(f.read(MAX_HEADER_BYTES + 1).decode('utf-8'))
+    except OSError as e: raise CheckpointError(index, f"cannot read the shard index: {e.strerror}") from None
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(index, f"expected a JSON shard index, found {type(e).__name__}: {str(e)[:120]}") from None
+    wm = doc.get('weight_map') if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise CheckpointError(index, "expected an object with a \"weight_map\" of {tensor name: shard file name}, "
+                                     f"found {str(doc)[:80]}")
+    for k, v in wm.items():
+        if os.path.basename(v) != v or v in ('', '.', '..'):
+            raise CheckpointError(index, f"weight_map[{k!r}]: expected a shard file name beside the index, found {v!r}")
+    return wm
+
+# %% ../nbs/11_checkpoint.ipynb #sh01a004
+def read_shards(index) -> tuple[dict, dict, dict]:
+    "Validate the shards of `index` against it; `({name: TensorInfo}, metadata, {name: shard path})`, no tensor data read."
+    index = os.fspath(index)
+    wm, d = _weight_map(index), os.path.dirname(os.path.abspath(index))
+    infos, meta, where = {}, {}, {}
+    for shard in dict.fromkeys(wm.values()):
+        p = os.path.join(d, shard)
+        if not os.path.exists(p):
+            first = next(k for k, v in wm.items() if v == shard)
+            raise CheckpointError(index, f"weight_map[{first!r}]: expected shard {shard!r} beside the index, found no such file")
+        ti, m = read_header(p)
+        for k, i in ti.items():
+            if k in where: raise CheckpointError(p, f"{k!r}: expected each tensor in one shard, found it in "
+                                                    f"{os.path.basename(where[k])} too")
+            if wm.get(k) != shard:
+                raise CheckpointError(p, f"{k!r}: expected only tensors the index {os.path.basename(index)} maps to "
+                                         f"{shard}, found one it " + (f"maps to {wm[k]}" if k in wm else 'does not map'))
+            infos[k], where[k] = i, p
+        for k, v in m.items(): meta.setdefault(k, v)
+    return infos, meta, where
+
 # %% ../nbs/11_checkpoint.ipynb #faf464af
 LEGACY_QMETA = '_quantization_metadata'
 LEGACY_MARKER = 'scaled_fp8'
@@ -270,22 +325,27 @@ def _check_unchanged(name:str, path:str, state:tuple, key:str):
 
 # %% ../nbs/11_checkpoint.ipynb #6dcf9d78
 class Checkpoint(Mapping):
-    "A lazy, validated view of a safetensors checkpoint (or an in-memory state dict): keys, infos, tensors on demand."
+    "A lazy, validated view of a safetensors checkpoint (one file, HF shards, or an in-memory state dict): tensors on demand."
     def __init__(self, entries:dict, metadata:dict|None=None, path:str='state dict', legacy:str|None=None,
-                 file:str|None=None, device='cpu', mmap:bool=False, state:tuple|None=None):
+                 file:str|dict|None=None, device='cpu', mmap:bool=False, state:tuple|dict|None=None):
         self.path, self.metadata, self.legacy, self.device = str(path), dict(metadata or {}), legacy, device
         self._entries, self._file, self._mmap = entries, file, mmap or torch.device(device).type != 'cpu'
-        self._state = state             # `file_state(file)` when opened: every read checks the file is unchanged
-        self._handle = self._fh = self._modules = self._groups = None
+        self._state = state             # `file_state(file)` when opened ({file: state} for shards): checked before each read
+        self._handle, self._fh, self._hash = {}, {}, None
+        self._modules = self._groups = None
 
     @classmethod
     def open(cls, path, device='cpu', convert:bool=True, mmap:bool=False) -> 'Checkpoint':
-        "Validate the header of `path`, convert legacy markings, and return a lazy `Checkpoint`."
-        path = os.fspath(path)
-        state = file_state(path)
-        infos, meta = read_header(path)
-        ck = cls(infos, meta, path, None, path, device, mmap, state)
-        if convert: ck._entries, ck.metadata, ck.legacy = _legacy(infos, meta, ck.__getitem__, path)
+        "Validate the header of `path` (a file, or a sharded folder / its index), convert legacy markings; a lazy `Checkpoint`."
+        path, index = os.fspath(path), shard_index(path)
+        if index is None:
+            state, (infos, meta) = file_state(path), read_header(path)
+            ck = cls(infos, meta, path, None, path, device, mmap, state)
+        else:
+            infos, meta, where = read_shards(index)
+            states = {p: file_state(p) for p in set(where.values())}
+            ck = cls(infos, meta, index, None, where, device, mmap, states)
+        if convert: ck._entries, ck.metadata, ck.legacy = _legacy(infos, meta, ck.__getitem__, ck.path)
         return ck
 
     @classmethod
@@ -315,38 +375,55 @@ class Checkpoint(Mapping):
         v = self._entries[key]
         return TensorInfo.of(key, v) if isinstance(v, torch.Tensor) else v
 
+    @property
+    def files(self) -> list:
+        "The files this checkpoint reads (one, or its shards in index order; none in memory)."
+        if self._file is None: return []
+        return [self._file] if isinstance(self._file, str) else list(dict.fromkeys(self._file.values()))
+
+    def file_of(self, key:str) -> str|None:
+        "The file holding tensor `key` (None in memory or for an entry legacy conversion made)."
+        v = self._entries[key]
+        if isinstance(v, torch.Tensor) or self._file is None: return None
+        return self._file if isinstance(self._file, str) else self._file[v.name]
+
     def _read(self, key:str, i:TensorInfo) -> torch.Tensor:
-        if self._state is not None: _check_unchanged(self.path, self._file, self._state, key)
+        f = self._file if isinstance(self._file, str) else self._file[i.name]
+        state = self._state.get(f) if isinstance(self._state, dict) else self._state
+        if state is not None: _check_unchanged(self.path, f, state, key)
         try:
             if self._mmap and i.nbytes > 4096:   # small entries (JSON, scalars) never need a mapping
-                if self._handle is None:
+                if f not in self._handle:
                     from safetensors import safe_open
-                    self._handle = safe_open(self._file, framework='pt', device=str(self.device))
-                return self._handle.get_tensor(i.name)
+                    self._handle[f] = safe_open(f, framework='pt', device=str(self.device))
+                return self._handle[f].get_tensor(i.name)
             buf = torch.empty(i.nbytes, dtype=torch.uint8)
             if i.nbytes:
-                if self._fh is None: self._fh = open(self._file, 'rb', buffering=0)
-                self._fh.seek(i.offsets[0])
+                if f not in self._fh: self._fh[f] = open(f, 'rb', buffering=0)
+                fh = self._fh[f]; fh.seek(i.offsets[0])
                 mv, got = memoryview(buf.numpy()), 0
                 while got < i.nbytes:
-                    n = self._fh.readinto(mv[got:])
+                    n = fh.readinto(mv[got:])
                     if not n: raise CheckpointError(self.path, f"'{key}': expected {i.nbytes} bytes, found {got} (file truncated while open?)")
                     got += n
+                if self._hash is not None: self._hash[f].feed(fh, i.offsets[0], mv)
             t = buf.view(i.dtype).reshape(i.shape)
             return t if torch.device(self.device).type == 'cpu' else t.to(self.device)
         except CheckpointError: raise
         except Exception as e: raise CheckpointError(self.path, f"'{key}': reading failed: {type(e).__name__}: {e}") from None
 
     def close(self):
-        "Close the file and release the mapping (tensors already read stay valid)."
-        if self._fh is not None: self._fh.close()
-        self._handle = self._fh = None
+        "Close the files and release the mappings (tensors already read stay valid)."
+        for fh in self._fh.values(): fh.close()
+        self._handle, self._fh = {}, {}
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
-    def __del__(self): self.close()     # a checkpoint dropped without close() releases its file
+    def __del__(self):                  # a checkpoint dropped without close() releases its files
+        if hasattr(self, '_fh'): self.close()
     def __repr__(self):
         leg = f', legacy {self.legacy} converted' if self.legacy else ''
-        return f"Checkpoint({self.path!r}, {len(self)} tensors{leg})"
+        shards = f', {len(self.files)} shards' if isinstance(self._file, dict) else ''
+        return f"Checkpoint({self.path!r}, {len(self)} tensors{shards}{leg})"
 
     def state_dict(self) -> dict:
         "All tensors, read now."
@@ -354,8 +431,48 @@ class Checkpoint(Mapping):
 
 # %% ../nbs/11_checkpoint.ipynb #a22a3e76
 def open_checkpoint(path, device='cpu', convert:bool=True, mmap:bool=False) -> Checkpoint:
-    "Open `path` lazily: header validated and read once, legacy converted, tensors read on demand (`mmap`: via safe_open)."
+    """Open `path` (a file, or a sharded folder or its `*.safetensors.index.json`) lazily: headers validated and read
+    once, legacy converted, tensors read on demand (`mmap`: via safe_open)."""
     return Checkpoint.open(path, device, convert, mmap)
+
+# %% ../nbs/11_checkpoint.ipynb #sh01b002
+class _FileHash:
+    "SHA-256 of one file fed by the reads of a `Checkpoint`: bytes read at the hash position are hashed as they pass."
+    def __init__(self, path:str): self.path, self.h, self.pos, self.extra = path, hashlib.sha256(), 0, 0
+    def _upto(self, fd:int, end:int):
+        "Hash the bytes from the position to `end`, reading them (16 MiB at a time)."
+        while self.pos < end:
+            b = os.pread(fd, min(1 << 24, end - self.pos), self.pos)
+            if not b: raise CheckpointError(self.path, f"expected {end} bytes to hash, found the file ends at {self.pos}")
+            self.h.update(b); self.pos += len(b); self.extra += len(b)
+    def feed(self, fh, start:int, data):
+        if start > self.pos: self._upto(fh.fileno(), start)
+        if start == self.pos: self.h.update(data); self.pos += len(data)
+    def finish(self) -> str:
+        with open(self.path, 'rb', buffering=0) as f: self._upto(f.fileno(), os.fstat(f.fileno()).st_size)
+        return self.h.hexdigest()
+
+# %% ../nbs/11_checkpoint.ipynb #sh01b003
+def _start_hashing(self:Checkpoint):
+    "Hash every file of this checkpoint as it is read, from now on (see `file_hashes`)."
+    self._hash = {f: _FileHash(f) for f in self.files}
+
+def _file_hashes(self:Checkpoint) -> list:
+    "`[{name, size, sha256}]` of the files, a shard index first (SHA-256 of each whole file; reads what reads so far skipped)."
+    if self._hash is None: self.start_hashing()
+    out = [dict(name=os.path.basename(f), size=os.path.getsize(f), sha256=h.finish()) for f, h in self._hash.items()]
+    if isinstance(self._file, dict): out.insert(0, dict(name=os.path.basename(self.path), size=os.path.getsize(self.path),
+                                                        sha256=sha256_file(self.path)))    # the index of shards
+    self._hash = None
+    return out
+
+def _file_order(self:Checkpoint) -> list:
+    "The keys in the order their bytes lie in the files (shard by shard); entries made in memory last."
+    files = {f: n for n, f in enumerate(self.files)}
+    pos = lambda k: (0, files[self.file_of(k)], self.info(k).offsets[0]) if self.file_of(k) else (1, 0, 0)
+    return sorted(self, key=pos)
+
+Checkpoint.start_hashing, Checkpoint.file_hashes, Checkpoint.file_order = _start_hashing, _file_hashes, _file_order
 
 # %% ../nbs/11_checkpoint.ipynb #543a667b
 def _expand_quantized(sd:dict, name) -> dict:
@@ -679,7 +796,7 @@ def _quantized(self:Checkpoint, name:str, shape=None, dtype:torch.dtype=torch.bf
 Checkpoint.modules, Checkpoint.quantized, Checkpoint.groups = _modules, _quantized, _groups
 
 # %% ../nbs/11_checkpoint.ipynb #1a9293a1
-_TEMP = re.compile(r'\.cquant-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[a-z0-9_]+\.tmp$')
+_TEMP = re.compile(r'\.cquant-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[a-z0-9_]+\.(tmp|shards)$')   # a file, or a ShardedWriter's folder
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 def _host() -> str: return re.sub(r'[^A-Za-z0-9_.]', '_', socket.gethostname()) or 'localhost'
@@ -700,7 +817,7 @@ def _alive(pid:int) -> bool:
 
 # %% ../nbs/11_checkpoint.ipynb #41e2d85f
 def stale_temp_files(folder) -> list[str]:
-    "cquant temporary files in `folder` left by processes of this host that no longer run (killed mid-save)."
+    "cquant temporary files (and shard folders) in `folder` left by processes of this host that no longer run (killed mid-save)."
     folder, host = os.fspath(folder), _host()
     try: names = os.listdir(folder)
     except OSError: return []
@@ -708,10 +825,16 @@ def stale_temp_files(folder) -> list[str]:
     return sorted(os.path.join(folder, n) for n, m in hits if m and m['host'] == host and not _alive(int(m['pid'])))
 
 # %% ../nbs/11_checkpoint.ipynb #923fb896
+def _remove_stale(folder:str):
+    "Remove the `stale_temp_files` of `folder` (a stale shard folder with its files)."
+    for p in stale_temp_files(folder):
+        if os.path.isdir(p) and not os.path.islink(p): shutil.rmtree(p, ignore_errors=True)
+        else: _unlink(p)
+
 def temp_file(path) -> tuple[int, str]:
     "`(fd, name)` of a new temporary file beside `path`, `.<name>.cquant-<host>-<pid>-<random>.tmp`; stale ones are removed first."
     d, base = os.path.split(os.path.abspath(path))
-    for p in stale_temp_files(d): _unlink(p)
+    _remove_stale(d)
     return tempfile.mkstemp(prefix=f'.{base}.cquant-{_host()}-{os.getpid()}-', suffix='.tmp', dir=d)
 
 class DiskFullError(OSError):
@@ -988,6 +1111,129 @@ def _commit(self:StreamingWriter) -> str:
 
 StreamingWriter.commit, StreamingWriter._shift = _commit, _shift
 
+# %% ../nbs/11_checkpoint.ipynb #sh01c002
+def parse_size(s) -> int:
+    "Bytes of a size like `5GB`, `500MB`, `2GiB` or `1000000` (GB = 10**9 as Hugging Face counts, GiB = 2**30)."
+    if isinstance(s, int) and not isinstance(s, bool) and s > 0: return s
+    m = re.fullmatch(r'\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*', str(s), re.I)
+    n = int(float(m[1]) * (1024 if m[3] else 1000) ** ' kmgt'.index(m[2].lower() or ' ')) if m and (m[2] or not m[3]) else 0
+    if n <= 0: raise ValueError(f"shard_size: expected a positive size like '5GB', '500MB', '2GiB' or a byte count, found {s!r}")
+    return n
+
+# %% ../nbs/11_checkpoint.ipynb #sh01c003
+class ShardedWriter:
+    "`StreamingWriter`'s interface over HF-style shards in a new folder; a module's tensors share a shard; atomic."
+    def __init__(self, folder, # the output folder (new, or empty)
+                 shard_size, # bytes (or '5GB'): a new shard starts before a module that would exceed it
+                 metadata:dict|None=None, # header metadata of every shard (strings)
+                 validate:bool=True, # check every module of every shard at commit
+                 reserve:int=1 << 16, # header bytes reserved per shard
+                 name:str='model'): # shard names: {name}-00001-of-00002.safetensors, {name}.safetensors.index.json
+        self.path, self.shard_size, self.name = os.path.abspath(os.fspath(folder)), parse_size(shard_size), name
+        if os.path.exists(self.path) and not (os.path.isdir(self.path) and not os.listdir(self.path)):
+            raise CheckpointError(self.path, "expected a new or empty folder for the shards, found "
+                                             + ('a folder with files' if os.path.isdir(self.path) else 'a file'))
+        self.metadata, self.validate, self.reserve = dict(metadata or {}), validate, reserve
+        _check_metadata(self.path, self.metadata)
+        d, base = os.path.split(self.path)
+        if not os.path.isdir(d): raise CheckpointError(self.path, f"expected the folder {d!r} to hold the shard folder, found none")
+        _remove_stale(d)
+        self.tmp = tempfile.mkdtemp(prefix=f'.{base}.cquant-{_host()}-{os.getpid()}-', suffix='.shards', dir=d)
+        os.chmod(self.tmp, 0o777 & ~_umask())      # the folder it becomes: a plain new folder's permissions
+        self.shards, self._of = [], {}        # StreamingWriters; module -> shard number
+
+    def place(self, module:str, nbytes:int) -> StreamingWriter:
+        "The shard of `module` (placed now, by its first tensor's `nbytes`, if new)."
+        if module in self._of: return self.shards[self._of[module]]
+        if self.shards and (self.shards[-1].nbytes == 0 or self.shards[-1].nbytes + nbytes <= self.shard_size): w = self.shards[-1]
+        else:
+            w = StreamingWriter(os.path.join(self.tmp, f'part-{len(self.shards) + 1:05d}.safetensors'), self.metadata,
+                                self.validate, self.reserve)
+            self.shards.append(w)
+        self._of[module] = len(self.shards) - 1
+        return w
+
+    def add(self, name:str, t:torch.Tensor):
+        "Append tensor `t` under `name` to its module's shard."
+        self.place(split_key(name)[0], t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0).add(name, t)
+    def stream(self, name:str) -> _RowStream:
+        "A row-block stream of tensor `name` in its module's shard (`place` the module first to size it)."
+        return self.place(split_key(name)[0], 0).stream(name)
+    def entry(self, name:str) -> TensorInfo:
+        m = split_key(name)[0]
+        if m not in self._of: raise CheckpointError(self.path, f"'{name}': expected a tensor written so far, found none")
+        return self.shards[self._of[m]].entry(name)
+    @property
+    def nbytes(self) -> int: return sum(w.nbytes for w in self.shards)
+
+    def abort(self):
+        "Drop every shard and the temporary folder (the destination is not touched)."
+        for w in self.shards: w.abort()
+        self.shards = []
+        shutil.rmtree(self.tmp, ignore_errors=True)
+    def __enter__(self): return self
+    def __exit__(self, typ, *exc):
+        if typ is None: self.commit()
+        else: self.abort()
+
+# %% ../nbs/11_checkpoint.ipynb #sh01c004
+def _sharded_commit(self:ShardedWriter) -> str:
+    "Commit every shard under its final name, write the index, rename the folder into place; the index path."
+    try:
+        if not self.shards: self.place('', 0)
+        n, wm, total = len(self.shards), {}, 0
+        for i, w in enumerate(self.shards):
+            w.metadata = dict(self.metadata)
+            _check_metadata(self.path, w.metadata)
+            w.commit()
+            final = f"{self.name}-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(w.path, os.path.join(self.tmp, final))
+            for k, e in w._entries.items(): wm[k] = final; total += e.nbytes
+        index = {'metadata': {'total_size': total}, 'weight_map': {k: wm[k] for k in sorted(wm)}}
+        with open(os.path.join(self.tmp, self.name + INDEX_SUFFIX), 'w') as f:
+            json.dump(index, f, indent=2); f.write('\n'); f.flush(); os.fsync(f.fileno())
+        _fsync_dir(self.tmp)
+        if os.path.isdir(self.path): os.rmdir(self.path)     # empty (checked when opened)
+        os.rename(self.tmp, self.path)
+    except BaseException: self.abort(); raise
+    _fsync_dir(os.path.dirname(self.path))
+    return os.path.join(self.path, self.name + INDEX_SUFFIX)
+
+ShardedWriter.commit = _sharded_commit
+
+# %% ../nbs/11_checkpoint.ipynb #sh01c008
+def sha256_file(path) -> str:
+    "The SHA-256 of the file at `path` (hex), read in 16 MiB blocks."
+    h = hashlib.sha256()
+    with open(path, 'rb', buffering=0) as f:
+        while b := f.read(1 << 24): h.update(b)
+    return h.hexdigest()
+
+def write_sha256(files:list, dst) -> str:
+    "Write `dst` in `sha256sum` format (`<hex>  <name>`), names relative to the folder of `dst`; returns `dst`."
+    d = os.path.dirname(os.path.abspath(dst))
+    text = ''.join(f"{sha256_file(f)}  {os.path.relpath(os.path.abspath(f), d)}\n" for f in files)
+    fd, tmp = temp_file(dst)
+    try:
+        with os.fdopen(fd, 'w') as f:
+            if hasattr(os, 'fchmod'): os.fchmod(f.fileno(), 0o666 & ~_umask())
+            f.write(text)
+        os.replace(tmp, dst)
+    except BaseException: _unlink(tmp); raise
+    return os.fspath(dst)
+
+# %% ../nbs/11_checkpoint.ipynb #sh01d001
+PROVENANCE_KEYS = ('cquant_version', 'cquant_sources', 'cquant_summary')
+
+def provenance(metadata:Mapping) -> dict:
+    "The provenance `quantize_checkpoint` recorded in a header: version, sources (name, size, SHA-256), layer summary."
+    out = {}
+    for k in PROVENANCE_KEYS:
+        if k not in metadata: continue
+        try: out[k] = json.loads(metadata[k]) if k != 'cquant_version' else metadata[k]
+        except ValueError: out[k] = metadata[k]          # written by something else: shown as stored
+    return out
+
 # %% ../nbs/11_checkpoint.ipynb #600e3574
 def _row(ck:Checkpoint, e:ModuleEntry) -> dict:
     w = ck.info(e.prefix + 'weight')
@@ -1019,7 +1265,8 @@ def inspect_checkpoint(src, shapes:Mapping|None=None) -> dict:
         return dict(file=ck.path, legacy=ck.legacy, tensors=len(ck), tensor_bytes=all_bytes, modules=rows, totals=totals, total=total,
                     comfy_unread=comfy_unread(mods), comfy_unloadable=_comfy_unloadable(mods),
                     attention={e.name: e.attention for e in mods.values() if e.attention is not None},
-                    metadata={k: (v if len(v) <= 200 else v[:200] + '...') for k, v in ck.metadata.items()})
+                    metadata={k: (v if len(v) <= 200 else v[:200] + '...') for k, v in ck.metadata.items()},
+                    shards=len(ck.files) if isinstance(ck._file, dict) else None, provenance=provenance(ck.metadata))
     finally:
         if own: ck.close()
 
@@ -1063,11 +1310,27 @@ def markdown_table(head:list, # column titles
     line = lambda cells: '| ' + ' | '.join(map(str, cells)) + ' |'
     return '\n'.join([line(head), '|' + '|'.join('---:' if a == '>' else '---' for a in align) + '|', *map(line, rows)])
 
+# %% ../nbs/11_checkpoint.ipynb #sh01d002
+def _provenance_lines(p:dict) -> list:
+    "The provenance lines of `cquant inspect`: who made the file, from which sources, and its layer summary."
+    if not p: return []
+    out = ['', f"made by cquant {p.get('cquant_version', '?')}"]
+    srcs = p.get('cquant_sources')
+    for s in srcs if isinstance(srcs, list) else []:
+        if isinstance(s, dict): out.append(f"  source {s.get('name')}: {s.get('size', 0):,} bytes, sha256 {s.get('sha256')}")
+    s = p.get('cquant_summary')
+    if isinstance(s, dict) and isinstance(s.get('formats'), dict):
+        fm = ', '.join(f"{f} {v.get('layers')} ({_fmt_bytes(v.get('bytes', 0))})" for f, v in s['formats'].items())
+        out.append(f"  {s.get('quantized')}/{s.get('layers')} layers quantized: {fm}; "
+                   f"{_fmt_bytes(s.get('bytes_before', 0))} -> {_fmt_bytes(s.get('bytes_after', 0))}")
+    return out
+
 # %% ../nbs/11_checkpoint.ipynb #6bdb40dc
 def format_inspect(r:dict) -> str:
     "The text report of `cquant inspect`."
     leg = f"  (legacy {r['legacy']} converted on load)" if r['legacy'] else ''
-    out = [f"{r['file']}: {r['tensors']} tensors, {_fmt_bytes(r['tensor_bytes'])}{leg}", '']
+    shards = f" in {r['shards']} shards" if r.get('shards') else ''
+    out = [f"{r['file']}: {r['tensors']} tensors{shards}, {_fmt_bytes(r['tensor_bytes'])}{leg}", '']
     rows = [[m['module'], m['format'] or '-', f"{m['storage_dtype']}{m['storage_shape']}",
              f"{tuple(m['logical_shape'])}{'*' if m['shape_inferred'] else ''}", _fmt_bytes(m['bytes']),
              ', '.join(f"{k}={v}" for k, v in m['options'].items())] for m in r['modules']]
@@ -1076,6 +1339,7 @@ def format_inspect(r:dict) -> str:
            for f, t in [*sorted(r['totals'].items()), ('all', r['total'])]]
     out += text_table(['format', 'modules', 'bytes', 'as bf16', 'size against the same weights in bf16'], tot, '<>>><')
     if any(m['shape_inferred'] for m in r['modules']): out += ['', '* logical shape inferred from storage (padded formats may be larger than the real layer)']
+    out += _provenance_lines(r.get('provenance') or {})
     for m, cfg in r['attention'].items(): out.append(f"attention {m}: {json.dumps(cfg)}")
     for m, ks in r.get('comfy_unread', {}).items():
         out.append(f"warning: {m} stores {', '.join(ks)}, which ComfyUI's loader never reads: it decodes wrongly in ComfyUI")

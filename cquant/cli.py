@@ -10,11 +10,12 @@ __all__ = ['cmd_inspect', 'add_inspect_parser', 'policy_from_args', 'cmd_quantiz
            'add_convert_parser', 'formats_table', 'presets_table', 'build_parser', 'Terminated', 'main']
 
 # %% ../nbs/18_cli.ipynb #a82e8daa
-import argparse, json, os, signal, sys, threading, warnings
+import argparse, glob, json, os, signal, sys, threading, time, warnings
 from pathlib import Path
 from ._version import __version__
 from .formats import FORMATS
-from .checkpoint import format_inspect, inspect_checkpoint, load_file, open_checkpoint
+from .checkpoint import (format_inspect, inspect_checkpoint, load_file, open_checkpoint, text_table, _fmt_bytes,
+                               INDEX_SUFFIX, parse_size)
 from .calibrate import Calibration
 from .policy import MODES, PRESETS, SELECTIONS, Policy, PolicyWarning, layer_source
 from .convert import (check_outputs, convert_checkpoint, demo, plan_table, preset_name, quantize_checkpoint,
@@ -31,7 +32,7 @@ def cmd_inspect(args) -> int:
 def add_inspect_parser(subparsers):
     "Add the `inspect` subcommand to `cquant`'s subparsers."
     p = subparsers.add_parser('inspect', help='per-module formats, shapes and sizes of a checkpoint (lazy: any file size)')
-    p.add_argument('file', help='a .safetensors checkpoint (modern or legacy)')
+    p.add_argument('file', help='a .safetensors checkpoint (modern or legacy), a sharded folder or its index')
     p.add_argument('--json', action='store_true', help='machine-readable output')
     p.set_defaults(func=cmd_inspect)
     return p
@@ -77,29 +78,75 @@ def policy_from_args(args) -> Policy:
     return Policy(args.mode, args.preset, args.ratio, tuple(args.keep_float), tuple(args.int4_sensitive), args.selection,
                   rounding=getattr(args, 'rounding', 'nearest'), convrot_groupsize=getattr(args, 'convrot_groupsize', 256))
 
+# %% ../nbs/18_cli.ipynb #sh18a002
+def _sources(args) -> list:
+    "The sources of `cquant quantize`: each path, a glob expanded (sorted); an unmatched glob is an error."
+    out = []
+    for s in args.src:
+        hits = sorted(glob.glob(s)) if glob.has_magic(s) else [s]
+        if not hits: raise ValueError(f"SRC {s!r}: expected files matching the pattern, found none")
+        out += hits
+    return out
+
+def _output(src:str, folder:str, sharded:bool) -> str:
+    "The output in `folder` for source `src` in a batch: its name (a sharded folder's name) as .safetensors or a folder."
+    base = os.path.basename(os.path.normpath(src))
+    stem = os.path.basename(os.path.dirname(os.path.abspath(src))) if base.endswith(INDEX_SUFFIX) else base.removesuffix('.safetensors')
+    return os.path.join(folder, stem if sharded else stem + '.safetensors')
+
+# %% ../nbs/18_cli.ipynb #sh18a003
+def batch_table(reps:list) -> str:
+    "The summary of a batch conversion: one row per source (layers quantized, size before and after, seconds)."
+    rows = [[r.src, f"{len(r.quantized())}/{len(r.layers)}", _fmt_bytes(r.totals.get('bytes_before', 0)),
+             _fmt_bytes(r.totals.get('bytes_after', 0)), f"{r.seconds:.1f}", r.dst] for r in reps]
+    return '\n'.join(text_table(['source', 'quantized', 'before', 'after', 'seconds', 'output'], rows, '<>>>><'))
+
 # %% ../nbs/18_cli.ipynb #0222c22e
 def cmd_quantize(args) -> int:
-    "Run `cquant quantize`."
-    check_outputs('', {'SRC': args.src}, {'DST': args.dst, '--report': args.report, '--plot': args.plot})
+    "Run `cquant quantize`: one source into DST, or several (or a glob) into the folder DST, with a summary table."
+    srcs, dst = _sources(args), args.dst
+    batch = len(srcs) > 1 or any(glob.has_magic(s) for s in args.src)
+    if batch and (args.report or args.plot):
+        raise ValueError("--report and --plot take one source; a batch prints one summary table (--json: every report)")
+    outs = [_output(s, dst, args.shard_size is not None) if batch else dst for s in srcs]
+    same = {o: [s for s, o2 in zip(srcs, outs) if o2 == o] for o in outs}
+    for o, ss in same.items():
+        if len(ss) > 1: raise ValueError(f"sources {ss} would all be written to {o!r}; convert them into separate folders")
+    if batch: os.makedirs(dst, exist_ok=True)
+    for src, out in zip(srcs, outs):                 # every output checked before any work
+        check_outputs('', {'SRC': src}, {'DST': None if args.shard_size else out, '--report': args.report, '--plot': args.plot})
     cal = None
     if args.calibration:
         cal = Calibration(load_file(args.calibration), smoothing=not args.no_smoothing)
-    rep = quantize_checkpoint(args.src, args.dst, policy_from_args(args), progress=not args.quiet, report=args.report,
-                              measure=not args.no_sqnr, calibration=cal, requantize=args.requantize,
-                              device=args.device)
-    if args.plot: save_plot(rep, args.plot)
-    if args.json: print(json.dumps(rep.to_dict(), indent=1)); return 0
-    print(rep.table(wide=args.wide))
-    print(f"wrote {args.dst}" + (f", report {args.report}" if args.report else '') + (f", plot {args.plot}" if args.plot else ''))
+    reps = []
+    for src, out in zip(srcs, outs):
+        reps.append(quantize_checkpoint(src, out, policy_from_args(args), progress=not args.quiet, report=args.report,
+                                        measure=not args.no_sqnr, calibration=cal, requantize=args.requantize,
+                                        device=args.device, shard_size=args.shard_size, hash_output=args.hash_output))
+    if args.plot: save_plot(reps[0], args.plot)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in reps] if batch else reps[0].to_dict(), indent=1)); return 0
+    if batch: print(batch_table(reps)); return 0
+    print(reps[0].table(wide=args.wide))
+    print(f"wrote {dst}" + (f", {dst}.sha256" if args.hash_output else '') + (f", report {args.report}" if args.report else '')
+          + (f", plot {args.plot}" if args.plot else ''))
     return 0
 
+def _size_arg(s:str) -> int:
+    try: return parse_size(s)
+    except ValueError as e: raise argparse.ArgumentTypeError(str(e)) from None
+
 def add_quantize_parser(subparsers):
-    "Add `cquant quantize SRC DST ...`."
+    "Add `cquant quantize SRC... DST ...`."
     p = subparsers.add_parser('quantize', help='quantize a float safetensors checkpoint (streaming, atomic, with a per-layer report)')
-    p.add_argument('src', help='float (or fp8) .safetensors checkpoint')
-    p.add_argument('dst', help='output .safetensors (replaced only on success; never the source)')
+    p.add_argument('src', nargs='+', help='float (or fp8) .safetensors checkpoint, a sharded folder or its index; '
+                   'several, or a quoted glob, for a batch into the folder DST')
+    p.add_argument('dst', help='output .safetensors (replaced only on success; never the source), or a folder (batch, --shard-size)')
     _add_policy_args(p)
     p.add_argument('--requantize', action='store_true', help='allow quantizing layers SRC already stores quantized (their error adds up)')
+    p.add_argument('--shard-size', type=_size_arg, metavar='SIZE', help="write HF-style shards of at most SIZE (e.g. 5GB) and "
+                   'an index into the new folder DST')
+    p.add_argument('--hash-output', action='store_true', help='also write DST.sha256 (sha256sum format)')
     p.add_argument('--report', metavar='FILE', help='also save the per-layer report as JSON')
     p.add_argument('--plot', metavar='PNG', help='also save the per-layer SQNR plot')
     p.add_argument('--no-sqnr', action='store_true', help='skip the per-layer SQNR (about 3x faster on CPU: no dequantize)')
@@ -108,7 +155,7 @@ def add_quantize_parser(subparsers):
     p.add_argument('--no-smoothing', action='store_true', help='with --calibration: no NVFP4 pre_quant_scale search')
     p.add_argument('--device', default='cpu', help="where the weights are quantized: cpu (default) or cuda (GPTQ and MSE searches)")
     p.add_argument('--quiet', action='store_true', help='no progress bar')
-    _add_output_args(p, 'print the report as JSON on stdout instead of the table')
+    _add_output_args(p, 'print the report as JSON on stdout instead of the table (a list of reports in a batch)')
     p.set_defaults(func=cmd_quantize)
     return p
 

@@ -14,7 +14,8 @@ import torch
 from .tensor import FORMATS, QuantizedTensor, check_finite, encode_json, format_color, get_format, quantize, same_bits
 from .checkpoint import (Checkpoint, CheckpointError, StreamingWriter, TensorInfo, open_checkpoint, save_file,
                                split_key, scale_keys,
-                               size_ratio, text_table, _fmt_bytes, read_header)
+                               size_ratio, text_table, _fmt_bytes, read_header,
+                               ShardedWriter, shard_index, read_shards, write_sha256)
 from ._version import __version__
 from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, Plan, layer_source
 from .models import dit_state_dict
@@ -456,9 +457,38 @@ def check_device(device, caller:str) -> torch.device:
         raise ValueError(f"{caller}: device={device!r} but torch sees no CUDA GPU here; use device='cpu'")
     return d
 
+# %% ../nbs/17_quantize_checkpoint.ipynb #sh17a001
+def source_files(src) -> list:
+    "The files a source path reads: the file, or a sharded checkpoint's index and shards (for the overwrite checks)."
+    index = shard_index(src)
+    return [os.fspath(src)] if index is None else [index, *dict.fromkeys(read_shards(index)[2].values())]
+
+def _source_names(src) -> dict:
+    "`{name: path}` of the files of `src` for `check_outputs`: 'source' (a sharded one's index), 'source shard <name>'."
+    return {'source' if i == 0 else f'source shard {os.path.basename(f)}': f for i, f in enumerate(source_files(src))}
+
+def _summary(rows:list, before:int, after:int) -> dict:
+    "The per-layer summary recorded in the header (`cquant_summary`): layers and bytes per format, totals."
+    fmts = {}
+    for r in rows:
+        f = fmts.setdefault(r.format or 'float', dict(layers=0, bytes=0)); f['layers'] += 1; f['bytes'] += r.bytes_after
+    return dict(layers=len(rows), quantized=sum(1 for r in rows if r.format), formats=dict(sorted(fmts.items())),
+                bytes_before=before, bytes_after=after)
+
+def _placed_bytes(ck:Checkpoint, keys:dict, d, drop) -> int:
+    """What a module will write, for shard placement (`ShardedWriter.place`): its kept source tensors and, quantized,
+    its weight's storage with a quarter more for scales (measured at most 1.25x: awq_w4a16; nvfp4 1.125x)."""
+    rest = sum(ck.info(k).nbytes for s, k in keys.items() if not (d is not None and d.format and (s == 'weight' or s in drop)))
+    if d is None or not d.format or 'weight' not in keys: return rest
+    spec = get_format(d.format)
+    opts = {**spec.layout_kwargs, **{o.name: o.default for o in spec.options}, **d.options}
+    try: w = math.prod(spec.layout.storage_shape(tuple(d.shape), opts)) * torch.empty(0, dtype=spec.storage_dtype).element_size()
+    except Exception: w = ck.info(keys['weight']).nbytes      # a shape the layout does not size (a bank): the source's
+    return rest + w * 5 // 4 + 4096
+
 # %% ../nbs/17_quantize_checkpoint.ipynb #18e66f85
-def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors file
-                        dst, # output file (replaced atomically on success; never the source)
+def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors file, or a sharded folder / its index
+                        dst, # output file (replaced atomically on success; never the source); a new folder with shard_size
                         policy:Policy|None=None, # default Policy(): int4_mixed, preset auto, ratio 0.2
                         progress:bool=True, # tqdm bar on stderr (bytes and tensors)
                         report=None, # path: also save the report as JSON there
@@ -467,12 +497,15 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                         measure:bool=True, # compute per-layer SQNR (one dequantize per weight)
                         metadata:dict|None=None, # extra header metadata (strings)
                         requantize:bool=False, # allow quantizing layers the source already stores quantized
-                       device='cpu', # where the weights are quantized (GPTQ, MSE: 'cuda' when there is one)
+                        device='cpu', # where the weights are quantized (GPTQ, MSE: 'cuda' when there is one)
+                        shard_size=None, # e.g. '5GB': write HF-style shards and an index into the folder `dst`
+                        hash_output:bool=False, # also write `dst`.sha256 (sha256sum format)
                        ) -> Report:
     "Quantize checkpoint `src` into `dst` following `policy`, streaming tensor by tensor; returns the per-layer `Report`."
     from tqdm import tqdm
     src, dst, policy = os.fspath(src), os.fspath(dst), _as_policy(policy)
-    check_outputs('quantize_checkpoint', {'source': src}, {'destination': dst, 'report': report})
+    sums = dst + '.sha256' if hash_output else None
+    check_outputs('quantize_checkpoint', _source_names(src), {'destination': None if shard_size else dst, 'report': report, 'hash file': sums})
     t0 = time.time()
     device = check_device(device, 'quantize_checkpoint')
     cal = Calibration.of(calibration)
@@ -486,13 +519,17 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
         meta = {**ck.metadata, **(metadata or {}), 'cquant_policy': policy.to_json(), 'cquant_version': __version__}
         drop = {m: _module_drop(groups[m]) for m, d in plan.items() if d.format and m in groups}
         rows, before, stored = {}, 0, scale_keys() | {'comfy_quant'}
-        reserve = max(1 << 16, 512 * len(ck) + len(json.dumps(meta)))   # ~4x a source entry: header written in place
-        with StreamingWriter(dst, meta, reserve=reserve) as w, tqdm(total=sum(ck.info(k).nbytes for k in ck), unit='B', unit_scale=True,
-                                                    unit_divisor=1024, desc='quantize', disable=not progress,
-                                                    file=sys.stderr, leave=False) as bar:
-            for n, key in enumerate(ck):
+        reserve = max(1 << 16, 512 * len(ck) + len(json.dumps(meta)) + 8192 + 256 * len(ck.files))   # header written in place
+        w = (ShardedWriter(dst, shard_size, meta, reserve=reserve) if shard_size is not None
+             else StreamingWriter(dst, meta, reserve=reserve))
+        mod_bytes = {m: _placed_bytes(ck, keys, plan.get(m), drop.get(m, ())) for m, keys in groups.items()}
+        ck.start_hashing()                          # the sources' SHA-256, fed by the reads below (file order)
+        with w, tqdm(total=sum(ck.info(k).nbytes for k in ck), unit='B', unit_scale=True, unit_divisor=1024,
+                     desc='quantize', disable=not progress, file=sys.stderr, leave=False) as bar:
+            for n, key in enumerate(ck.file_order()):
                 info = ck.info(key); before += info.nbytes
                 m, s = split_key(key)
+                if shard_size is not None: w.place(m, mod_bytes[m])   # a module whole in one shard, sized by its output
                 d = plan.get(m)
                 if d is not None and d.format and s == 'weight':
                     bar.set_postfix_str(f'{n + 1}/{len(ck)} tensors, {m}: {d.label}'
@@ -508,7 +545,10 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                 bar.update(info.nbytes); bar.set_postfix_str(f'{n + 1}/{len(ck)} tensors')
             bar.set_description('writing')
             after = w.nbytes
-    rows = [rows[m] for m in plan if m in rows]
+            rows = [rows[m] for m in plan if m in rows]
+            w.metadata.update(cquant_sources=json.dumps(ck.file_hashes(), separators=(',', ':')),
+                              cquant_summary=json.dumps(_summary(rows, before, after), separators=(',', ':')))
+    if hash_output: write_sha256(source_files(dst) if shard_size is not None else [dst], sums)
     rep = Report(src, dst, [r.to_dict() for r in rows], _totals(rows, before, after, measure), policy.to_dict(),
                  plan.summary(), time.time() - t0, 'quantize')
     if report is not None: rep.save(report)
@@ -607,8 +647,8 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
     "Rewrite `src` with per-module `comfy_quant` entries (legacy headers and markers converted), streaming."
     from collections import Counter
     src, dst = os.fspath(src), os.fspath(dst)
-    check_outputs('convert_checkpoint', {'source': src}, {'destination': dst})
-    raw = set(read_header(src)[0])
+    check_outputs('convert_checkpoint', _source_names(src), {'destination': dst})
+    raw = set(read_header(src)[0] if shard_index(src) is None else read_shards(shard_index(src))[0])
     with open_checkpoint(src) as ck:
         mods = ck.modules()
         with StreamingWriter(dst, ck.metadata) as w:
