@@ -150,8 +150,8 @@ def awq_linear(x:torch.Tensor, # activations [..., K]: fp32, bf16 or fp16
             xkind, skind, bias is not None, xkind)
     if M and N:
         if (M <= GEMV_MAX_M) if gemv is None else gemv:
-            bn = block_n or min(pow2(N), 64)
-            bk = block_k or min(pow2(K), 256)
+            bn = block_n or min(pow2(N), 64 if interpreting() else 32)     # GPU: a 32 x 128 tile in registers
+            bk = block_k or min(pow2(K), 256 if interpreting() else 128)
             _awq_gemv_kernel[(M, triton.cdiv(N, bn))](*args, bn, bk, enable_fp_fusion=False)
         else:
             launch_gemm(_awq_gemm_kernel, _awq_gemm_tuned, M, N, (block_m, block_n, block_k), *args, interpreting())
@@ -159,7 +159,7 @@ def awq_linear(x:torch.Tensor, # activations [..., K]: fp32, bf16 or fp16
 
 # %% ../../nbs/35_kernels_lowbit.ipynb #a0a1e1a5
 def _round_slack(T, mag, dts):
-    "T plus what one rounding to each dtype in `dts` can add to the difference of two results of magnitude <= mag."
+    "T plus what one rounding to each dtype in `dts` adds to the difference of two results within T of `mag`."
     for dt in dts:
         fi = torch.finfo(dt)
         T = T + fi.eps * (mag + T) + fi.smallest_normal * fi.eps
@@ -173,12 +173,13 @@ def awq_linear_error_bound(x:torch.Tensor, # activations [..., K]
     "Per-output bound on |awq_linear(...) - cquant.awq.awq_linear(...)|: two fp32 summation orders, then the casts."
     cd, K = scale.dtype, x.shape[-1]
     w = dequantize_awq(qdata, scale, zeros, group_size, cd).double()
-    P = x.reshape(-1, K).to(cd).double().abs() @ w.abs().t()
+    xc = x.reshape(-1, K).to(cd).double()
+    P, Y = xc.abs() @ w.abs().t(), (xc @ w.t()).abs()
     u = 2.0 ** -24
     T = 2 * (K * u / (1 - K * u)) * P + (2 * u * P if cd == torch.float32 else 0)
     b = torch.zeros(()) if bias is None else bias.to(cd).double().abs()
     rounds = [cd] * ((cd != torch.float32) + (bias is not None)) + ([x.dtype] if x.dtype != cd else [])
-    return _round_slack(T, P + b.to(P.device), rounds).reshape(*x.shape[:-1], -1)
+    return _round_slack(T, Y + b.to(P.device), rounds).reshape(*x.shape[:-1], -1)
 
 # %% ../../nbs/35_kernels_lowbit.ipynb #d18234ad
 @jit
@@ -388,10 +389,11 @@ def svdquant_linear_error_bound(x:torch.Tensor, # [..., K] activations, in the s
     x2 = x.reshape(-1, K)
     xq, xs = svdquant_activations(x2, smooth, act_unsigned, shift=act_unsigned)
     ax = (xq.double().view(len(x2), -1, SVDQ_GROUP) * xs.double().unsqueeze(-1)).view(len(x2), K)
-    P = ax.abs() @ residual_weight(qdata, scale).double().abs().t()
+    res = residual_weight(qdata, scale).double()
+    P, Y = ax.abs() @ res.abs().t(), (ax @ res.t()).abs()
     up = natural_up(proj_up).double()
     lora = x2.float() @ proj_down.float()
-    Q = lora.double().abs() @ up.abs().t()
+    Q, L = lora.double().abs() @ up.abs().t(), (lora.double() @ up.t()).abs()
     R = up.shape[1]
     u, eps = 2.0 ** -24, torch.finfo(dt).eps
     gam = lambda n: n * u / (1 - n * u)
@@ -399,7 +401,7 @@ def svdquant_linear_error_bound(x:torch.Tensor, # [..., K] activations, in the s
     b = torch.zeros(()) if bias is None else bias.to(dt).double().abs()
     fi = torch.finfo(dt)
     T = T + K * fi.smallest_normal * fi.eps                           # subnormal q * s products
-    return _round_slack(T, P + Q + b.to(P.device), [dt] * (3 + (bias is not None))).reshape(*x.shape[:-1], -1)
+    return _round_slack(T, Y + L + b.to(P.device), [dt] * (3 + (bias is not None))).reshape(*x.shape[:-1], -1)
 
 # %% ../../nbs/35_kernels_lowbit.ipynb #b1077342
 def _awq_fits_weight(qdata, p) -> bool:
