@@ -141,6 +141,8 @@ def awq_linear(x:torch.Tensor, # activations [..., K]: fp32, bf16 or fp16
     "Triton `x @ W.T + bias` for an awq_w4a16 weight decoded on the fly (`cquant.awq.awq_linear` within its bound)."
     N, K = check_awq_operands(qdata, scale, zeros, group_size, 'awq_linear')
     if x.shape[-1] != K: raise ValueError(f"awq_linear: x has K={x.shape[-1]} features but the weight has K={K}")
+    if bias is not None and bias.numel() != N:
+        raise ValueError(f"awq_linear: bias must have N={N} elements, got shape {tuple(bias.shape)}")
     xkind, skind = float_kind(x.dtype), float_kind(scale.dtype)
     x2 = x.reshape(-1, K).contiguous()
     M = x2.shape[0]
@@ -359,6 +361,8 @@ def svdquant_linear(x:torch.Tensor, # [..., K] activations, in the dtype of the 
         raise ValueError(f"svdquant_linear: expected x [..., {K}] in the scales' dtype {s.dtype}, proj_down [{K}, R] "
                          f"and proj_up [{N}, R], got x {x.dtype}{tuple(x.shape)}, proj_down {tuple(proj_down.shape)}, "
                          f"proj_up {up.dtype}{tuple(up.shape)}")
+    if bias is not None and bias.numel() != N:
+        raise ValueError(f"svdquant_linear: bias must have N={N} elements, got shape {tuple(bias.shape)}")
     x2 = x.reshape(-1, K)
     M, kind = x2.shape[0], float_kind(x.dtype)
     lora = (x2.float() @ proj_down.float()).contiguous()          # eager's first branch product (torch, same bits)
@@ -432,7 +436,8 @@ def awq_linear_fits(x, qdata, params, bias=None, input_scale=None) -> bool:
 # %% ../../nbs/35_kernels_lowbit.ipynb #f608faab
 def _svdq_fits_weight(qdata, p) -> bool:
     return (HAS_TRITON and qdata.dtype in (torch.int8, torch.uint8) and qdata.dim() in (2, 4)
-            and all(t.dtype in DTYPE_KIND for t in (p.scale, p.proj_down, p.proj_up)) and p.proj_down.dim() == 2)
+            and all(t.dtype in DTYPE_KIND for t in (p.scale, p.proj_down, p.proj_up, p.smooth_factor))
+            and p.proj_down.dim() == 2)
 
 def svdquant_dequantize(qdata, params, dtype):
     "`SVDQuantLayout.dequantize` through `svdquant_weight` (same bits)."
