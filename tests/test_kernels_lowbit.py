@@ -271,7 +271,7 @@ from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 import cquant.kernels.lowbit as L
 P8, F, BF, I16 = '*i8', '*fp32', '*bf16', '*i16'
-IDX = dict(M='i32', N='i32', K='i32', R='i32', FLOOR='fp32')
+IDX = dict(M='i32', N='i32', K='i32', R='i32', FLOOR='fp32', SHIFT_V='fp32')
 CASES = [
     (L._awq_dequant_kernel, dict(q_ptr=P8, s_ptr=BF, z_ptr=BF, o_ptr=I16), dict(G=64, SKIND=2, CKIND=2, KIND=2,
                                                                                 BLOCK_N=32, BLOCK_K=256)),
@@ -280,7 +280,8 @@ CASES = [
     (L._awq_gemm_kernel, dict(x_ptr=BF, q_ptr=P8, s_ptr=BF, z_ptr=BF, b_ptr=BF, o_ptr=I16),
      dict(G=64, XKIND=2, SKIND=2, HAS_BIAS=True, KIND=2, INTERP=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)),
     (L._svdq_act_kernel, dict(x_ptr=BF, sm_ptr=BF, q_ptr=P8, s_ptr=I16),
-     dict(XKIND=2, SMKIND=2, PKIND=2, UNSIGNED=True, SHIFT=True, CUDA_DIV=True, BLOCK_M=4, NG=16)),
+     dict(XKIND=2, SMKIND=2, PKIND=2, UNSIGNED=True, QMAX=15.0, RD=0.06666667014360428, SHIFT=True, CUDA_DIV=True,
+          BLOCK_M=4, NG=16)),
     (L._svdq_residual_kernel, dict(q_ptr=P8, s_ptr=BF, a_ptr=BF, l_ptr=F, o_ptr=I16),
      dict(SKIND=2, FULL=True, KIND=2, BLOCK_N=32, BLOCK_K=256)),
     (L._svdq_gemm_kernel, dict(a_ptr=P8, as_ptr=I16, w_ptr=P8, ws_ptr=BF, l_ptr=F, u_ptr=BF, b_ptr=BF, o_ptr=I16),

@@ -16,7 +16,7 @@ import torch
 from .base import (jit, triton, tl, HAS_TRITON, interpreting, round_to, store_as, load_f32, rint,
                                  div_scalar, recip32, dot_acc, float_kind, DTYPE_KIND, out_view, pow2, autotuned,
                                  gemm_configs, launch_gemm, out_tile)
-from ..awq import AWQ_OFFSET, AWQLayout
+from ..awq import AWQLayout
 from ..svdquant import (SVDQ_GROUP, SVDQ_QMAX, SVDQ_UQMAX, GELU_SHIFT, SVDQuantLayout, natural_weight,
                              natural_scale, natural_up)
 
@@ -185,9 +185,9 @@ def awq_linear_error_bound(x:torch.Tensor, # activations [..., K]
 
 # %% ../../nbs/35_kernels_lowbit.ipynb #d18234ad
 @jit
-def _svdq_act_kernel(x_ptr, sm_ptr, q_ptr, s_ptr, M, K, FLOOR, XKIND: tl.constexpr, SMKIND: tl.constexpr,
-                     PKIND: tl.constexpr, UNSIGNED: tl.constexpr, SHIFT: tl.constexpr, CUDA_DIV: tl.constexpr,
-                     BLOCK_M: tl.constexpr, NG: tl.constexpr):
+def _svdq_act_kernel(x_ptr, sm_ptr, q_ptr, s_ptr, M, K, FLOOR, SHIFT_V, XKIND: tl.constexpr, SMKIND: tl.constexpr,
+                     PKIND: tl.constexpr, UNSIGNED: tl.constexpr, QMAX: tl.constexpr, RD: tl.constexpr,
+                     SHIFT: tl.constexpr, CUDA_DIV: tl.constexpr, BLOCK_M: tl.constexpr, NG: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     rows = rows.to(tl.int64)
@@ -197,18 +197,14 @@ def _svdq_act_kernel(x_ptr, sm_ptr, q_ptr, s_ptr, M, K, FLOOR, XKIND: tl.constex
     m3 = rmask[:, None, None] & gmask[None, :, None]
     x = load_f32(x_ptr + rows[:, None, None] * K + cols[None, :, :], m3, XKIND)
     if SHIFT:
-        x = round_to(x + 0.171875, XKIND)                                      # GELU_SHIFT, in x's dtype
+        x = round_to(x + SHIFT_V, XKIND)                                       # GELU_SHIFT, in x's dtype
     sm = tl.where(gmask[:, None], load_f32(sm_ptr + cols, gmask[:, None], SMKIND), 1.0)
     v = round_to(tl.math.div_rn(x, sm[None, :, :]), PKIND)
     amax = tl.maximum(tl.max(tl.abs(v), axis=2), FLOOR)
-    if UNSIGNED:
-        s = round_to(div_scalar(amax, 15.0, 0.06666667014360428, CUDA_DIV), PKIND)    # RD = fp32(1/15)
-        lo, hi = 0.0, 15.0
-    else:
-        s = round_to(div_scalar(amax, 7.0, 0.1428571492433548, CUDA_DIV), PKIND)      # RD = fp32(1/7)
-        lo, hi = -7.0, 7.0
+    s = round_to(div_scalar(amax, QMAX, RD, CUDA_DIV), PKIND)                     # RD = fp32(1 / QMAX)
     c = round_to(tl.math.div_rn(v, tl.where(s == 0.0, 1.0, s)[:, :, None]), PKIND)
-    c = tl.where((s == 0.0)[:, :, None], 0.0, rint(tl.minimum(tl.maximum(c, lo), hi)))
+    c = rint(tl.minimum(tl.maximum(c, 0.0 if UNSIGNED else -QMAX), QMAX))
+    c = tl.where((s == 0.0)[:, :, None], 0.0, c)
     tl.store(q_ptr + rows[:, None, None] * K + cols[None, :, :], c.to(tl.int8), mask=m3)
     store_as(s_ptr + rows[:, None] * (K // 64) + grp[None, :], s, rmask[:, None] & gmask[None, :], XKIND)
 
@@ -228,15 +224,16 @@ def svdquant_activations(x:torch.Tensor, # [M, K] activations (fp32, bf16 or fp1
                          f"{tuple(x.shape)} and smooth {tuple(smooth.shape)}")
     M, K = x.shape
     pd = torch.promote_types(x.dtype, smooth.dtype)
+    qmax = float(SVDQ_UQMAX if unsigned else SVDQ_QMAX)
     q = torch.empty(M, K, dtype=torch.int8, device=x.device)
     s = torch.empty(M, K // SVDQ_GROUP, dtype=x.dtype, device=x.device)
     if M and K:
         ng = min(pow2(K // SVDQ_GROUP), 16)
         bm = block_m or max(1, min(pow2(M), 4096 // (64 * ng)))
         _svdq_act_kernel[(triton.cdiv(M, bm), triton.cdiv(K // SVDQ_GROUP, ng))](
-            x.contiguous(), smooth.to(x.device).contiguous(), q, out_view(s), M, K, _FLOOR[pd], float_kind(x.dtype),
-            float_kind(smooth.dtype), float_kind(pd), bool(unsigned), bool(shift),
-            x.is_cuda if cuda_div is None else bool(cuda_div), bm, ng, enable_fp_fusion=False)
+            x.contiguous(), smooth.to(x.device).contiguous(), q, out_view(s), M, K, _FLOOR[pd], GELU_SHIFT,
+            float_kind(x.dtype), float_kind(smooth.dtype), float_kind(pd), bool(unsigned), qmax, recip32(qmax),
+            bool(shift), x.is_cuda if cuda_div is None else bool(cuda_div), bm, ng, enable_fp_fusion=False)
     return q, s
 
 # %% ../../nbs/35_kernels_lowbit.ipynb #190207f3
