@@ -254,10 +254,10 @@ def test_harness_smoke_lowbit(tmp_path):
     spec = importlib.util.spec_from_file_location('harness', path)
     harness = importlib.util.module_from_spec(spec); spec.loader.exec_module(harness)
     out = tmp_path / 'h.json'
-    assert harness.main(['--smoke', '--formats', 'awq_w4a16,svdquant_w4a4', '--out', str(out)]) == 0
+    assert harness.main(['--smoke', '--formats', 'awq_w4a16,svdquant_w4a4,svdquant_tiled', '--out', str(out)]) == 0
     res = json.loads(out.read_text())
     got = {(r['kernel'], r['case']): r for r in res['records']}
-    for case in ('awq_w4a16', 'svdquant_w4a4'):
+    for case in ('awq_w4a16', 'svdquant_w4a4', 'svdquant_tiled'):
         assert got[('dequantize', case)]['exact']
         assert ('linear', case) in got and got[('linear', case)]['rel_diff'] < 0.02
     assert res['peer_errors'] == []
@@ -283,9 +283,9 @@ CASES = [
      dict(XKIND=2, SMKIND=2, PKIND=2, UNSIGNED=True, QMAX=15.0, RD=0.06666667014360428, SHIFT=True, CUDA_DIV=True,
           BLOCK_M=4, NG=16)),
     (L._svdq_residual_kernel, dict(q_ptr=P8, s_ptr=BF, a_ptr=BF, l_ptr=F, o_ptr=I16),
-     dict(SKIND=2, FULL=True, KIND=2, BLOCK_N=32, BLOCK_K=256)),
-    (L._svdq_gemm_kernel, dict(a_ptr=P8, as_ptr=I16, w_ptr=P8, ws_ptr=BF, l_ptr=F, u_ptr=BF, b_ptr=BF, o_ptr=I16),
-     dict(UKIND=2, HAS_BIAS=True, KIND=2, RB=32, BLOCK_M=64, BLOCK_N=64)),
+     dict(SKIND=2, FULL=True, TILED=True, KIND=2, BLOCK_N=32, BLOCK_K=256)),
+    *[(L._svdq_gemm_kernel, dict(a_ptr=P8, as_ptr=I16, w_ptr=P8, ws_ptr=BF, l_ptr=F, u_ptr=BF, b_ptr=BF, o_ptr=I16),
+       dict(UKIND=2, HAS_BIAS=True, KIND=2, RB=32, TILED=tiled, BLOCK_M=64, BLOCK_N=64)) for tiled in (False, True)],
 ]
 for kernel, ptrs, consts in CASES:
     names = list(inspect.signature(kernel.fn).parameters)
@@ -308,4 +308,4 @@ def test_kernels_compile_offline_for_sm80(tmp_path):
     env['PYTHONPATH'] = os.pathsep.join([str(pathlib.Path(__file__).parents[1]), env.get('PYTHONPATH', '')])
     r = subprocess.run([sys.executable, '-c', _AOT, '80'], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count(' ok') == 6
+    assert r.stdout.count(' ok') == 7

@@ -17,8 +17,7 @@ from .base import (jit, triton, tl, HAS_TRITON, interpreting, round_to, store_as
                                  div_scalar, recip32, dot_acc, float_kind, DTYPE_KIND, out_view, pow2, autotuned,
                                  gemm_configs, launch_gemm, out_tile)
 from ..awq import AWQLayout
-from ..svdquant import (SVDQ_GROUP, SVDQ_QMAX, SVDQ_UQMAX, GELU_SHIFT, SVDQuantLayout, natural_weight,
-                             natural_scale, natural_up)
+from ..svdquant import SVDQ_GROUP, SVDQ_QMAX, SVDQ_UQMAX, GELU_SHIFT, SVDQuantLayout, natural_up
 
 # %% ../../nbs/35_kernels_lowbit.ipynb #932f37d3
 @jit
@@ -238,14 +237,34 @@ def svdquant_activations(x:torch.Tensor, # [M, K] activations (fp32, bf16 or fp1
 
 # %% ../../nbs/35_kernels_lowbit.ipynb #190207f3
 @jit
+def _w_offs(rn, kb, K, TILED: tl.constexpr):
+    "Offsets of packed residual bytes `kb` (0..K/2) of int64 rows `rn` (broadcast): natural [N, K/2] or tile-packed."
+    if TILED:       # [N/128, K/64, 32, 128]: byte j of group g, row n = 128 t + 4 r + i at [t, g, r, 32 i + j]
+        o = ((rn // 128) * (K // 64) + kb // 32) * 4096 + ((rn % 128) // 4) * 128 + (rn % 4) * 32 + kb % 32
+    else:
+        o = rn * (K // 2) + kb
+    return o
+
+@jit
+def _s_offs(rn, g, N, K, TILED: tl.constexpr):
+    "Offsets of the scales of groups `g` of int64 rows `rn` (broadcast): natural [K/64, N] or tile-packed."
+    if TILED:       # [N/128, K/64, 128]
+        o = ((rn // 128) * (K // 64) + g) * 128 + rn % 128
+    else:
+        o = g * N + rn
+    return o
+
+# %% ../../nbs/35_kernels_lowbit.ipynb #3b5c4904
+@jit
 def _svdq_residual_kernel(q_ptr, s_ptr, a_ptr, l_ptr, o_ptr, N, K, SKIND: tl.constexpr, FULL: tl.constexpr,
-                          KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          TILED: tl.constexpr, KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     m2 = (rn < N)[:, None] & (rk < K)[None, :]
-    b = tl.load(q_ptr + rn.to(tl.int64)[:, None] * (K // 2) + rk[None, :] // 2, mask=m2, other=0).to(tl.int32)
+    r64 = rn.to(tl.int64)[:, None]
+    b = tl.load(q_ptr + _w_offs(r64, rk[None, :] // 2, K, TILED), mask=m2, other=0).to(tl.int32)
     code = (b << (28 - 4 * (rk[None, :] & 1))) >> 28                               # sign-extended nibble
-    s = load_f32(s_ptr + (rk[None, :] // 64).to(tl.int64) * N + rn[:, None], m2, SKIND)
+    s = load_f32(s_ptr + _s_offs(r64, rk[None, :] // 64, N, K, TILED), m2, SKIND)
     v = round_to(code.to(tl.float32) * s, SKIND)
     offs = rn.to(tl.int64)[:, None] * K + rk[None, :]
     if FULL:
@@ -253,34 +272,40 @@ def _svdq_residual_kernel(q_ptr, s_ptr, a_ptr, l_ptr, o_ptr, N, K, SKIND: tl.con
         v = round_to(v + round_to(tl.load(l_ptr + offs, mask=m2, other=0.0), SKIND), SKIND)
     store_as(o_ptr + offs, v, m2, KIND)
 
-# %% ../../nbs/35_kernels_lowbit.ipynb #3b5c4904
+# %% ../../nbs/35_kernels_lowbit.ipynb #707167ba
 def _svdq_weight_operands(qdata, scale, who):
-    "Natural (qdata [N, K/2], scale [K/64, N]) checked, or a ValueError naming `who`."
-    q, s = natural_weight(qdata), natural_scale(scale)
-    if q.dim() != 2 or q.dtype not in (torch.int8, torch.uint8) or (2 * q.shape[1]) % SVDQ_GROUP \
-            or s.dtype not in DTYPE_KIND or tuple(s.shape) != (2 * q.shape[1] // SVDQ_GROUP, q.shape[0]):
-        raise ValueError(f"{who}: expected an int8 [N, K/2] residual (K % 64 == 0) and float scales [K/64, N], got "
-                         f"{q.dtype}{tuple(q.shape)} and {s.dtype}{tuple(s.shape)}")
-    return q.contiguous(), s.contiguous()
+    """(qdata, scale, tiled, N, K): a natural ([N, K/2], [K/64, N]) or tile-packed ([N/128, K/64, 32, 128],
+    [N/128, K/64, 128]) residual and its scales, checked (a ValueError naming `who`)."""
+    tiled = qdata.dim() == 4
+    if tiled:
+        T, G = qdata.shape[:2]
+        N, K, want = T * 128, G * SVDQ_GROUP, [(T, G, 32, 128), (T, G, 128)]
+    else:
+        N, K = qdata.shape[0], 2 * qdata.shape[-1]
+        want = [(N, K // 2), (K // SVDQ_GROUP, N)]
+    if qdata.dtype not in (torch.int8, torch.uint8) or qdata.dim() not in (2, 4) or K % SVDQ_GROUP \
+            or scale.dtype not in DTYPE_KIND or [tuple(qdata.shape), tuple(scale.shape)] != want:
+        raise ValueError(f"{who}: expected an int8 residual and float scales of shapes {want[0]} and {want[1]} "
+                         f"(K % 64 == 0), got {qdata.dtype}{tuple(qdata.shape)} and {scale.dtype}{tuple(scale.shape)}")
+    return qdata.contiguous(), scale.contiguous(), tiled, N, K
 
 def _residual(qdata, scale, dtype, a=None, low=None, who='residual_weight'):
-    q, s = _svdq_weight_operands(qdata, scale, who)
-    N, K = q.shape[0], 2 * q.shape[1]
+    q, s, tiled, N, K = _svdq_weight_operands(qdata, scale, who)
     out = torch.empty(N, K, dtype=dtype, device=q.device)
     if N and K:
         bk = min(pow2(K), 256)
         bn = max(1, min(pow2(N), 8192 // bk))
         _svdq_residual_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
             q, s, s if a is None else a.contiguous(), s if low is None else low.contiguous(), out_view(out), N, K,
-            float_kind(s.dtype), a is not None, float_kind(dtype), bn, bk, enable_fp_fusion=False)
+            float_kind(s.dtype), a is not None, tiled, float_kind(dtype), bn, bk, enable_fp_fusion=False)
     return out
 
-# %% ../../nbs/35_kernels_lowbit.ipynb #707167ba
+# %% ../../nbs/35_kernels_lowbit.ipynb #a5a2bb29
 def residual_weight(qdata:torch.Tensor, # int8 packed residual, natural or tile-packed
                     scale:torch.Tensor, # its group scales, natural or tile-packed
                    ) -> torch.Tensor: # [N, K] in the scales' dtype
     "Triton decode of the int4 residual `q * s`, bit-exact with `cquant.svdquant.residual_weight`."
-    return _residual(qdata, scale, natural_scale(scale).dtype)
+    return _residual(qdata, scale, scale.dtype)
 
 def _column_factor(smooth, dt, device):
     "svdquant_weight's column factor: 1/smooth (the identity input) through the per-element int4 quantizer, in dt."
@@ -296,29 +321,29 @@ def svdquant_weight(qdata:torch.Tensor, # int8 residual (natural or tile-packed)
                     dtype:torch.dtype|None=None, # output dtype (default: the scales')
                    ) -> torch.Tensor: # [N, K]
     "Triton effective weight, bit-exact with `cquant.svdquant.svdquant_weight(...).to(dtype)`."
-    dt = natural_scale(scale).dtype
+    dt = scale.dtype
     low = natural_up(proj_up).float() @ proj_down.float().t()
     return _residual(qdata, scale, dtype or dt, _column_factor(smooth, dt, qdata.device), low.to(qdata.device),
                      'svdquant_weight')
 
-# %% ../../nbs/35_kernels_lowbit.ipynb #e7c082ab
+# %% ../../nbs/35_kernels_lowbit.ipynb #538380ef
 @jit
 def _svdq_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, l_ptr, u_ptr, b_ptr, o_ptr, M, N, K, R, UKIND: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, KIND: tl.constexpr, RB: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, KIND: tl.constexpr, RB: tl.constexpr, TILED: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rm, rn, mm, nm = out_tile(M, N, BLOCK_M, BLOCK_N)
     rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
     NGR = K // 64
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for gi in range(0, NGR):
-        wb = tl.load(w_ptr + rn64[None, :] * (K // 2) + gi * 32 + tl.arange(0, 32)[:, None], mask=nm[None, :],
-                     other=0).to(tl.int32)                                          # [32 bytes, BLOCK_N]
+        wb = tl.load(w_ptr + _w_offs(rn64[None, :], gi * 32 + tl.arange(0, 32)[:, None], K, TILED),
+                     mask=nm[None, :], other=0).to(tl.int32)                        # [32 bytes, BLOCK_N]
         wlo, whi = ((wb << 28) >> 28).to(tl.int8), ((wb << 24) >> 28).to(tl.int8)
         a = tl.load(a_ptr + rm64[:, None] * K + gi * 64 + tl.arange(0, 64)[None, :], mask=mm[:, None], other=0)
         alo, ahi = tl.split(tl.reshape(a, [BLOCK_M, 32, 2]))                        # even / odd columns
         isum = tl.dot(alo, wlo, out_dtype=tl.int32) + tl.dot(ahi, whi, out_dtype=tl.int32)
         sx = load_f32(as_ptr + rm64 * NGR + gi, mm, KIND)
-        sw = load_f32(ws_ptr + gi * N + rn64, nm, KIND)
+        sw = load_f32(ws_ptr + _s_offs(rn64, gi, N, K, TILED), nm, KIND)
         acc += (isum.to(tl.float32) * sx[:, None]) * sw[None, :]
     v = round_to(acc, KIND)
     rr = tl.arange(0, RB)
@@ -328,7 +353,7 @@ def _svdq_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, l_ptr, u_ptr, b_ptr, o_ptr, 
     _float_epilogue(v, o_ptr + rm64[:, None] * N + rn[None, :], mm[:, None] & nm[None, :], b_ptr + rn[None, :],
                     nm[None, :], HAS_BIAS, KIND, KIND)
 
-# %% ../../nbs/35_kernels_lowbit.ipynb #538380ef
+# %% ../../nbs/35_kernels_lowbit.ipynb #bd3e8cba
 def _svdq_configs() -> list:
     "(BLOCK_M, BLOCK_N) tiles of the SVDQuant GEMM to autotune over (the first one when interpreting)."
     if not HAS_TRITON: return []
@@ -337,7 +362,7 @@ def _svdq_configs() -> list:
 
 _svdq_gemm_tuned = autotuned(_svdq_gemm_kernel, _svdq_configs(), ['M', 'N', 'K'])
 
-# %% ../../nbs/35_kernels_lowbit.ipynb #bd3e8cba
+# %% ../../nbs/35_kernels_lowbit.ipynb #33994892
 def svdquant_linear(x:torch.Tensor, # [..., K] activations, in the dtype of the stored scales
                     qdata:torch.Tensor, # int8 residual [N, K/2] (or tile-packed)
                     scale:torch.Tensor, # [K/64, N] group scales (or tile-packed)
@@ -349,9 +374,8 @@ def svdquant_linear(x:torch.Tensor, # [..., K] activations, in the dtype of the 
                     block_m:int|None=None, block_n:int|None=None, # GEMM tiles (default: autotuned)
                    ) -> torch.Tensor: # [..., N] in x's dtype
     "Triton SVDQuant W4A4 linear: int4 x int4 group GEMM plus the low-rank branch (eager within its bound)."
-    q, s = _svdq_weight_operands(qdata, scale, 'svdquant_linear')
+    q, s, tiled, N, K = _svdq_weight_operands(qdata, scale, 'svdquant_linear')
     up = natural_up(proj_up).contiguous()
-    N, K = q.shape[0], 2 * q.shape[1]
     R = proj_down.shape[-1]
     if x.shape[-1] != K or x.dtype != s.dtype or tuple(proj_down.shape) != (K, R) or tuple(up.shape) != (N, R) \
             or up.dtype not in DTYPE_KIND:
@@ -367,7 +391,7 @@ def svdquant_linear(x:torch.Tensor, # [..., K] activations, in the dtype of the 
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     b = s if bias is None else bias.to(device=x.device, dtype=x.dtype).reshape(-1).contiguous()
     args = (xq, out_view(xs), q, s, lora, up, b, out_view(out), M, N, K, R, float_kind(up.dtype), bias is not None,
-            kind, max(16, pow2(R)))
+            kind, max(16, pow2(R)), tiled)
     if M and N:
         if block_m is None and block_n is None:
             _svdq_gemm_tuned[lambda meta: (triton.cdiv(M, meta['BLOCK_M']), triton.cdiv(N, meta['BLOCK_N']))](
@@ -378,7 +402,7 @@ def svdquant_linear(x:torch.Tensor, # [..., K] activations, in the dtype of the 
                                                                          enable_fp_fusion=False)
     return out.reshape(*x.shape[:-1], N)
 
-# %% ../../nbs/35_kernels_lowbit.ipynb #33994892
+# %% ../../nbs/35_kernels_lowbit.ipynb #5f54eff8
 def svdquant_linear_error_bound(x:torch.Tensor, # [..., K] activations, in the scales' dtype
                                 qdata:torch.Tensor, scale:torch.Tensor, proj_down:torch.Tensor,
                                 proj_up:torch.Tensor, smooth:torch.Tensor, # the svdquant_w4a4 weight
@@ -404,7 +428,7 @@ def svdquant_linear_error_bound(x:torch.Tensor, # [..., K] activations, in the s
     T = T + K * fi.smallest_normal * fi.eps                           # subnormal q * s products
     return _round_slack(T, Y + L + b.to(P.device), [dt] * (3 + (bias is not None))).reshape(*x.shape[:-1], -1)
 
-# %% ../../nbs/35_kernels_lowbit.ipynb #b1077342
+# %% ../../nbs/35_kernels_lowbit.ipynb #f608faab
 def _awq_fits_weight(qdata, p) -> bool:
     G, s, z = p.group_size, p.scale, p.zeros
     return (HAS_TRITON and qdata.dim() == 2 and qdata.dtype in (torch.int8, torch.uint8) and G >= 2 and G % 2 == 0
@@ -430,7 +454,7 @@ def awq_linear_fits(x, qdata, params, bias=None, input_scale=None) -> bool:
     return (x.dtype in DTYPE_KIND and x.dim() >= 1 and x.shape[-1] == 2 * qdata.shape[-1]
             and _awq_fits_weight(qdata, params) and _bias_fits(bias, qdata.shape[0]))
 
-# %% ../../nbs/35_kernels_lowbit.ipynb #f608faab
+# %% ../../nbs/35_kernels_lowbit.ipynb #2dd95502
 def _svdq_fits_weight(qdata, p) -> bool:
     return (HAS_TRITON and qdata.dtype in (torch.int8, torch.uint8) and qdata.dim() in (2, 4)
             and all(t.dtype in DTYPE_KIND for t in (p.scale, p.proj_down, p.proj_up, p.smooth_factor))
