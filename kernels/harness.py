@@ -20,13 +20,16 @@ CASES = [  # (label, format, options)
     ('int8_row', 'int8_tensorwise', {'per_row': True}), ('int8_convrot', 'int8_tensorwise', {'convrot': True}),
     ('w4a4', 'convrot_w4a4', {}), ('w4a4_a8', 'convrot_w4a4', {'linear_dtype': 'int8'}),
     ('w4a8', 'asym_w4a8_int8', {}), ('w6a8', 'w6a8_int8', {}),
+    ('awq_w4a16', 'awq_w4a16', {}), ('svdquant_w4a4', 'svdquant_w4a4', {}),
+    ('svdquant_tiled', 'svdquant_w4a4', {'layout': 'kitchen_tile_packed_w4a4'}),
 ]
 PEAKS = {  # dense peaks per GPU: HBM bytes/s, bf16 / fp8 / int8 tensor-core FLOP/s (vendor data sheets, SXM)
     'H200': dict(hbm=4.8e12, bf16=989e12, fp8=1979e12, int8=1979e12),
     'H100': dict(hbm=3.35e12, bf16=989e12, fp8=1979e12, int8=1979e12),
     'A100': dict(hbm=2.0e12, bf16=312e12, fp8=None, int8=624e12),
 }
-ENGINE = {'float8_e4m3fn': 'fp8', 'float8_e5m2': 'fp8', 'nvfp4': 'fp8', 'mxfp8': 'fp8'}   # else int8
+ENGINE = {'float8_e4m3fn': 'fp8', 'float8_e5m2': 'fp8', 'nvfp4': 'fp8', 'mxfp8': 'fp8',
+          'awq_w4a16': 'bf16'}   # else int8 (svdquant_w4a4: its int4 group sums run as int8 tl.dot)
 
 
 def _peaks(name):

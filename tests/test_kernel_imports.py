@@ -38,7 +38,7 @@ def violations(path) -> list:
 
 def test_kernel_modules_found():
     names = {p.stem for p in KERNELS.glob('*.py')}
-    assert {'base', 'dispatch', 'int8', 'fp8', 'blockscaled', 'convrot', 'w4a8'} <= names
+    assert {'base', 'dispatch', 'int8', 'fp8', 'blockscaled', 'convrot', 'w4a8', 'lowbit'} <= names
 
 
 @pytest.mark.parametrize('path', sorted(KERNELS.glob('*.py')), ids=lambda p: p.name)
