@@ -15,7 +15,7 @@ from .tensor import check_finite, round_stochastic
 from .numerics import pack_int4, unpack_int4, SCALE_DTYPES
 
 # %% auto #0
-__all__ = ['svdquant_linear', 'svdquant_weight', 'SVDQuantParams', 'SVDQuantLayout']
+__all__ = ['svdquant_linear', 'svdquant_column_factor', 'svdquant_weight', 'SVDQuantParams', 'SVDQuantLayout']
 
 # %% ../nbs/07b_svdquant.ipynb #849f6c42
 SVDQ_GROUP = 64            # columns per weight / activation scale (kitchen's fixed int4 group)
@@ -100,6 +100,15 @@ def svdquant_linear(x:torch.Tensor, # [..., K] activations, in the dtype of the 
     if bias is not None: out = out + bias
     return out.view(*lead, out.shape[-1])
 
+# %% ../nbs/07b_svdquant.ipynb #8a36adc6
+def svdquant_column_factor(smooth:torch.Tensor, # [K] smoothing factor
+                           dt:torch.dtype, # the compute dtype (the stored scales')
+                          ) -> torch.Tensor: # [K] in `dt`
+    "Column k's factor in the effective weight: 1/smooth_k (row k of an identity input) through the int4 activation quantizer."
+    inv = torch.ones(smooth.shape[0], dtype=dt, device=smooth.device) / smooth
+    s = inv.abs().clamp(min=1e-10) / SVDQ_QMAX
+    return (inv / s).round().clamp(-SVDQ_QMAX, SVDQ_QMAX).to(dt) * s.to(dt)
+
 # %% ../nbs/07b_svdquant.ipynb #4c28a6be
 def svdquant_weight(qdata:torch.Tensor, # int8 residual (natural or tile-packed)
                     scale:torch.Tensor, # group scales: their dtype is the compute dtype
@@ -108,10 +117,7 @@ def svdquant_weight(qdata:torch.Tensor, # int8 residual (natural or tile-packed)
                     smooth:torch.Tensor, # [K]
                    ) -> torch.Tensor: # [N, K] in the scales' dtype
     "The effective weight: kitchen's `dequantize` (the linear of an identity input), computed column by column."
-    dt = scale.dtype
-    inv = torch.ones(smooth.shape[0], dtype=dt, device=smooth.device) / smooth   # row i of eye / smooth: 1/s_i alone
-    s = inv.abs().clamp(min=1e-10) / SVDQ_QMAX
-    a = ((inv / s).round().clamp(-SVDQ_QMAX, SVDQ_QMAX).to(dt) * s.to(dt)).to(qdata.device)
+    a = svdquant_column_factor(smooth, scale.dtype).to(qdata.device)
     low = natural_up(proj_up).float() @ proj_down.float().t()
     w = a * residual_weight(qdata, scale)
     return w + low.to(w.dtype)

@@ -18,6 +18,7 @@ from .base import (jit, triton, tl, HAS_TRITON, interpreting, round_to, store_as
                                  gemm_configs, launch_gemm, out_tile)
 from ..awq import AWQLayout
 from ..svdquant import SVDQ_GROUP, SVDQ_QMAX, SVDQ_UQMAX, GELU_SHIFT, SVDQuantLayout, natural_up
+from ..svdquant import svdquant_column_factor
 
 # %% ../../nbs/35_kernels_lowbit.ipynb #932f37d3
 @jit
@@ -307,12 +308,6 @@ def residual_weight(qdata:torch.Tensor, # int8 packed residual, natural or tile-
     "Triton decode of the int4 residual `q * s`, bit-exact with `cquant.svdquant.residual_weight`."
     return _residual(qdata, scale, scale.dtype)
 
-def _column_factor(smooth, dt, device):
-    "svdquant_weight's column factor: 1/smooth (the identity input) through the per-element int4 quantizer, in dt."
-    inv = torch.ones(smooth.shape[0], dtype=dt, device=smooth.device) / smooth
-    s = inv.abs().clamp(min=1e-10) / SVDQ_QMAX
-    return ((inv / s).round().clamp(-SVDQ_QMAX, SVDQ_QMAX).to(dt) * s.to(dt)).to(device)
-
 def svdquant_weight(qdata:torch.Tensor, # int8 residual (natural or tile-packed)
                     scale:torch.Tensor, # group scales: their dtype is the compute dtype
                     proj_down:torch.Tensor, # [K, R]
@@ -323,7 +318,7 @@ def svdquant_weight(qdata:torch.Tensor, # int8 residual (natural or tile-packed)
     "Triton effective weight, bit-exact with `cquant.svdquant.svdquant_weight(...).to(dtype)`."
     dt = scale.dtype
     low = natural_up(proj_up).float() @ proj_down.float().t()
-    return _residual(qdata, scale, dtype or dt, _column_factor(smooth, dt, qdata.device), low.to(qdata.device),
+    return _residual(qdata, scale, dtype or dt, svdquant_column_factor(smooth, dt).to(qdata.device), low.to(qdata.device),
                      'svdquant_weight')
 
 # %% ../../nbs/35_kernels_lowbit.ipynb #538380ef
