@@ -32,7 +32,7 @@ def registries_restored():
     """A notebook that defines a layout re-registers its format with the notebook's own classes (`__main__`):
     restore the registries after each notebook so the next one sees the package's, as under `nbdev-test`."""
     import cquant.tensor as T
-    saved = {name: dict(getattr(T, name)) for name in ('FORMATS', 'LAYOUT_OPS', 'GENERIC_OPS')}
+    saved = {name: dict(getattr(T, name)) for name in ('FORMATS', 'LAYOUT_OPS', 'GENERIC_OPS', 'ROUNDINGS')}
     saved['FAST_PATHS'] = {k: list(v) for k, v in T.FAST_PATHS.items()}
     yield
     for name, value in saved.items():
