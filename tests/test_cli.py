@@ -259,3 +259,25 @@ def test_plot_colours_are_fixed_per_format(dit, quantized, tmp_path):
     assert importlib.import_module('cquant.explore').format_color is format_color      # one palette for every plot
     rc, out, err = cquant('quantize', dit, tmp_path / 'p.safetensors', '--quiet', '--plot', tmp_path / 'p.png')
     assert rc == 0 and (tmp_path / 'p.png').read_bytes()[:4] == b'\x89PNG'
+
+
+def test_quantize_svdquant_with_calibration_file(tmp_path, capsys):
+    "`cquant quantize --mode svdquant --calibration FILE`: the calibrated SVDQuant layers, and inspect's loader warning."
+    from cquant.cli import main
+    model = cq.dit_model(0)
+    src, cal, dst = tmp_path / 'dit.safetensors', tmp_path / 'cal.safetensors', tmp_path / 'q.safetensors'
+    cq.save_file(model.state_dict(), src)
+    inputs = cq.collect_inputs(model, cq.dit_batches(1, 2, 32, seed=1))
+    cq.save_file({k: v.contiguous() for k, v in inputs.items()}, cal)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', PolicyWarning)
+        assert main(['quantize', str(src), str(dst), '--mode', 'svdquant', '--calibration', str(cal), '--quiet', '--json']) == 0
+    rep = json.loads(capsys.readouterr().out)
+    svdq = [r for r in rep['layers'] if r['format'] == 'svdquant_w4a4']
+    assert len(svdq) > 10 and all(r['name'] in inputs for r in svdq)
+    sd = cq.load_file(dst)
+    r = svdq[0]['name']
+    assert cq.decode_json(sd[r + '.comfy_quant'])['format'] == 'svdquant_w4a4'
+    assert any(not torch.all(sd[x['name'] + '.weight_smooth_factor'] == 1) for x in svdq)   # calibrated (data-free: 1)
+    assert main(['inspect', str(dst)]) == 0
+    assert "which ComfyUI's core loader does not register" in capsys.readouterr().out
