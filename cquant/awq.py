@@ -285,4 +285,6 @@ AWQ_W4A16 = register_format(FormatSpec(
     doc='Asymmetric uint4 codes with a float scale and zero per group of 64 input features; float activations.',
     row_independent=True, row_assembly={'weight_scale': 1, 'weight_zeros': 1},
     value_rules={'weight_scale': ValueRule('a group scale multiplies its codes (a constant group has 0)', zero_ok=True)},
-    kitchen_layout='TensorCoreAWQW4A16Layout', native_compute=_everywhere, calibrated=awq_calibrated))
+    kitchen_layout='TensorCoreAWQW4A16Layout', native_compute=_everywhere, calibrated=awq_calibrated,
+    comfy_since='present in ComfyUI comfy/quant_ops.py @ 0271a469 (undated; newer than the 2026-08-22 '
+                'snapshot, absent from the 2026-10 loader of the Kosinkadink fork)'))

@@ -178,7 +178,8 @@ _SCALE_OPTION = Option('scale', None, (float, int, torch.Tensor, type(None)),
 # rows decode from their own storage and the one scale (embeddings); ComfyUI: NVIDIA Ada+ with torch >= 2.3
 _FP8_FACTS = dict(value_rules={'weight_scale': ValueRule('the one scale multiplies every stored value')},
                   row_gather=True, embedding=True, kitchen_layout='TensorCoreFP8Layout',
-                  native_compute=nvidia_compute(FP8Layout.MIN_SM_VERSION, (2, 3)))
+                  native_compute=nvidia_compute(FP8Layout.MIN_SM_VERSION, (2, 3)),
+                  comfy_since='2026-08')   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
 
 FP8_E4M3 = register_format(FormatSpec(
     'float8_e4m3fn', FP8Layout, torch.float8_e4m3fn, keys=('weight_scale',), extra_keys=('input_scale',),

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 from .formats import FORMATS
 from .tensor import (QuantFormatError, QuantizedTensor, decode_json, encode_json, format_error, get_format,
-                           load_quantized, quantize, check_activations)
+                           load_quantized, quantize, check_activations, DeviceClass)
 from .comfy import (FPMM, comfy_config, dequantize_rows, file_value, flagged_formats,
                           nested_params, read_comfy_quant, row_dim, split_bank)
 
@@ -22,11 +22,11 @@ __all__ = ['comfy_disabled_formats', 'QuantModule', 'QuantLinear', 'QuantEmbeddi
            'LoadKeysError', 'LoadKeysWarning', 'load_quantized_model', 'lora_delta', 'apply_lora', 'unpatch']
 
 # %% ../nbs/12_modules.ipynb #0962e49a
-def comfy_disabled_formats(device=None, # a torch device (default: CPU)
+def comfy_disabled_formats(device=None, # a torch device (default: CPU) or a `cquant.tensor.DeviceClass`
                           ) -> frozenset: # format names computed dequantized on that device
     """The formats ComfyUI computes dequantized on `device` because it has no native kernel there (each format's
     `native_compute`)."""
-    dev = torch.device(device) if device is not None else torch.device('cpu')
+    dev = device if isinstance(device, DeviceClass) else torch.device(device if device is not None else 'cpu')
     return frozenset(n for n, s in FORMATS.items() if not s.native_on(dev))
 
 # %% ../nbs/12_modules.ipynb #ec572030

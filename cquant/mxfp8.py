@@ -158,7 +158,8 @@ MXFP8 = register_format(FormatSpec(
     value_rules={'weight_scale': ValueRule('a block exponent 2**(e-127) multiplies its 32 values; 0xFF is NaN')},
     doc='e4m3 elements with one E8M0 (power-of-two) scale per 32 elements along K; padded to 32x32.',
     dynamic_reason='mxfp8 quantizes activations dynamically (its linear ignores input_scale)',
-    kitchen_layout='TensorCoreMXFP8Layout', native_compute=nvidia_compute(MXFP8Layout.MIN_SM_VERSION, (2, 10))))
+    kitchen_layout='TensorCoreMXFP8Layout', native_compute=nvidia_compute(MXFP8Layout.MIN_SM_VERSION, (2, 10)),
+    comfy_since='2026-08'))   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot (when kitchen has the layout)
 
 # %% ../nbs/04_mxfp8.ipynb #827066e1
 def plot_block_exponents(qt, # an mxfp8 QuantizedTensor

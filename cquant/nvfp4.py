@@ -282,4 +282,5 @@ NVFP4 = register_format(FormatSpec(
     group_size=_GROUP, quantize_input=True, grid=nvfp4_grid,
     doc='NVFP4: E2M1 codes in blocks of 16 with e4m3 block scales (swizzled) and an fp32 global scale.',
     input_scale_rule=ScaleRule('amax / (448 * 6): the global activation scale', 448 * 6), smoothing=True,
-    kitchen_layout='TensorCoreNVFP4Layout', native_compute=nvidia_compute(NVFP4Layout.MIN_SM_VERSION)))
+    kitchen_layout='TensorCoreNVFP4Layout', native_compute=nvidia_compute(NVFP4Layout.MIN_SM_VERSION),
+    comfy_since='2026-08'))   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot

@@ -242,6 +242,7 @@ class FormatSpec:
     study_variants: tuple = ()          # extra ((label, options), ...) the quality studies compare
     comfy_unread: tuple = ()            # stored keys ComfyUI's loader never reads
     comfy_loader: bool = True           # ComfyUI's core loader registers it (False: only cquant's module layer and comfy-kitchen read it)
+    comfy_since: str = ''               # the first ComfyUI loader level registering it (`cquant.validate`), or 'present in <snapshot>'
     value_rules: dict = field(default_factory=dict)  # stored scale key -> `ValueRule`: the values it may hold
     grid: Any = None                    # hook(w, options, tensor_clip) -> `Grid`: its rounding, for rounding='mse'/'gptq'
     calibrated: Any = None              # hook(w, options, calibration, name) -> (qdata, params): its own data-aware encoder
@@ -285,7 +286,8 @@ class FormatSpec:
 
     def native_on(self, device) -> bool:
         "Whether ComfyUI computes this format natively on `device` (else it dequantizes the weight)."
-        return self.native_compute is not None and bool(self.native_compute(torch.device(device)))
+        dev = device if isinstance(device, DeviceClass) else torch.device(device)
+        return self.native_compute is not None and bool(self.native_compute(dev))
 
 # %% ../nbs/01_tensor.ipynb #0afdead8
 def _format_spec_resolve(self, config:dict|None=None, prefix:str='', **given) -> dict:
@@ -369,20 +371,37 @@ def torch_version() -> tuple:
     "(major, minor) of the installed torch."
     return tuple(int(''.join(c for c in p if c.isdigit()) or 0) for p in torch.__version__.split('+')[0].split('.')[:2])
 
+# %% ../nbs/01_tensor.ipynb #dc01a002
+@dataclass(frozen=True)
+class DeviceClass:
+    "A kind of device stated rather than present: its type, CUDA capability (cuda only) and torch version."
+    type: str
+    capability: tuple|None = None      # (major, minor) for cuda
+    torch: tuple|None = None           # (major, minor); None: the installed torch
+
+
+# %% ../nbs/01_tensor.ipynb #dc01a003
+def device_facts(dev) -> tuple:
+    "`(type, CUDA capability or None, torch version)` of a `torch.device` or a `DeviceClass`."
+    if isinstance(dev, DeviceClass): return dev.type, dev.capability, dev.torch or torch_version()
+    cuda = dev.type == 'cuda' and torch.cuda.is_available() and torch.version.cuda is not None
+    return dev.type, torch.cuda.get_device_capability(dev) if cuda else None, torch_version()
+
 # %% ../nbs/01_tensor.ipynb #8d208eb1
 def nvidia_compute(min_sm:tuple, # the CUDA compute capability of the kernel (the layout's `MIN_SM_VERSION`)
                    min_torch:tuple=(), # the torch version ComfyUI requires for it
                   ) -> Callable:
     "A `native_compute` hook: NVIDIA CUDA devices of capability `min_sm` or more, with torch `min_torch` or newer."
-    def native(dev:torch.device) -> bool:
-        if dev.type != 'cuda' or not torch.cuda.is_available() or torch.version.cuda is None: return False
-        return torch.cuda.get_device_capability(dev) >= tuple(min_sm) and torch_version() >= tuple(min_torch)
+    def native(dev) -> bool:
+        typ, cc, tv = device_facts(dev)
+        return typ == 'cuda' and cc is not None and tuple(cc) >= tuple(min_sm) and tuple(tv) >= tuple(min_torch)
     return native
 
 # %% ../nbs/01_tensor.ipynb #4b91f969
-def int8_compute(dev:torch.device) -> bool:
+def int8_compute(dev) -> bool:
     "ComfyUI's integer-matmul predicate: every device but Intel XPU, DirectML and MPS before torch 2.15."
-    return not (dev.type in ('xpu', 'privateuseone') or (dev.type == 'mps' and torch_version() < (2, 15)))
+    typ, _, tv = device_facts(dev)
+    return not (typ in ('xpu', 'privateuseone') or (typ == 'mps' and tuple(tv) < (2, 15)))
 
 # %% ../nbs/01_tensor.ipynb #67685b12
 def _suggest(name:str) -> tuple:

@@ -630,6 +630,7 @@ ASYM_W4A8_INT8 = register_format(FormatSpec(
     group_size=16, quantize_input=False, layout_kwargs={'bits': 4}, grid=w4a8_grid(4), aliases=('w4a8', 'w4a8_int8'),
     doc='ConvRot-rotated 4-bit codes (codebook, uniform or asymmetric) with e4m3 group scales and fp32 row scales; int8 activations.',
     row_assembly={'weight_codebook': 'shared', 'weight_correction': 1}, comfy_unread=('weight_correction',),
+    comfy_since='2026-08',   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
     kitchen_kwargs=lambda o: dict(group_size=o.get('group_size', 16), convrot_groupsize=o.get('convrot_groupsize', 256),
                                   symmetric=o.get('symmetric', True), scale_search=o.get('scale_search', True), bits=4,
                                   **_codebook_kw(o)), **_W4A8_FACTS))
@@ -640,4 +641,5 @@ W6A8_INT8 = register_format(FormatSpec(
     group_size=16, quantize_input=False, layout_kwargs={'bits': 6}, grid=w4a8_grid(6), aliases=('w6a8',),
     doc='ConvRot-rotated uniform 6-bit codes (two-plane packing) with e4m3 group scales and fp32 row scales; int8 activations.',
     kitchen_kwargs=lambda o: dict(group_size=o.get('group_size', 16), convrot_groupsize=o.get('convrot_groupsize', 256),
-                                  scale_search=o.get('scale_search', True), codebook=False, bits=6), **_W4A8_FACTS))
+                                  scale_search=o.get('scale_search', True), codebook=False, bits=6),
+    comfy_since='2026-09', **_W4A8_FACTS))   # ComfyUI PR #16483, merged 2026-09-29
