@@ -121,6 +121,7 @@ LAYERS = (
     ('comfy vocabulary', {'comfy'}),
     ('checkpoint and modules', {'checkpoint', 'modules'}),
     ('models', {'models', 'minilm'}),
+    ('validation', {'validate'}),
     ('calibration and policy', {'calibrate', 'policy', 'rounding'}),
     ('jobs', {'convert'}),
     ('cli', {'cli'}),
