@@ -147,8 +147,8 @@ def _loader_view(e, level:str, devices:dict) -> tuple[list, list]:
     if e.attention is not None: warns += _attention_problems(e.attention, e.prefix + ATTENTION_KEY, level)
     if not e.quantized: return errs, warns
     if _comfy_unloadable({e.name: e}):
-        errs.append(f"{e.format}: ComfyUI's core loader does not register it (no QUANT_ALGOS entry: loading raises "
-                    "KeyError); cquant's module layer and comfy-kitchen read it")
+        warns.append(f"{e.format}: ComfyUI's core loader does not register it (no QUANT_ALGOS entry: loading raises "
+                     "KeyError); cquant's module layer and comfy-kitchen read it")
     else:
         le, lw = _level_problems(e.spec, level)
         errs += le; warns += lw
