@@ -24,7 +24,7 @@ from .modules import comfy_disabled_formats
 __all__ = ['COMFYUI_LEVELS', 'ValidationReport', 'validate']
 
 # %% ../nbs/17a_validate.ipynb #73587179
-COMFYUI_LEVELS = {   # level -> the loader feature it adds, with its source and date (shared/reference/comfyui_loader.md)
+COMFYUI_LEVELS = {   # level -> the loader feature it adds, with source and date (shared/reference/comfyui_loader.md)
     '2026-08': "mixed-precision ops as in ComfyUI's 2026-08-22 snapshot (patientx/ComfyUI-Zluda comfy/quant_ops.py)",
     '2026-09': "grouped 6-bit int8 weights (ComfyUI PR #16483, merged 2026-09-29)",
     '2026-10': "attention preference lists and comfy_kitchen_sol (ComfyUI #16831 / #16880, merged 2026-10-05..09)",
@@ -100,7 +100,8 @@ def _option_problems(spec, cfg:dict, p:str) -> tuple[list, list]:
             try: o.coerce(d[o.name])
             except QuantFormatError as e:
                 expected = str(e).partition(': expected ')[2]
-                errs.append(f"'{p}comfy_quant{where}[\"{o.name}\"]': expected {expected}; {_loader_reading(o, d[o.name])}")
+                errs.append(f"'{p}comfy_quant{where}[\"{o.name}\"]': expected {expected}; "
+                            + _loader_reading(o, d[o.name]))
     return errs, warns
 
 # %% ../nbs/17a_validate.ipynb #507e5366
@@ -108,13 +109,15 @@ def _attention_problems(config, key:str, level:str) -> list:
     "Warnings for the attention preferences at `key` that a loader of `level` ignores."
     entries, out, to = attention_entries(config, key), [], f"a --comfyui {level} loader ignores it"
     if _before(level, _LISTS):
-        if isinstance(config, list): out.append(f"'{key}': a list of attention preferences needs {COMFYUI_LEVELS[_LISTS]}; {to}")
+        if isinstance(config, list):
+            out.append(f"'{key}': a list of attention preferences needs {COMFYUI_LEVELS[_LISTS]}; {to}")
         elif entries and entries[0]['attention'] != _SINGLE[0]:
             out.append(f"'{key}': attention method {entries[0]['attention']!r} needs {COMFYUI_LEVELS[_LISTS]}; {to}")
         else: out.append(f"'{key}': single-object attention preferences are {_SINGLE[1]}: a --comfyui {level} loader "
                          "may not read the key (then it is an unexpected key)")
     return out + [f"'{key}'[{i}]: ComfyUI skips the unknown attention method {c['attention']!r} (known: "
-                  f"{sorted(ATTENTION_METHODS)})" for i, c in enumerate(entries) if c['attention'] not in ATTENTION_METHODS]
+                  f"{sorted(ATTENTION_METHODS)})" for i, c in enumerate(entries)
+                  if c['attention'] not in ATTENTION_METHODS]
 
 # %% ../nbs/17a_validate.ipynb #d9b4ae4b
 def _level_problems(spec, level:str) -> tuple[list, list]:
@@ -138,7 +141,8 @@ def _nul_note(ck:Checkpoint, key:str) -> str:
 
 def _row(module:str, fmt, errs:list, warns:list) -> dict:
     return dict(module=module, format=fmt, status='error' if errs else 'warning' if warns else 'ok',
-                messages=[dict(status='error', message=m) for m in errs] + [dict(status='warning', message=m) for m in warns])
+                messages=[dict(status='error', message=m) for m in errs]
+                         + [dict(status='warning', message=m) for m in warns])
 
 # %% ../nbs/17a_validate.ipynb #ea8b5cab
 def _loader_view(e, level:str, devices:dict) -> tuple[list, list]:
@@ -190,7 +194,8 @@ class ValidationReport:
     legacy: str|None = None          # the legacy marking converted on load, if any
 
     def _messages(self, status:str) -> list:
-        return [f"{r['module'] or '(file)'}: {m['message']}" for r in self.rows for m in r['messages'] if m['status'] == status]
+        return [f"{r['module'] or '(file)'}: {m['message']}" for r in self.rows for m in r['messages']
+                if m['status'] == status]
     @property
     def errors(self) -> list: return self._messages('error')
     @property
@@ -227,7 +232,8 @@ def validate(path, # a safetensors file, a sharded folder or its index, or a sta
     level, table = comfyui_level(comfyui), device_table(devices)
     name = os.fspath(path) if isinstance(path, (str, os.PathLike)) else 'state dict'
     try: ck = open_checkpoint(path) if isinstance(path, (str, os.PathLike)) else Checkpoint.from_state_dict(path)
-    except (CheckpointError, OSError) as e: rep = ValidationReport(name, level, strict, [_row('', None, [_msg(e, name)], [])])
+    except (CheckpointError, OSError) as e:
+        rep = ValidationReport(name, level, strict, [_row('', None, [_msg(e, name)], [])])
     else:
         with ck:
             known = scale_keys()
@@ -239,7 +245,8 @@ def validate(path, # a safetensors file, a sharded folder or its index, or a sta
 # %% ../nbs/17a_validate.ipynb #3052f958
 def format_validation(r:ValidationReport) -> str:
     "The text report of `cquant validate` for one file: one line per message, then the totals."
-    rows = [[x['module'] or '(file)', x['format'] or '-', m['status'], m['message']] for x in r.rows for m in x['messages']]
+    rows = [[x['module'] or '(file)', x['format'] or '-', m['status'], m['message']]
+            for x in r.rows for m in x['messages']]
     t = r.totals()
     out = [f"{r.file}: checked against the ComfyUI loader of {r.comfyui}{' (strict)' if r.strict else ''}"]
     if rows: out += [''] + text_table(['module', 'format', 'status', 'message'], rows, wrap=90)
