@@ -140,6 +140,7 @@ HAND = {  # name: (header, data, n, expected message fragment)
 
 
 @pytest.mark.parametrize('name', sorted(HAND))
+@pytest.mark.writes_invalid
 def test_hand_made_container(tmp_path, name):
     header, data, n, msg = HAND[name]
     p = tmp_path / f'{name}.safetensors'
@@ -202,6 +203,7 @@ COMFY = {  # name: (changes to a valid fp8 module state dict, metadata, message 
 
 
 @pytest.mark.parametrize('name', sorted(COMFY))
+@pytest.mark.writes_invalid
 def test_hand_made_comfy(tmp_path, name):
     changes, meta, msg = COMFY[name]
     sd = _base()
@@ -256,6 +258,7 @@ NASTY_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.writes_invalid
 def test_nasty_in_subprocess_with_memory_limit(tmp_path):
     G = 1 << 30
     cases = {}   # path: (ops, expected 'clean' message or 'ok')

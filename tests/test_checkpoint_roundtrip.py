@@ -328,6 +328,7 @@ def test_bank_checkpoint_validated(tmp_path, fmt, opts):
 
 
 @pytest.mark.parametrize('fmt,opts', [('nvfp4', {}), ('float8_e4m3fn', {}), ('asym_w4a8_int8', {})])
+@pytest.mark.writes_invalid
 def test_bank_checkpoint_rejects_bad_banks(tmp_path, fmt, opts):
     "A wrong num_experts, an input_scale or pre_quant_scale on a bank: refused, naming the file, module and key."
     E, K, N = 3, 256, 32

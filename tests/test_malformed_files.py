@@ -46,6 +46,7 @@ def assert_all_fail(path, match, capsys=None):
 
 # 1. full_precision_matrix_mult must be JSON true/false
 @pytest.mark.parametrize('v', ['"false"', '0', '1', 'null'])
+@pytest.mark.writes_invalid
 def test_fpmm_must_be_bool(tmp_path, capsys, v):
     p = module_file(tmp_path / 'a.safetensors', f'{{"format": "float8_e4m3fn", "full_precision_matrix_mult": {v}}}')
     assert_all_fail(p, 'blk.comfy_quant["full_precision_matrix_mult"]', capsys)
@@ -62,21 +63,25 @@ def test_fpmm_true_still_loads(tmp_path):
     assert cq.load_file(p)['blk.weight'].shape == (2, 16)
 
 # 2. duplicate keys
+@pytest.mark.writes_invalid
 def test_duplicate_comfy_quant_key(tmp_path, capsys):
     p = module_file(tmp_path / 'a.safetensors', '{"format": "float8_e4m3fn", "format": "nvfp4"}')
     assert_all_fail(p, "'blk.comfy_quant': expected a JSON object with distinct keys, found 'format' twice", capsys)
 
+@pytest.mark.writes_invalid
 def test_duplicate_tensor_name(tmp_path, capsys):
     ents, data = fp8_module('blk.', '{"format": "float8_e4m3fn"}')
     p = raw_file(tmp_path / 'a.safetensors', '{' + ', '.join(ents + [ents[1]]) + '}', data)
     assert_all_fail(p, "expected a JSON object with distinct keys, found 'blk.weight_scale' twice", capsys)
 
+@pytest.mark.writes_invalid
 def test_duplicate_qmeta_layer(tmp_path):
     meta = {'_quantization_metadata': '{"layers": {"blk": {"format": "float8_e4m3fn"}, "blk": {"format": "nvfp4"}}}'}
     p = module_file(tmp_path / 'a.safetensors', '{"format": "float8_e4m3fn"}', meta=meta)
     with pytest.raises(ValueError, match="_quantization_metadata.*found 'blk' twice"): cq.open_checkpoint(p)
 
 # 3. _quantization_metadata must not override a comfy_quant of another format
+@pytest.mark.writes_invalid
 def test_qmeta_overrides_other_format(tmp_path, capsys):
     meta = {'_quantization_metadata': json.dumps({'layers': {'blk': {'format': 'float8_e5m2'}}})}
     p = module_file(tmp_path / 'a.safetensors', '{"format": "float8_e4m3fn"}', meta=meta)
@@ -93,6 +98,7 @@ def attn_file(path, cfg:str):
     return raw_file(path, '{' + ent + '}', c)
 
 @pytest.mark.parametrize('tau', ['-1', '0', 'NaN', 'Infinity', '"1"', 'true'])
+@pytest.mark.writes_invalid
 def test_attention_tau(tmp_path, capsys, tau):
     p = attn_file(tmp_path / 'a.safetensors', f'[{{"attention": "comfy_kitchen_sol", "tau": {tau}}}]')
     assert_all_fail(p, "'blk.comfy_attention.config'[0]['tau']: expected a finite number > 0", capsys)
@@ -100,6 +106,7 @@ def test_attention_tau(tmp_path, capsys, tau):
         cq.checkpoint.select_attention(json.loads(f'{{"attention": "comfy_kitchen_sol", "tau": {tau}}}'),
                                        {'comfy_kitchen_sol'}, 'blk')
 
+@pytest.mark.writes_invalid
 def test_attention_method_type(tmp_path, capsys):
     p = attn_file(tmp_path / 'a.safetensors', '{"attention": 3}')
     assert_all_fail(p, "'blk.comfy_attention.config'[0]['attention']: expected a method name string, found 3", capsys)
@@ -109,6 +116,7 @@ def test_attention_valid_tau_selected():
     assert got.options == {'tau': 0.5}
 
 # 5. a leading '.' (empty module name)
+@pytest.mark.writes_invalid
 def test_leading_dot_names(tmp_path, capsys):
     p = module_file(tmp_path / 'a.safetensors', '{"format": "float8_e4m3fn"}', prefix='.')
     assert_all_fail(p, "'.weight': expected a tensor name like '<module>.weight' or 'weight', found a leading '.'",
@@ -126,6 +134,7 @@ def test_fifo_refused(tmp_path, capsys):
     assert_all_fail(tmp_path, 'expected a regular file, found a directory', capsys)
 
 # 7. _quantization_metadata layer names with a prefix the tensors lack: linear time, one warning
+@pytest.mark.writes_invalid
 def test_qmeta_prefix_linear(tmp_path, monkeypatch):
     "The suffix index is built once per file, not once per layer (timings: bench/bench_qmeta_open.py; tests never time)."
     n, meta_layers, ents, data = 5_000, {}, [], b''
@@ -157,6 +166,7 @@ def quantized_sd(fmt:str, shape:tuple, **cfg) -> dict:
     return {**qt.state_dict('blk.'), 'blk.comfy_quant': cq.tensor.encode_json({**qt.config, **cfg})}
 
 @pytest.mark.parametrize('g', [-16, 0, 2**40])
+@pytest.mark.writes_invalid
 def test_w4a8_bad_group_size(tmp_path, capsys, g):
     sd = quantized_sd('asym_w4a8_int8', (32, 256), group_size=g)
     msg = f"'blk.comfy_quant['group_size']': expected a group size G >= 4 that divides 16 or is a multiple of 16, " \
@@ -165,6 +175,7 @@ def test_w4a8_bad_group_size(tmp_path, capsys, g):
     with pytest.raises(ValueError) as e: cq.load_quantized(sd, 'blk')
     assert msg in str(e.value)
 
+@pytest.mark.writes_invalid
 def test_w4a8_group_size_mismatch(tmp_path, capsys):
     sd = quantized_sd('asym_w4a8_int8', (32, 256), group_size=32)     # stored with G=16
     msg = ("'blk.weight_s_rel': expected one scale per group of G=32: shape (32, 8) for weight (32, 256), "
@@ -173,6 +184,7 @@ def test_w4a8_group_size_mismatch(tmp_path, capsys):
     with pytest.raises(ValueError) as e: cq.load_quantized(sd, 'blk')
     assert msg in str(e.value)
 
+@pytest.mark.writes_invalid
 def test_nvfp4_1d_storage_names_module(tmp_path, capsys):
     sd = quantized_sd('nvfp4', (32, 64))
     sd['blk.weight'] = sd['blk.weight'].reshape(-1)
@@ -183,6 +195,7 @@ def test_nvfp4_1d_storage_names_module(tmp_path, capsys):
 
 # 9. bias shape at file level
 @pytest.mark.parametrize('bias', [(3,), (1, 2), ()])
+@pytest.mark.writes_invalid
 def test_linear_bias_shape(tmp_path, capsys, bias):
     sd = quantized_sd('float8_e4m3fn', (2, 16))
     sd['blk.bias'] = torch.zeros(bias)
@@ -191,6 +204,7 @@ def test_linear_bias_shape(tmp_path, capsys, bias):
     sd['blk.bias'] = torch.zeros(2)
     assert cq.load_file(saved(tmp_path, sd, 'ok.safetensors'))['blk.bias'].shape == (2,)
 
+@pytest.mark.writes_invalid
 def test_bank_bias_shape(tmp_path, capsys):
     from cquant.modules import QuantMoEExperts
     torch.manual_seed(0)
@@ -200,6 +214,7 @@ def test_bank_bias_shape(tmp_path, capsys):
     assert_all_fail(saved(tmp_path, sd), "'moe.up.bias': expected shape [3, 32] (one value per output feature of "
                                          "float8_e4m3fn weight [3, 32, 256]), found [4, 32]", capsys)
 
+@pytest.mark.writes_invalid
 def test_conv_and_padded_bias(tmp_path):
     "A 4-D fp8 weight's bias is [out_channels]; a padded nvfp4 weight accepts the bias of its unpadded rows."
     sd = quantized_sd('float8_e4m3fn', (4, 2, 3, 3))
@@ -213,6 +228,7 @@ def test_conv_and_padded_bias(tmp_path):
         cq.load_file(saved(tmp_path, sd, 'c.safetensors'))
 
 # 10. a stray scale (no comfy_quant) is refused by quantize exactly as load_file refuses it, before DST exists
+@pytest.mark.writes_invalid
 def test_quantize_refuses_stray_scale(tmp_path, capsys):
     from cquant.cli import main
     sd = {'a.weight': torch.randn(32, 64, dtype=torch.bfloat16), 'a.weight_scale': torch.tensor(1.0),

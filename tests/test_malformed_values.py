@@ -118,17 +118,20 @@ def check(entry, tmp_path, capsys, fmt, opts, mutate, msg):
 
 @pytest.mark.parametrize('entry', list(WEIGHT_ENTRIES))
 @pytest.mark.parametrize('case', list(WEIGHT_CASES))
+@pytest.mark.writes_invalid
 def test_bad_weight_scale(case, entry, tmp_path, capsys):
     check(WEIGHT_ENTRIES[entry], tmp_path, capsys, *WEIGHT_CASES[case])
 
 
 @pytest.mark.parametrize('entry', list(ACTIVATION_ENTRIES))
 @pytest.mark.parametrize('case', list(ACTIVATION_CASES))
+@pytest.mark.writes_invalid
 def test_bad_activation(case, entry, tmp_path, capsys):
     check(ACTIVATION_ENTRIES[entry], tmp_path, capsys, *ACTIVATION_CASES[case])
 
 
 @pytest.mark.parametrize('entry', ['load_file', 'open_checkpoint', 'inspect'])
+@pytest.mark.writes_invalid
 def test_legacy_negative_scale_weight(entry, tmp_path, capsys):
     w = torch.randn(16, 32, generator=torch.Generator().manual_seed(1)).to(torch.float8_e4m3fn)
     good = {'m.scaled_fp8': torch.empty(0, dtype=torch.float8_e4m3fn), 'm.blk.lin.weight': w,
@@ -178,6 +181,7 @@ def test_quantize_refuses_inf_scale(fmt, opts):
 
 @pytest.mark.parametrize('fmt,opts', [(I8, {'per_row': True}), (FP8, {}), (NV, {})])
 @pytest.mark.parametrize('entry', ['load_file', 'QuantMoEExperts'])
+@pytest.mark.writes_invalid
 def test_bad_bank_expert_scale(fmt, opts, entry, tmp_path):
     "An MoE bank whose last expert's scales hold NaN: refused when each expert is split and loaded."
     from cquant.modules import QuantMoEExperts

@@ -115,6 +115,7 @@ def test_sharded_output_refuses_full_folder_and_leaves_nothing(sharded, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ['full']
 
 
+@pytest.mark.writes_invalid
 def test_index_errors(sd, tmp_path):
     idx = write_shards(tmp_path / 'm', sd, 2)
     wm = json.loads(idx.read_text())['weight_map']
