@@ -8,7 +8,7 @@ frontmatter `skip_exec: true` skips a notebook, and a `.notest` file skips the n
     pytest -q tests/test_notebooks.py -k numerics      # one notebook
     NB_FLAGS="slow" pytest -q tests/test_notebooks.py  # also run `#| slow` cells (like `nbdev-test --flags slow`)
 """
-import os
+import os, tempfile
 from pathlib import Path
 
 import pytest
@@ -41,8 +41,9 @@ def registries_restored():
 
 
 @pytest.mark.parametrize('nb', NBS, ids=[p.relative_to(CFG.nbs_path).with_suffix('').as_posix() for p in NBS])
-def test_notebook(nb, monkeypatch):
+def test_notebook(nb, monkeypatch, tmp_path):
     monkeypatch.chdir(nb.parent)
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))   # temp files it leaves are validated (tests/conftest.py)
     ok, secs = run_nb(nb, skip_flags=SKIP_FLAGS, force_flags=FORCE_FLAGS, basepath=CFG.config_path,
                       cell_timeout=int(CFG.get('cell_timeout', 600)))
     print(f'{nb.name}: {secs:.1f}s')
