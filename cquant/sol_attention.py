@@ -284,12 +284,3 @@ def chunking_report(q, k, v, query_blocks:int, **options) -> dict:
         clean = ~diff.any(-1)                                                  # rows whose probabilities agree
         bad_rows += int((chunk_out(plan, p) != chunk_out(plan, pd))[clean].any(-1).sum())
     return dict(gemm_rows=gemm_rows, exp2_only=exp2_only, bad_rows=bad_rows)
-
-# %% ../nbs/24_sol_attention.ipynb #00000992
-def topic_qkv(t:int=1024, h:int=2, d:int=128, topics:int=4, seed:int=0, dtype=torch.bfloat16) -> tuple:
-    "`(q, k, v)` `(1, t, h, d)` whose 64-token blocks each lean towards one of `topics` random directions."
-    g = torch.Generator().manual_seed(seed)
-    centre = torch.randn(topics, h, d, generator=g) * 1.5
-    topic = torch.randint(0, topics, (block_count(t),), generator=g).repeat_interleave(BLOCK)[:t]
-    q, k, v = (centre[topic] + torch.randn(t, h, d, generator=g) for _ in range(3))
-    return tuple(x.unsqueeze(0).to(dtype) for x in (q, k, v))
