@@ -258,14 +258,14 @@ def random_sol_case(rng, seed:int, t_max:int=260) -> tuple:
     kw.update({name: draw() for name, draw in draws.items() if rng.random() < .3})
     return q, k, v, kw
 
-# %% ../nbs/24_sol_attention.ipynb #0000098c
+# %% ../nbs/24_sol_attention.ipynb #0000098d
 def exp2_paths(x:torch.Tensor) -> tuple:
     "`(vectorised, scalar)` exp2 of a 1-D tensor: contiguous input takes the SIMD kernel, a strided one the libm loop."
     pad = torch.empty(x.numel(), 2, dtype=x.dtype); pad[:, 0] = x
     vec = torch.exp2(torch.cat([x, x.new_zeros(64)]))[:x.numel()]    # no element in the scalar tail
     return vec, torch.exp2(pad[:, 0])
 
-# %% ../nbs/24_sol_attention.ipynb #0000098d
+# %% ../nbs/24_sol_attention.ipynb #0000098e
 def chunking_report(q, k, v, query_blocks:int, **options) -> dict:
     "Chunked vs one-chunk run of one call: do the GEMMs give the same rows, are all probability differences exp2 paths, rows differing otherwise."
     plan = sol_plan(q, k, v, **options)
