@@ -61,7 +61,7 @@ def route(colmean:torch.Tensor, centroid:torch.Tensor, kc_var:torch.Tensor, log2
         ranked = colmean.clone()
         ranked[..., s0:s1] = float('-inf')                  # sinks are exact anyway: outside the budget
         kk = topk_budget(n - max(0, min(s1, n) - min(s0, n)), topk_ratio)
-        exact = ranked >= ranked.topk(kk, dim=-1).values[..., -1:] if kk else torch.zeros_like(ranked, dtype=torch.bool)
+        exact = ranked >= ranked.topk(kk, dim=-1).values[..., -1:] if kk else torch.zeros_like(ranked, dtype=bool)
     else:
         var = (centroid.pow(2) * kc_var.unsqueeze(1)).sum(-1)          # (B, N, H): sd_I^2 / (sigma log2 e)^2
         thr = tau * torch.sqrt(var * log2s * log2s + 1e-6)
@@ -94,7 +94,8 @@ def sol_plan(q, k, v, tau=1.0, scale=None, sink_blocks=None, sink_q=None, key_bi
     s_blk = (qh @ kcc.permute(0, 2, 3, 1)) * log2s                           # (B, H, T, N) row-to-block scores
     if block_len is not None: s_blk = s_blk * live.view(1, 1, t, 1)          # dead rows stay out of the means
     qblk = torch.arange(t, device=q.device) // BLOCK
-    colmean = torch.zeros(b, h, n, n, device=q.device).scatter_add_(2, qblk.view(1, 1, t, 1).expand(b, h, t, n), s_blk)
+    colmean = torch.zeros(b, h, n, n, device=q.device)
+    colmean.scatter_add_(2, qblk.view(1, 1, t, 1).expand(b, h, t, n), s_blk)
     colmean = colmean / lengths.view(1, 1, n, 1)
     exact = route(colmean, centroid, kcc.pow(2).mean(dim=1), log2s, tau, topk_ratio,
                   tuple(sink_blocks or (0, 0)), tuple(sink_q or (0, 0)))
@@ -114,7 +115,8 @@ def chunk_logits(plan:dict, r0:int, r1:int) -> torch.Tensor:
     if plan['dead'] is not None: s = s.masked_fill(plan['dead'].view(1, 1, 1, t), neg)
     if plan['kb'] is not None: s = s + plan['kb']
     s = s.masked_fill(~ex.repeat_interleave(BLOCK, dim=-1)[..., :t], neg)
-    pooled = plan['colmean'].gather(2, idx).masked_fill(ex, neg) if plan['tail'] else torch.full_like(ex, neg, dtype=s.dtype)
+    pooled = plan['colmean'].gather(2, idx).masked_fill(ex, neg)
+    if not plan['tail']: pooled = torch.full_like(pooled, neg)
     return torch.cat([s, pooled], dim=-1)
 
 # %% ../nbs/24_sol_attention.ipynb #0000097c
@@ -135,7 +137,7 @@ def chunk_out(plan:dict, p:torch.Tensor) -> torch.Tensor:
 SCORE_BUDGET = 2**28      # bytes of fp32 logits per chunk when query_blocks is None (256 MiB)
 
 def query_chunks(b:int, t:int, h:int, query_blocks:int|None=None) -> list:
-    "`[(r0, r1), ...]` query-row ranges of `query_blocks` blocks each (default: ~SCORE_BUDGET of logits); no thin tail."
+    "`[(r0, r1), ...]`: `query_blocks` blocks per range (default: ~SCORE_BUDGET of logits); no thin last range."
     n = block_count(t)
     rows = BLOCK * (query_blocks or max(1, SCORE_BUDGET // (b * h * BLOCK * (t + n) * 4)))
     starts = list(range(0, max(t // BLOCK, 1) * BLOCK, rows))
@@ -164,56 +166,72 @@ SOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _need(ok:bool, msg:str):
     if not ok: raise ValueError(f'sol_attention: {msg}')
 
-def check_block_range(name:str, value):
-    "A sink range is None or `[start, end)` of two ints with 0 <= start <= end."
-    if value is None: return
-    ok = len(value) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in value) if isinstance(value, (list, tuple)) else False
-    _need(ok and 0 <= value[0] <= value[1], f'{name} must be [start, end) with 0 <= start <= end, got {value!r}')
+def _real(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+def _shape(x) -> str: return str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
 
 # %% ../nbs/24_sol_attention.ipynb #00000984
-def check_sol_inputs(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len, coarse_gate,
-                     token_aug, query_blocks):
-    "Raise ValueError naming the argument unless the call is well formed (see `sol_attention`)."
+def check_qkv(q, k, v):
+    "q, k, v: (B, T, H, D) tensors of one shape, dtype (fp32, bf16, fp16) and device."
     for name, x in (('q', q), ('k', k), ('v', v)):
-        _need(isinstance(x, torch.Tensor) and x.dim() == 4,
-              f'{name} must be a (B, T, H, D) tensor, got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}')
+        _need(isinstance(x, torch.Tensor) and x.dim() == 4, f'{name} must be a (B, T, H, D) tensor, got {_shape(x)}')
     _need(min(q.shape) >= 1, f'q must have B, T, H, D >= 1, got {tuple(q.shape)}')
     for name, x in (('k', k), ('v', v)):
-        bad = [f'{dim}={a} (q: {c})' for dim, a, c in zip('BTHD', x.shape, q.shape) if a != c]
-        _need(not bad, f'{name} must have the (B, T, H, D) of q {tuple(q.shape)}, got {", ".join(bad)}')
+        bad = ', '.join(f'{dim}={a} (q: {c})' for dim, a, c in zip('BTHD', x.shape, q.shape) if a != c)
+        _need(not bad, f'{name} must have the (B, T, H, D) of q {tuple(q.shape)}, got {bad}')
         _need(x.dtype == q.dtype, f'q, k, v must share one dtype, got q {q.dtype}, {name} {x.dtype}')
         _need(x.device == q.device, f'q, k, v must be on one device, got q {q.device}, {name} {x.device}')
     _need(q.dtype in SOL_DTYPES, f'q, k, v must be float32, bfloat16 or float16, got {q.dtype}')
-    real = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
-    _need(real(tau) and math.isfinite(tau) and tau >= 0, f'tau must be a finite number >= 0, got {tau!r}')
-    _need(scale is None or real(scale) and math.isfinite(scale) and scale > 0, f'scale must be None or a finite number > 0, got {scale!r}')
-    check_block_range('sink_blocks', sink_blocks); check_block_range('sink_q', sink_q)
-    _need(real(topk_ratio) and (topk_ratio == 0 or 0 < topk_ratio < 1), f'topk_ratio must be 0 or in (0, 1), got {topk_ratio!r}')
+
+# %% ../nbs/24_sol_attention.ipynb #00000985
+def check_sol_options(tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, query_blocks):
+    "The scalar options: finite tau >= 0, scale > 0, [start, end) sinks, topk_ratio 0 or in (0, 1), ..."
+    _need(_real(tau) and math.isfinite(tau) and tau >= 0, f'tau must be a finite number >= 0, got {tau!r}')
+    _need(scale is None or _real(scale) and math.isfinite(scale) and scale > 0,
+          f'scale must be None or a finite number > 0, got {scale!r}')
+    for name, r in (('sink_blocks', sink_blocks), ('sink_q', sink_q)):
+        ok = r is None or isinstance(r, (list, tuple)) and len(r) == 2 and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in r) and 0 <= r[0] <= r[1]
+        _need(ok, f'{name} must be [start, end) with 0 <= start <= end, got {r!r}')
+    _need(_real(topk_ratio) and (topk_ratio == 0 or 0 < topk_ratio < 1),
+          f'topk_ratio must be 0 or in (0, 1), got {topk_ratio!r}')
     _need(isinstance(tail, bool), f'tail must be a bool, got {tail!r}')
-    b, t, n = q.shape[0], q.shape[1], block_count(q.shape[1])
-    if key_bias is not None:
-        kb = key_bias
-        ok = isinstance(kb, torch.Tensor) and kb.shape[-1:] == (t,) and (
-            kb.dim() == 1 or kb.dim() == 2 and kb.shape[0] in (1, b) or kb.dim() == 4 and kb.shape[0] in (1, b) and kb.shape[1:3] == (1, 1))
-        _need(ok, f'key_bias must be (T,), (B, T) or (B|1, 1, 1, T) with T={t}, B={b} (a key-only mask; masks varying '
-                  f'over heads or queries need exact attention), got {tuple(kb.shape) if isinstance(kb, torch.Tensor) else type(kb).__name__}')
-        _need(kb.dtype == torch.bool or kb.is_floating_point(), f'key_bias must be bool or float, got {kb.dtype}')
-        _need(kb.device == q.device, f'key_bias must be on {q.device}, got {kb.device}')
-    if block_len is not None:
-        _need(isinstance(block_len, torch.Tensor) and block_len.dtype == torch.int32 and tuple(block_len.shape) == (n,),
-              f'block_len must be int32 of shape ({n},) (one entry per 64-token block), got '
-              f'{(block_len.dtype, tuple(block_len.shape)) if isinstance(block_len, torch.Tensor) else type(block_len).__name__}')
-        _need(block_len.device == q.device, f'block_len must be on {q.device}, got {block_len.device}')
-    if coarse_gate is not None:
-        _need(isinstance(coarse_gate, torch.Tensor) and coarse_gate.shape == q.shape and coarse_gate.is_floating_point(),
-              f'coarse_gate must be a float tensor of q\'s shape {tuple(q.shape)}, got '
-              f'{tuple(coarse_gate.shape) if isinstance(coarse_gate, torch.Tensor) else type(coarse_gate).__name__}')
-        _need(coarse_gate.device == q.device, f'coarse_gate must be on {q.device}, got {coarse_gate.device}')
-    _need(isinstance(token_aug, int) and token_aug in (0, 64, 128, 192, 256), f'token_aug must be 0 or a multiple of 64 up to 256, got {token_aug!r}')
-    _need(query_blocks is None or isinstance(query_blocks, int) and not isinstance(query_blocks, bool) and query_blocks >= 1,
-          f'query_blocks must be None or an int >= 1, got {query_blocks!r}')
+    _need(isinstance(token_aug, int) and token_aug in (0, 64, 128, 192, 256),
+          f'token_aug must be 0 or a multiple of 64 up to 256, got {token_aug!r}')
+    _need(query_blocks is None or isinstance(query_blocks, int) and not isinstance(query_blocks, bool)
+          and query_blocks >= 1, f'query_blocks must be None or an int >= 1, got {query_blocks!r}')
 
 # %% ../nbs/24_sol_attention.ipynb #00000986
+def check_sol_tensors(q, key_bias, block_len, coarse_gate):
+    "key_bias (T,), (B|1, T) or (B|1, 1, 1, T) bool/float; block_len int32 (N,); coarse_gate float of q's shape."
+    b, t, n, dev = q.shape[0], q.shape[1], block_count(q.shape[1]), q.device
+    if key_bias is not None:
+        kb = key_bias
+        ok = isinstance(kb, torch.Tensor) and kb.shape[-1:] == (t,) and (kb.dim() == 1 or kb.shape[0] in (1, b) and (
+            kb.dim() == 2 or kb.dim() == 4 and kb.shape[1:3] == (1, 1)))
+        _need(ok, f'key_bias must be (T,), (B, T) or (B|1, 1, 1, T) with T={t}, B={b} (a key-only mask; masks '
+                  f'varying over heads or queries need exact attention), got {_shape(kb)}')
+        _need(kb.dtype == torch.bool or kb.is_floating_point(), f'key_bias must be bool or float, got {kb.dtype}')
+        _need(kb.device == dev, f'key_bias must be on {dev}, got {kb.device}')
+    if block_len is not None:
+        ok = isinstance(block_len, torch.Tensor) and block_len.dtype == torch.int32 and block_len.shape == (n,)
+        got = f'{block_len.dtype} {_shape(block_len)}' if isinstance(block_len, torch.Tensor) else _shape(block_len)
+        _need(ok, f'block_len must be int32 of shape ({n},) (one entry per 64-token block), got {got}')
+        _need(block_len.device == dev, f'block_len must be on {dev}, got {block_len.device}')
+    if coarse_gate is not None:
+        ok = isinstance(coarse_gate, torch.Tensor) and coarse_gate.shape == q.shape and coarse_gate.is_floating_point()
+        _need(ok, f"coarse_gate must be a float tensor of q's shape {tuple(q.shape)}, got {_shape(coarse_gate)}")
+        _need(coarse_gate.device == dev, f'coarse_gate must be on {dev}, got {coarse_gate.device}')
+
+# %% ../nbs/24_sol_attention.ipynb #00000987
+def check_sol_inputs(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len, coarse_gate,
+                     token_aug, query_blocks):
+    "Raise ValueError naming the argument unless the call is well formed (see `sol_attention`)."
+    check_qkv(q, k, v)
+    check_sol_options(tau, scale, sink_blocks, sink_q, topk_ratio, tail, token_aug, query_blocks)
+    check_sol_tensors(q, key_bias, block_len, coarse_gate)
+
+# %% ../nbs/24_sol_attention.ipynb #00000989
 def sol_attention(q:torch.Tensor, # (B, T, H, D) queries: float32, bfloat16 or float16
                   k:torch.Tensor, # (B, T, H, D) keys, q's shape and dtype
                   v:torch.Tensor, # (B, T, H, D) values, q's shape and dtype
@@ -221,7 +239,7 @@ def sol_attention(q:torch.Tensor, # (B, T, H, D) queries: float32, bfloat16 or f
                   scale:float|None=None, # score scale; None = D ** -0.5
                   sink_blocks:list|None=None, # [start, end) key blocks every query block attends exactly
                   sink_q:list|None=None, # [start, end) query blocks that attend every key block exactly
-                  key_bias:torch.Tensor|None=None, # per-key natural-log bias (T,), (B|1, T) or (B|1, 1, 1, T), float or bool
+                  key_bias:torch.Tensor|None=None, # per-key log bias (T,), (B|1, T) or (B|1, 1, 1, T), float or bool
                   topk_ratio:float=0.0, # > 0: keep this fraction of key blocks per query block (top-k), tau ignored
                   tail:bool=True, # False: no pooled terms, the softmax runs over the routed blocks only
                   block_len:torch.Tensor|None=None, # int32 (N,) live rows at the front of each 64-token block
@@ -240,7 +258,7 @@ def sol_attention(q:torch.Tensor, # (B, T, H, D) queries: float32, bfloat16 or f
     if coarse_gate is not None: add_coarse(out, plan, coarse_gate, d ** -0.5 if scale is None else scale)
     return out
 
-# %% ../nbs/24_sol_attention.ipynb #00000989
+# %% ../nbs/24_sol_attention.ipynb #0000098c
 def random_sol_case(rng, seed:int, t_max:int=260) -> tuple:
     "`(q, k, v, options)`: a random SOL call (shape, dtype, tau and every option drawn from `rng`)."
     g = torch.Generator().manual_seed(seed)
@@ -250,24 +268,25 @@ def random_sol_case(rng, seed:int, t_max:int=260) -> tuple:
     n = block_count(t)
     kw = dict(tau=rng.choice([0.0, rng.uniform(0, 3), rng.uniform(0, 0.5)]))
     span = lambda: sorted(rng.choices(range(n + 2), k=2))
-    draws = dict(scale=lambda: rng.uniform(.01, .3), sink_blocks=span, sink_q=span, topk_ratio=lambda: rng.uniform(.05, .95),
-                 tail=lambda: False, block_len=lambda: torch.randint(-3, 80, (n,), generator=g, dtype=torch.int32),
+    bias_forms = [lambda x: x[0], lambda x: x, lambda x: x.view(b, 1, 1, t), lambda x: x > -1]
+    draws = dict(scale=lambda: rng.uniform(.01, .3), sink_blocks=span, sink_q=span,
+                 topk_ratio=lambda: rng.uniform(.05, .95), tail=lambda: False,
+                 block_len=lambda: torch.randint(-3, 80, (n,), generator=g, dtype=torch.int32),
                  coarse_gate=lambda: torch.rand(b, t, h, d, generator=g).to(dt),
-                 key_bias=lambda: rng.choice([lambda x: x[0], lambda x: x, lambda x: x.view(b, 1, 1, t), lambda x: x > -1])(
-                     torch.randn(b, t, generator=g)))
+                 key_bias=lambda: rng.choice(bias_forms)(torch.randn(b, t, generator=g)))
     kw.update({name: draw() for name, draw in draws.items() if rng.random() < .3})
     return q, k, v, kw
 
-# %% ../nbs/24_sol_attention.ipynb #0000098d
+# %% ../nbs/24_sol_attention.ipynb #00000990
 def exp2_paths(x:torch.Tensor) -> tuple:
     "`(vectorised, scalar)` exp2 of a 1-D tensor: contiguous input takes the SIMD kernel, a strided one the libm loop."
     pad = torch.empty(x.numel(), 2, dtype=x.dtype); pad[:, 0] = x
     vec = torch.exp2(torch.cat([x, x.new_zeros(64)]))[:x.numel()]    # no element in the scalar tail
     return vec, torch.exp2(pad[:, 0])
 
-# %% ../nbs/24_sol_attention.ipynb #0000098e
+# %% ../nbs/24_sol_attention.ipynb #00000991
 def chunking_report(q, k, v, query_blocks:int, **options) -> dict:
-    "Chunked vs one-chunk run of one call: do the GEMMs give the same rows, are all probability differences exp2 paths, rows differing otherwise."
+    "Chunked vs one-chunk run: GEMM rows unchanged?, probability differences all exp2 paths?, rows differing otherwise."
     plan = sol_plan(q, k, v, **options)
     b, t, h, _ = q.shape
     dense = chunk_logits(plan, 0, t)
@@ -276,7 +295,8 @@ def chunking_report(q, k, v, query_blocks:int, **options) -> dict:
     gemm_rows, exp2_only, bad_rows = True, True, 0
     for r0, r1 in query_chunks(b, t, h, query_blocks):
         logits, pd = chunk_logits(plan, r0, r1), p_dense[:, :, r0:r1]
-        gemm_rows &= torch.equal(logits, dense[:, :, r0:r1]) and torch.equal(chunk_out(plan, pd), out_dense[:, :, r0:r1])
+        gemm_rows &= torch.equal(logits, dense[:, :, r0:r1])
+        gemm_rows &= torch.equal(chunk_out(plan, pd), out_dense[:, :, r0:r1])
         p = chunk_probs(logits)
         diff = p != pd
         vec, sca = exp2_paths((logits - logits.amax(-1, keepdim=True))[diff])

@@ -18,7 +18,7 @@ from ..sol_attention import (sol_attention, sol_plan, add_coarse, check_sol_inpu
 def _sol_fwd_kernel(q_ptr, k_ptr, v_ptr, vc_ptr, cm_ptr, ex_ptr, len_ptr, kb_ptr, o_ptr, T, N, log2s, KB_STRIDE,
                     H: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, HAS_KB: tl.constexpr, TAIL: tl.constexpr):
     """One (query block, batch*head) program: online softmax over the exact key blocks and the pooled ones.
-    q/k/v/o [BH, T, D] fp32 (k centred), vc [BH, N, D] block value sums, cm/ex [BH, N, N] pooled logits / exact flags."""
+    q/k/v/o [BH, T, D] fp32 (k centred), vc [BH, N, D] block value sums, cm/ex [BH, N, N] pooled logits / flags."""
     qb, bh = tl.program_id(0), tl.program_id(1)
     rows, dd, inb = qb * BLK + tl.arange(0, BLK), tl.arange(0, D), tl.arange(0, BLK)
     base = bh * T * D
@@ -33,7 +33,8 @@ def _sol_fwd_kernel(q_ptr, k_ptr, v_ptr, vc_ptr, cm_ptr, ex_ptr, len_ptr, kb_ptr
             live = (cols < T) & (inb < tl.load(len_ptr + j))
             kt = tl.load(k_ptr + base + cols[None, :] * D + dd[:, None], mask=live[None, :], other=0.0)
             s = tl.dot(q, kt, input_precision="ieee") * log2s
-            if HAS_KB: s += tl.load(kb_ptr + (bh // H) * KB_STRIDE + cols, mask=live, other=0.0)[None, :] * 1.4426950408889634
+            if HAS_KB:                                                        # natural-log key bias
+                s += tl.load(kb_ptr + (bh // H) * KB_STRIDE + cols, mask=live, other=0.0)[None, :] * 1.4426950408889634
             s = tl.where(live[None, :], s, float('-inf'))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float('-inf'), 0.0, m_new)          # a row with no live key yet: no NaN
@@ -50,7 +51,8 @@ def _sol_fwd_kernel(q_ptr, k_ptr, v_ptr, vc_ptr, cm_ptr, ex_ptr, len_ptr, kb_ptr
             l = l * alpha + w * tl.load(len_ptr + j)
             acc = acc * alpha[:, None] + w[:, None] * tl.load(vc_ptr + (bh * N + j) * D + dd)[None, :]
             m = m_new
-    tl.store(o_ptr + base + rows[:, None] * D + dd[None, :], acc / tl.maximum(l, 1e-30)[:, None], mask=(rows < T)[:, None])
+    out = acc / tl.maximum(l, 1e-30)[:, None]
+    tl.store(o_ptr + base + rows[:, None] * D + dd[None, :], out, mask=(rows < T)[:, None])
 
 # %% ../../nbs/36_kernels_sol.ipynb #00000e17
 def sol_attention_kernel(q, k, v, tau=1.0, scale=None, sink_blocks=None, sink_q=None, key_bias=None, topk_ratio=0.0,
@@ -60,7 +62,8 @@ def sol_attention_kernel(q, k, v, tau=1.0, scale=None, sink_blocks=None, sink_q=
                      token_aug, None)
     b, t, h, d = q.shape
     if d < 16 or d & (d - 1): raise ValueError(f'sol_attention_kernel: head dim must be a power of 2 >= 16, got {d}')
-    if not triton_available(): raise RuntimeError('sol_attention_kernel: needs triton and a CUDA GPU or TRITON_INTERPRET=1')
+    if not triton_available():
+        raise RuntimeError('sol_attention_kernel: needs triton and a CUDA GPU or TRITON_INTERPRET=1')
     plan = sol_plan(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len)
     n = len(plan['lengths'])
     heads = lambda x: x.reshape(b * h, *x.shape[2:]).contiguous()                  # (B, H, ...) -> (BH, ...)
