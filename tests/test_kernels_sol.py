@@ -35,3 +35,17 @@ def test_kernel_head_dim_must_be_a_power_of_two():
     x = torch.zeros(1, 64, 1, 96)
     with pytest.raises(ValueError, match='sol_attention_kernel: head dim must be a power of 2 >= 16, got 96'):
         K.sol_attention_kernel(x, x, x)
+
+
+def test_harness_smoke_sol(tmp_path):
+    "kernels/harness.py --smoke --formats sol_attention: the attention record, within the bound, peers ran once."
+    import importlib.util, json, pathlib
+    path = pathlib.Path(__file__).parents[1] / 'kernels' / 'harness.py'
+    spec = importlib.util.spec_from_file_location('harness', path)
+    harness = importlib.util.module_from_spec(spec); spec.loader.exec_module(harness)
+    out = tmp_path / 'h.json'
+    assert harness.main(['--smoke', '--formats', 'sol_attention', '--out', str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res['peer_errors'] == []
+    (r,) = res['records']
+    assert (r['kernel'], r['T'], r['within_bound']) == ('sol_attention', 128, True) and 0 < r['err_over_bound'] <= 1
