@@ -26,6 +26,7 @@ from .numerics import *
 from .formats import FORMAT_MODULES
 for _module in FORMAT_MODULES: globals().update({n: getattr(_module, n) for n in _module.__all__})  # every format's API
 del _module
+from .sol_attention import *
 from .comfy import *
 from .checkpoint import *
 from .quality import *

@@ -9,7 +9,9 @@ On a CUDA machine, for every format the kernels cover and N = K in {3072, 12288}
   achieved GB/s and the fraction of HBM peak, speed-up vs eager and vs comfy-kitchen's CUDA backend;
 - the quantized linear for M in {1, 16, 256, 4096}: exact or max relative difference vs eager, TFLOP/s and the
   fraction of the tensor-core peak (int8 / fp8 / bf16), ratio vs bf16 F.linear, torch._int_mm (integer formats),
-  torch._scaled_mm (FP8) and kitchen's linear where it has one.
+  torch._scaled_mm (FP8) and kitchen's linear where it has one;
+- SOL attention (bf16, H=8, D=128, T in {4096, 16384}): the kernel's error over its stated bound vs
+  cq.sol_attention, time vs the reference, SDPA and kitchen's sol_attn.
 Timings are CUDA-event medians (triton.testing.do_bench). Results go to JSON, one record per kernel x shape.
 Without CUDA (and without --smoke) it says it needs a GPU and exits 0.
 """
@@ -181,12 +183,28 @@ def main(argv=None):
                     speedup_vs_eager=t_e / t_k, vs_bf16=(t_bf16 / t_k) if t_bf16 else None,
                     vs_int_mm=(t_int / t_k) if t_int else None, vs_scaled_mm=(t_sc / t_k) if t_sc else None,
                     vs_kitchen=(t_ck / t_k) if t_ck else None)
+    if args.formats is None or 'sol_attention' in args.formats.split(','):
+        # the SOL attention forward (cquant.kernels.sol) vs the reference cq.sol_attention, SDPA and kitchen's sol_attn
+        from cquant.kernels.sol import sol_attention_kernel, sol_kernel_error
+        for T in [128] if args.smoke else [4096] if args.quick else [4096, 16384]:
+            H = 2 if args.smoke else 8
+            q, k, v = (torch.randn(1, T, H, 128, device=dev, generator=g).bfloat16() for _ in range(3))
+            err = sol_kernel_error(q, k, v, tau=1.0)
+            t_k = bench(lambda: sol_attention_kernel(q, k, v, tau=1.0))
+            t_e = bench(lambda: cq.sol_attention(q, k, v, tau=1.0))
+            t_sdpa = peer(lambda: F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v))))
+            t_ck = peer(lambda: ck.sol_attn(q, k, v, tau=1.0)) if ck else None
+            rec(kernel='sol_attention', case='sol_attention', T=T, H=H, D=128, within_bound=err <= 1, err_over_bound=err,
+                ms=t_k, eager_ms=t_e, speedup_vs_eager=t_e / t_k, vs_sdpa=(t_sdpa / t_k) if t_sdpa else None,
+                vs_kitchen=(t_ck / t_k) if t_ck else None)
     dispatch.disable()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, 'w') as f:
         json.dump(dict(records=recs, peer_errors=peer_errors, seconds=time.time() - t_start, host=platform.node(), argv=sys.argv[1:]), f, indent=1)
-    bad = [r for r in recs if r['kernel'] != 'linear' and not r['exact']]
-    print(f'{len(recs)} records in {time.time() - t_start:.0f} s -> {args.out}; quantize/dequantize not bit-exact: {len(bad)}')
+    bad = [r for r in recs if r['kernel'] not in ('linear', 'sol_attention') and not r['exact']]
+    bad += [r for r in recs if r['kernel'] == 'sol_attention' and not r['within_bound']]
+    print(f'{len(recs)} records in {time.time() - t_start:.0f} s -> {args.out}; quantize/dequantize not bit-exact '
+          f'or attention out of bound: {len(bad)}')
     return 1 if bad else 0
 
 

@@ -118,6 +118,7 @@ def test_smoothing_search_needs_a_declared_format():
 LAYERS = (
     ('core', {'_version', 'numerics', 'tensor'}),
     ('formats', {*format_module_names(), 'formats'}),
+    ('attention methods', {'sol_attention', 'int8_attention'}),
     ('comfy vocabulary', {'comfy'}),
     ('checkpoint and modules', {'checkpoint', 'modules'}),
     ('models', {'models', 'minilm'}),
@@ -183,8 +184,13 @@ def upward(graph:dict) -> list:
                   if m in RANK and t in RANK and RANK[t] > RANK[m]]
 
 
+# named in LAYERS while another branch writes them (issue 19): a name here may be absent, never misplaced
+PLANNED = {'int8_attention'}
+
+
 def test_layers_name_every_module():
-    assert set(import_graph()[0]) == set(RANK), set(import_graph()[0]) ^ set(RANK)
+    found = set(import_graph()[0])
+    assert found == set(RANK) - (PLANNED - found), found ^ set(RANK)
 
 
 def test_no_import_cycles():
