@@ -121,7 +121,7 @@ LAYERS = (
     ('comfy vocabulary', {'comfy'}),
     ('checkpoint and modules', {'checkpoint', 'modules'}),
     ('models', {'models', 'minilm'}),
-    ('calibration and policy', {'calibrate', 'policy', 'rounding'}),
+    ('calibration and policy', {'calibrate', 'policy', 'recipe', 'rounding'}),
     ('jobs', {'convert'}),
     ('cli', {'cli'}),
     ('on top', {'explore', 'quality', 'evaluate'}),
