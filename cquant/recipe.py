@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 from fastcore.basics import patch
 from .tensor import FORMATS, QuantFormatError
-from .policy import PRESETS, Plan, Policy, PolicyWarning, rule_matches
+from .policy import PRESETS, Plan, Policy, rule_matches
 
 # %% auto #0
 __all__ = ['RecipeError', 'read_recipe', 'recipe_policy', 'plan_policy', 'plan_recipe']
