@@ -9,7 +9,7 @@ from cquant.checkpoint import read_header
 from cquant.cli import main
 from cquant.convert import quantize_checkpoint
 from cquant.models import dit_state_dict
-from cquant.policy import PRESETS, Policy, PolicyWarning, krea2_names
+from cquant.policy import PRESETS, Policy, PolicyWarning, krea2_names, rule_matches
 from cquant.recipe import RecipeError, plan_policy, plan_recipe, preset_example, read_recipe
 
 SD = dit_state_dict(0)
@@ -212,6 +212,18 @@ def test_plan_recipe_of_each_preset(name):
     ex = preset_example(name)
     plan = Policy(preset=name).plan(ex)
     assert decisions(Policy.from_recipe(plan.to_recipe()).plan(ex)) == decisions(plan)
+
+
+def test_plan_recipe_preset_named_state_dict():
+    "A state dict with Qwen's names: auto-detected, its weight-only layers AWQ W4A16; the recipe replans the same."
+    sd = {f'{n}.weight': torch.zeros(s, dtype=torch.bfloat16) for n, s in preset_example('qwen').items()}
+    sd['blocks.0.norm.weight'] = torch.ones(256, dtype=torch.bfloat16)                   # ineligible: no rule
+    plan = Policy('int4_full').plan(sd)
+    assert plan.preset == 'qwen' and plan['blocks.2.img_mod'].format == 'awq_w4a16'
+    assert plan['time_text_embed.linear'].tier == 'keep_float' and plan['blocks.0.norm'].tier == 'ineligible'
+    p = plan_policy(plan)
+    assert 'glob:blocks.*.img_mod' in [o[0] for o in p.overrides] and not any(rule_matches(o[0], 'blocks.0.norm') for o in p.overrides)
+    assert decisions(Policy.from_recipe(plan.to_recipe()).plan(sd)) == decisions(plan)
 
 
 def test_plan_recipe_auto_detected_krea2():
