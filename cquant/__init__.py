@@ -9,6 +9,7 @@ Modules:
 - `cquant.mxfp8`: The `mxfp8` format: e4m3 elements, one E8M0 exponent per block of 32 along K stored in the swizzled 128x4 layout, padding to 32, byte-compatible with comfy-kitchen, and a linear that runs on CPU.
 - `cquant.nvfp4`: The `nvfp4` format: 4-bit E2M1 elements in blocks of 16, an FP8 (E4M3) scale per block and one fp32 scale per tensor, packed two per byte with swizzled block scales; bit-exact with comfy-kitchen.
 - `cquant.policy`: Policies as plain data: modes with their shape fallbacks, architecture presets and auto-detection, the nested deterministic INT8 budget of `int4_mixed`, and a measured selection that spends the same budget where the quantization error actually is.
+- `cquant.recipe`: YAML (or TOML) recipe files that a user edits: a base policy, ordered glob / regex / substring rules with a format and options, exclude and keep_float lists and a fallback, compiled to the one `Policy`, with errors naming the file, line and key; and the recipe of a plan (every layer's decision, grouped where layers agree).
 - `cquant.svdquant`: SVDQuant (Li et al. 2024): a 4-bit residual with per-64 group scales and 4-bit activations, a 16-bit rank-R branch that absorbs the outliers, and a smoothing factor, stored as comfy-kitchen's `TensorCoreSVDQuantW4A4Layout`; the calibrated quantizer kitchen lacks, and kitchen's eager linear on CPU.
 - `cquant.validate`: `validate`: would ComfyUI's loader load each module of a checkpoint, and compute what cquant computes? Per-module rows (ok, warning, error) with the reason, at a chosen ComfyUI loader level and on a table of device classes; the `cquant validate` command.
 - `cquant.w4a4`: ConvRot W4A4: Hadamard-rotated weights with one symmetric int4 scale per output row, packed two per byte, and the two linears ComfyUI runs on them (int4 or int8 activations).
@@ -33,6 +34,7 @@ from .quality import *
 from .modules import *
 from .models import *
 from .policy import *
+from .recipe import *
 from .convert import *
 from .validate import *
 from .explore import *

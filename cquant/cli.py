@@ -6,9 +6,9 @@ Docs: https://cquant-dev.github.io/cquant/cli.html.md"""
 
 # %% auto #0
 __all__ = ['cmd_inspect', 'add_inspect_parser', 'cmd_validate', 'add_validate_parser', 'policy_from_args', 'cmd_quantize',
-           'add_quantize_parser', 'cmd_plan', 'add_plan_parser', 'cmd_report', 'add_report_parser', 'cmd_demo',
-           'add_demo_parser', 'cmd_convert', 'add_convert_parser', 'formats_table', 'presets_table', 'build_parser',
-           'Terminated', 'main']
+           'add_quantize_parser', 'cmd_plan', 'add_plan_parser', 'cmd_recipe', 'add_recipe_parser', 'cmd_report',
+           'add_report_parser', 'cmd_demo', 'add_demo_parser', 'cmd_convert', 'add_convert_parser', 'formats_table',
+           'presets_table', 'build_parser', 'Terminated', 'main']
 
 # %% ../nbs/18_cli.ipynb #a82e8daa
 import argparse, glob, json, os, signal, sys, threading, time, warnings
@@ -80,38 +80,48 @@ def _group_arg(s:str):
     except ValueError: raise argparse.ArgumentTypeError(f"expected 'auto' or a power of 4, found {s!r}") from None
 
 # %% ../nbs/18_cli.ipynb #1e33f577
+from dataclasses import replace
+
 def _preset_arg(s:str) -> str:
     try: return preset_name(s)
     except ValueError as e: raise argparse.ArgumentTypeError(str(e)) from None
 
 def _add_policy_args(p):
     g = p.add_argument_group('policy')
-    g.add_argument('--mode', default='int4_mixed', choices=list(MODES), help='quantization mode (default: int4_mixed)')
-    g.add_argument('--preset', default='auto', type=_preset_arg, metavar='NAME',
+    g.add_argument('--mode', choices=list(MODES), help='quantization mode (default: int4_mixed)')
+    g.add_argument('--preset', type=_preset_arg, metavar='NAME',
                    help=f"architecture preset: auto (detect, the default), none, or one of {', '.join(k for k in PRESETS if k != 'none')} "
                         "(case, spaces, -, _ and . ignored: hidream_o1 works); `cquant presets` shows them")
-    g.add_argument('--ratio', type=float, default=0.2, help='int4_mixed_ratio: share of W4-compatible layers kept in INT8 (default: 0.2)')
+    g.add_argument('--ratio', type=float, help='int4_mixed_ratio: share of W4-compatible layers kept in INT8 (default: 0.2)')
     g.add_argument('--keep-float', action='append', default=[], metavar='PATTERN', help='keep layers whose name contains PATTERN float (repeatable)')
     g.add_argument('--int4-sensitive', action='append', default=[], metavar='PATTERN', help='layers the INT8 budget takes first (repeatable)')
-    g.add_argument('--selection', choices=SELECTIONS, default='structural', help='INT8 budget order: structural (Toolkit) or measured')
-    g.add_argument('--convrot-groupsize', default='256', type=_group_arg, metavar='G',
+    g.add_argument('--selection', choices=SELECTIONS, help='INT8 budget order: structural (Toolkit, the default) or measured')
+    g.add_argument('--convrot-groupsize', type=_group_arg, metavar='G',
                    help="ConvRot rotation group: a power of 4 (default 256) or auto (per layer, the largest that fits)")
-    g.add_argument('--rounding', choices=('nearest', 'mse', 'gptq'), default='nearest',
+    g.add_argument('--rounding', choices=('nearest', 'mse', 'gptq'),
                    help="how scales and codes are chosen: nearest (comfy-kitchen's bytes, the default), mse (data-free clipping) "
                         'or gptq (needs --calibration); the files stay the same formats')
+    g.add_argument('--recipe', metavar='FILE', help='a recipe (.yaml, .yml or .toml; `cquant recipe SRC` writes one): its base '
+                   'keys are overridden by the options above given on the command line, --keep-float / --int4-sensitive add to its lists')
     g.add_argument('--policy', metavar='JSON', help='a policy JSON file (as recorded in a quantized file); replaces the options above')
 
 def _add_output_args(p, json_help:str='print the result as JSON on stdout (nothing else there)'):
     p.add_argument('--json', action='store_true', help=json_help)
     p.add_argument('--wide', action='store_true', help='reasons on one line (default: wrapped at words)')
 
+_POLICY_ARGS = (('mode', 'mode'), ('preset', 'preset'), ('ratio', 'int4_mixed_ratio'), ('selection', 'selection'),
+               ('rounding', 'rounding'), ('convrot_groupsize', 'convrot_groupsize'))   # CLI option -> Policy field
+
 def policy_from_args(args) -> Policy:
-    "The `Policy` of parsed CLI arguments (`--policy FILE` wins over the individual options)."
+    "The `Policy` of parsed CLI arguments: `--policy FILE` as it is, else `--recipe FILE` (or the defaults) with the options given."
     if getattr(args, 'policy', None):
+        if getattr(args, 'recipe', None): raise ValueError("--policy and --recipe: give one (a policy JSON replaces every option)")
         text = Path(args.policy).read_text() if os.path.exists(args.policy) else args.policy
         return Policy.from_json(text)
-    return Policy(args.mode, args.preset, args.ratio, tuple(args.keep_float), tuple(args.int4_sensitive), args.selection,
-                  rounding=getattr(args, 'rounding', 'nearest'), convrot_groupsize=getattr(args, 'convrot_groupsize', 256))
+    base = Policy.from_recipe(args.recipe) if getattr(args, 'recipe', None) else Policy()
+    given = {f: getattr(args, a) for a, f in _POLICY_ARGS if getattr(args, a, None) is not None}
+    return replace(base, **given, keep_float=base.keep_float + tuple(args.keep_float),
+                   int4_sensitive=base.int4_sensitive + tuple(args.int4_sensitive))
 
 # %% ../nbs/18_cli.ipynb #sh18a002
 def _sources(args) -> list:
@@ -213,6 +223,21 @@ def add_plan_parser(subparsers):
     p.set_defaults(func=cmd_plan)
     return p
 
+
+# %% ../nbs/18_cli.ipynb #95ef1d1c
+def cmd_recipe(args) -> int:
+    "Run `cquant recipe`: the recipe of the plan for `args.src` on stdout."
+    with open_checkpoint(args.src) as ck: plan = policy_from_args(args).plan(layer_source(ck))
+    print(plan.to_recipe(), end='')
+    return 0
+
+def add_recipe_parser(subparsers):
+    "Add `cquant recipe SRC ...` (the plan's recipe, to edit and pass to quantize --recipe)."
+    p = subparsers.add_parser('recipe', help="the plan's recipe (YAML, every layer's decision as a rule) to edit and pass to --recipe")
+    p.add_argument('src', help='a .safetensors checkpoint, a sharded folder or its index')
+    _add_policy_args(p)
+    p.set_defaults(func=cmd_recipe)
+    return p
 
 # %% ../nbs/18_cli.ipynb #9f221af5
 def cmd_report(args) -> int:
@@ -317,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument('--quiet', action='store_true', help='no pip output')
     m.add_argument('--json', action='store_true', help='print JSON on stdout')
     m.set_defaults(func=_cmd_fetch_minilm)
-    for add in (add_demo_parser, add_quantize_parser, add_plan_parser, add_report_parser, add_inspect_parser, add_convert_parser, add_validate_parser): add(sub)
+    for add in (add_demo_parser, add_quantize_parser, add_plan_parser, add_recipe_parser, add_report_parser,
+                add_inspect_parser, add_validate_parser, add_convert_parser): add(sub)
     return p
 
 # %% ../nbs/18_cli.ipynb #a79744f0

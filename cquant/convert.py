@@ -516,7 +516,8 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
         layers, groups = layer_source(ck), ck.groups()
         if not requantize: _refuse_requantize(src, plan, layers)
         gptq_layers({m: d.rounding for m, d in plan.items() if d.format}, cal, 'quantize_checkpoint')
-        meta = {**ck.metadata, **(metadata or {}), 'cquant_policy': policy.to_json(), 'cquant_version': __version__}
+        meta = {**ck.metadata, **(metadata or {}), 'cquant_policy': policy.to_json(), 'cquant_recipe': policy.to_recipe(),
+                'cquant_version': __version__}
         drop = {m: _module_drop(groups[m]) for m, d in plan.items() if d.format and m in groups}
         rows, before, stored = {}, 0, scale_keys() | {'comfy_quant'}
         reserve = max(1 << 16, 512 * len(ck) + len(json.dumps(meta)) + 8192 + 256 * len(ck.files))   # header written in place

@@ -8,7 +8,7 @@ Docs: https://cquant-dev.github.io/cquant/policy.html.md"""
 
 # %% ../nbs/16_policy.ipynb #6abb024e
 from __future__ import annotations
-import copy, json, math, os, re, warnings
+import copy, fnmatch, json, math, os, re, warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 import torch
@@ -441,6 +441,14 @@ def _patterns(v, what:str) -> tuple:
             raise ValueError(f"Policy.{what}: expected non-empty strings (substrings of layer names), found {p!r}")
     return out
 
+# %% ../nbs/16_policy.ipynb #b6e57316
+def rule_matches(pattern:str, # 'glob:GLOB' (whole name), 're:REGEX' (searched) or a substring
+                 name:str) -> bool:
+    "Whether an override `pattern` matches layer `name`."
+    if pattern.startswith('glob:'): return fnmatch.fnmatchcase(name, pattern[5:])
+    if pattern.startswith('re:'): return re.search(pattern[3:], name) is not None
+    return pattern in name
+
 # %% ../nbs/16_policy.ipynb #c9ba58b4
 def _overrides(v) -> tuple:
     out = []
@@ -452,6 +460,9 @@ def _overrides(v) -> tuple:
         ok = isinstance(pat, str) and pat and (fmt is None or isinstance(fmt, str)) and isinstance(opts, (Mapping, tuple))
         if not ok:
             raise ValueError(f"Policy.overrides: expected (pattern, format or None, options) items, found {o!r}")
+        if pat.startswith('re:'):
+            try: re.compile(pat[3:])
+            except re.error as e: raise ValueError(f"Policy.overrides: {pat!r} is not a valid regular expression ({e})") from None
         opts = tuple(sorted(dict(opts).items()))
         if fmt is None and opts:
             raise ValueError(f"Policy.overrides: options {dict(opts)} given for pattern {pat!r} kept float")
@@ -523,6 +534,8 @@ class Policy:
     convrot_groupsize: int|str = 256    # ConvRot rotation group: a power of 4, or 'auto' (per layer, see below)
     rounding: str = 'nearest'           # 'nearest' (kitchen's bytes), 'mse' (data-free clipping) or 'gptq' (calibration)
     svdquant_rank: int|None = None      # svdquant mode: rank of the low-rank branch (None: min(32, N, K) per layer)
+    fallback: str|None = None           # an override's format rejects the shape: None (fail), 'keep_float' or 'int8'
+    origins: tuple = field(default=(), compare=False, repr=False)   # where each override came from ('file:line'), or ()
 
     def __post_init__(self): _validate(self)
 
@@ -532,7 +545,8 @@ class Policy:
         return dict(mode=self.mode, preset=self.preset, int4_mixed_ratio=self.int4_mixed_ratio,
                     keep_float=list(self.keep_float), int4_sensitive=list(self.int4_sensitive), selection=self.selection,
                     overrides=[dict(pattern=p, format=f, options=dict(o)) for p, f, o in self.overrides],
-                    convrot_groupsize=self.convrot_groupsize, rounding=self.rounding, svdquant_rank=self.svdquant_rank)
+                    convrot_groupsize=self.convrot_groupsize, rounding=self.rounding, svdquant_rank=self.svdquant_rank,
+                    fallback=self.fallback)
     @classmethod
     def from_dict(cls, d:Mapping) -> 'Policy':
         "The policy of `to_dict`'s data (unknown fields refused)."
@@ -563,6 +577,8 @@ def rounding_names() -> tuple:
     "The roundings a policy may ask for: 'nearest' (the formats' own encoders) and the registered searches."
     return ('nearest', *sorted(ROUNDINGS))
 
+FALLBACKS = {'keep_float': None, 'int8': _INT8}   # Policy.fallback -> the choice a rejected override falls back to
+
 # %% ../nbs/16_policy.ipynb #be7243c4
 def _validate(p:Policy):
     "Check and normalise the fields of the frozen `p` in place."
@@ -586,12 +602,17 @@ def _validate(p:Policy):
     r = p.svdquant_rank
     if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
         raise ValueError(f"Policy.svdquant_rank: expected None or a positive int (16, 32, 64, ...), found {r!r}")
+    if p.fallback is not None and p.fallback not in FALLBACKS:
+        raise ValueError(f"Policy.fallback: expected None or one of {list(FALLBACKS)}, found {p.fallback!r}")
+    s('origins', tuple(p.origins))
+    if p.origins and (len(p.origins) != len(p.overrides) or not all(isinstance(o, str) for o in p.origins)):
+        raise ValueError(f"Policy.origins: expected one string per override ({len(p.overrides)}), found {p.origins!r}")
 
 def _policy_fields(d:Mapping) -> Mapping:
     "`d` checked to be a mapping of `Policy` fields."
     if not isinstance(d, Mapping): raise ValueError(f"Policy.from_dict: expected an object, found {type(d).__name__}")
     known = {'mode', 'preset', 'int4_mixed_ratio', 'keep_float', 'int4_sensitive', 'selection', 'overrides',
-             'convrot_groupsize', 'rounding', 'svdquant_rank'}
+             'convrot_groupsize', 'rounding', 'svdquant_rank', 'fallback'}
     extra = sorted(set(d) - known)
     if extra: raise ValueError(f"Policy.from_dict: unknown field(s) {extra}; expected some of {sorted(known)}")
     return d
@@ -627,13 +648,14 @@ def _ranked(mode:Mode, rank:int|None) -> Mode:
 def _plan(policy:Policy, src:LayerSource, calibration, model, outputs=None, greedy=None) -> Plan:
     "`Policy.plan` on a `LayerSource` (`model`: the nn.Module it came from, for calibration batches)."
     mode, g = _ranked(MODES[policy.mode], policy.svdquant_rank), policy.convrot_groupsize
+    _unmatched(policy, src.names)
     preset, keep, sens, note, wo = _resolve_preset(policy, src.names, {n: i.shape for n, i in src.infos.items()})
     out, pending, cands = {}, [], []
     for name, info in src.infos.items():
         why = ineligible(info)
         if why is not None: out[name] = _float(why, 'ineligible', info.shape); continue
-        ov = next((o for o in policy.overrides if o[0] in name), None)
-        if ov is not None: out[name] = _override(name, info, ov); continue
+        ov = next((o for o in policy.overrides if rule_matches(o[0], name)), None)
+        if ov is not None: out[name] = _override(name, info, ov, policy.fallback); continue
         k = next(((p, s) for p, s in keep if p in name), None)
         if k is not None: out[name] = _float(f"keep_float pattern {k[0]!r} ({k[1]})", 'keep_float', info.shape); continue
         w = next((p for p in wo if p in name), None) if mode.weight_only else None
@@ -658,6 +680,14 @@ def _plan(policy:Policy, src:LayerSource, calibration, model, outputs=None, gree
     budget.pop('why'); budget['chosen'] = sorted(budget['chosen'], key=idx.__getitem__)
     return Plan(out, policy, preset, [k for k, _ in keep], sens, note, budget)
 
+# %% ../nbs/16_policy.ipynb #0aac3e1f
+def _unmatched(policy:Policy, names):
+    "Warn for each override of `policy` that matches none of `names`, saying where it came from."
+    for i, (pat, _, _) in enumerate(policy.overrides):
+        if any(rule_matches(pat, n) for n in names): continue
+        where = f"{policy.origins[i]}: " if policy.origins else ''
+        warnings.warn(f"{where}override {pat!r} matches no layer (of {len(names)})", PolicyWarning, stacklevel=5)
+
 # %% ../nbs/16_policy.ipynb #0cf1fe79
 def _rounded(d:Decision, rounding:str) -> Decision:
     "`d` with `rounding` where its format can search (`FormatSpec.grid`), else `d` saying why it stays nearest."
@@ -666,15 +696,22 @@ def _rounded(d:Decision, rounding:str) -> Decision:
     return replace(d, rounding=rounding, reason=d.reason + f"; rounding {rounding}")
 
 # %% ../nbs/16_policy.ipynb #b1f1e62d
-def _override(name, info, ov) -> Decision:
+def _override(name, info, ov, fallback=None) -> Decision:
+    "The decision override `ov` forces on layer `name`; where its format rejects the shape, `fallback`'s (None: fail)."
     pat, fmt, opts = ov
     if fmt is None: return _float(f"override {pat!r}: keep float", 'override', info.shape)
     c = Choice(fmt, fmt, opts)
     msg = c.check(info.shape, name + '.')
-    if msg is not None:
+    if msg is None: return _take(c, f"override {pat!r}", 'override', info.shape)
+    if fallback is None:
         raise QuantFormatError(f"Policy override {pat!r} asks for {fmt} on {name!r} {tuple(info.shape)}, "
-                               f"which does not fit: {msg}")
-    return _take(c, f"override {pat!r}", 'override', info.shape)
+                               f"which does not fit: {msg} (a fallback keep_float or int8 takes such layers)")
+    why = f"override {pat!r}: {fmt} does not fit: {_short(msg, name + '.')}; fallback {fallback}"
+    fb = FALLBACKS[fallback]
+    if fb is None: return _float(why, 'fallback', info.shape)
+    msg = fb.check(info.shape, name + '.')
+    if msg is None: return _take(fb, f"{why}: {fb.label}", 'fallback', info.shape)
+    return _float(f"{why}: {fb.label} does not fit either: {_short(msg, name + '.')}", 'no_fit', info.shape)
 
 # %% ../nbs/16_policy.ipynb #5ca450fe
 def _budget(policy:Policy, mode:Mode, cands:list, sens:tuple, src:LayerSource, calibration, model, fixed:dict,

@@ -123,7 +123,7 @@ LAYERS = (
     ('checkpoint and modules', {'checkpoint', 'modules'}),
     ('models', {'models', 'minilm'}),
     ('validation', {'validate'}),
-    ('calibration and policy', {'calibrate', 'policy', 'rounding'}),
+    ('calibration and policy', {'calibrate', 'policy', 'recipe', 'rounding'}),
     ('jobs', {'convert'}),
     ('cli', {'cli'}),
     ('on top', {'explore', 'quality', 'evaluate'}),
