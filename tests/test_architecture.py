@@ -118,6 +118,7 @@ def test_smoothing_search_needs_a_declared_format():
 LAYERS = (
     ('core', {'_version', 'numerics', 'tensor'}),
     ('formats', {*format_module_names(), 'formats'}),
+    ('attention methods', {'sol_attention', 'int8_attention'}),
     ('comfy vocabulary', {'comfy'}),
     ('checkpoint and modules', {'checkpoint', 'modules'}),
     ('models', {'models', 'minilm'}),
