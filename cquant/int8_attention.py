@@ -158,9 +158,9 @@ def _int_matmul(a:torch.Tensor, b:torch.Tensor, bound:float) -> torch.Tensor:
     return a @ b if bound < 2 ** 24 else (a.double() @ b.double()).float()
 
 def _masked(s:torch.Tensor, mask) -> torch.Tensor:
-    "SDPA's mask rule: bool keeps the True pairs, a float mask is added."
+    "SDPA's mask rule, in place: bool keeps the True pairs, a float mask is added."
     if mask is None: return s
-    return s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.float()
+    return s.masked_fill_(~mask, -math.inf) if mask.dtype == torch.bool else s.add_(mask)
 
 # %% ../nbs/25_int8_attention.ipynb #5440dcaa
 def _attend_rows(q, qs, k, ks, v, mask, tile:int) -> tuple:
@@ -169,13 +169,13 @@ def _attend_rows(q, qs, k, ks, v, mask, tile:int) -> tuple:
     l, acc = torch.zeros_like(m), torch.zeros_like(q)
     for k0 in range(0, k.shape[-2], tile):
         k1 = min(k0 + tile, k.shape[-2])
-        s = _int_matmul(q, k[..., k0:k1, :].mT, q.shape[-1] * 127 ** 2) * qs * ks[..., None, k0:k1]
+        s = _int_matmul(q, k[..., k0:k1, :].mT, q.shape[-1] * 127 ** 2).mul_(qs).mul_(ks[..., None, k0:k1])
         s = _masked(s, None if mask is None else mask(k0, k1))
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         base = torch.where(m_new == -math.inf, 0, m_new)            # rows with every key so far masked
-        p, alpha = torch.exp(s - base), torch.exp(m - base)
-        l = l * alpha + p.sum(-1, keepdim=True)
-        acc = acc * alpha + _int_matmul(torch.round(p * 255), v[..., k0:k1, :], (k1 - k0) * 255 * 127)
+        p, alpha = s.sub_(base).exp_(), (m - base).exp_()
+        l = l.mul_(alpha).add_(p.sum(-1, keepdim=True))
+        acc = acc.mul_(alpha).add_(_int_matmul(p.mul(255).round_(), v[..., k0:k1, :], (k1 - k0) * 255 * 127))
         m = m_new
     return acc, l
 
