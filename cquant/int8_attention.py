@@ -18,15 +18,12 @@ from .numerics import rel_error, max_abs_error
 __all__ = ['ATTENTION_DTYPES', 'MASK_DTYPES', 'KERNEL_HEAD_DIMS', 'PrequantizedInt8Attention', 'prequantize_int8_attention',
            'int8_attention_from_prequantized', 'int8_attention']
 
-# %% ../nbs/25_int8_attention.ipynb #e1a1c46e
-__all__ = ['int8_attention', 'prequantize_int8_attention', 'int8_attention_from_prequantized']
-
-# %% ../nbs/25_int8_attention.ipynb #fc440a9b
+# %% ../nbs/25_int8_attention.ipynb #9aac1a57
 ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MASK_DTYPES = (torch.bool, torch.float16, torch.bfloat16, torch.float32)
 KERNEL_HEAD_DIMS = (64, 128, 256)       # the kernel's tile widths; D is zero-padded to the next one
 
-# %% ../nbs/25_int8_attention.ipynb #1f9e1781
+# %% ../nbs/25_int8_attention.ipynb #3c17d278
 def _shapes(*ts): return ', '.join(str(tuple(t.shape)) for t in ts)
 
 def _check_inputs(q, k, v, attn_mask):
@@ -64,7 +61,7 @@ def _check_inputs(q, k, v, attn_mask):
         raise ValueError(f"int8_attention: attn_mask must be broadcastable to [{B}, {Hq}, {Tq}, {Tk}], "
                          f"got {tuple(attn_mask.shape)}") from e
 
-# %% ../nbs/25_int8_attention.ipynb #329f452f
+# %% ../nbs/25_int8_attention.ipynb #69fb5ca2
 def _kernel_head_dim(head_dim:int) -> int:
     "The tile width kitchen pads a head dim to: 64, 128 or 256."
     return next(d for d in KERNEL_HEAD_DIMS if head_dim <= d)
@@ -75,7 +72,7 @@ def _attention_scale(head_dim:int, scale=None) -> float:
     if not math.isfinite(s): raise ValueError(f"int8_attention: scale must be finite, got {s}")
     return s
 
-# %% ../nbs/25_int8_attention.ipynb #1bb09bcf
+# %% ../nbs/25_int8_attention.ipynb #a9826ce5
 CTA_Q, CTA_K, LARGE_CTA_K = 128, 64, 128   # query block and the two key tiles of the kernel
 
 def _key_mask_is_packed(mask, scale:float) -> bool:
@@ -86,7 +83,7 @@ def _select_cta_k(kernel_dim:int, kv_length:int, has_mask:bool) -> int:
     "Keys per tile: 128 for long unmasked keys at head dim >= 128, else 64 (kitchen's `_select_cta_k`)."
     return LARGE_CTA_K if not has_mask and kernel_dim >= 128 and kv_length > 1024 else CTA_K
 
-# %% ../nbs/25_int8_attention.ipynb #ac1029df
+# %% ../nbs/25_int8_attention.ipynb #6b972ba0
 def _q_scales_per_block(kernel_dim:int) -> int: return 64 if kernel_dim == 256 else 32
 
 def _q_scale_index(length:int, kernel_dim:int) -> torch.Tensor:
@@ -100,7 +97,7 @@ def _k_scale_index(length:int, cta_k:int) -> torch.Tensor:
     t = torch.arange(length); n = t % cta_k
     return (t // cta_k) * 4 + (n % 8) // 2
 
-# %% ../nbs/25_int8_attention.ipynb #528679d5
+# %% ../nbs/25_int8_attention.ipynb #30fa563b
 def _quantize_groups(x:torch.Tensor, index:torch.Tensor, n_groups:int) -> tuple:
     "int8 codes of fp32 `x` (B, H, T, D) and fp32 scales (B, H, n_groups): absmax/127 over each token group."
     amax = x.abs().amax(-1)
@@ -109,12 +106,12 @@ def _quantize_groups(x:torch.Tensor, index:torch.Tensor, n_groups:int) -> tuple:
     s = scale.gather(-1, idx).unsqueeze(-1)
     return torch.round(x / torch.where(s > 0, s, 1)).clamp_(-127, 127).to(torch.int8), scale
 
-# %% ../nbs/25_int8_attention.ipynb #1bd23739
+# %% ../nbs/25_int8_attention.ipynb #b41c8882
 def _smooth_keys(k:torch.Tensor) -> torch.Tensor:
     "K minus its mean over tokens (per batch, head and channel): the scores shift by a constant per query."
     return k - k.mean(-2, keepdim=True)
 
-# %% ../nbs/25_int8_attention.ipynb #49a8b9d7
+# %% ../nbs/25_int8_attention.ipynb #0d979fba
 @dataclass(frozen=True)
 class PrequantizedInt8Attention:
     "Q/K/V in int8 with their scales, in kitchen's buffer shapes, plus what the attention step needs."
@@ -130,7 +127,18 @@ class PrequantizedInt8Attention:
     cta_k: int
     attn_mask: torch.Tensor | None  # the mask broadcast to (B, Hq, Tq, Tk), or None
 
-# %% ../nbs/25_int8_attention.ipynb #c54a1ed0
+    @property
+    def output_dtype(self) -> torch.dtype:
+        "What the kernel writes: the input dtype, bf16 for fp32 inputs."
+        return torch.bfloat16 if self.input_dtype == torch.float32 else self.input_dtype
+
+    def token_scales(self) -> tuple:
+        "Each query's scale times the attention scale (B, Hq, Tq) and each key's scale (B, Hkv, Tk), fp32."
+        (B, Hq, Tq, D), (Hkv, Tk), dev = self.q.shape, self.k.shape[1:3], self.q.device
+        qs = self.q_scale.gather(-1, _q_scale_index(Tq, D).to(dev).expand(B, Hq, Tq)) * self.attention_scale
+        return qs, self.k_scale.gather(-1, _k_scale_index(Tk, self.cta_k).to(dev).expand(B, Hkv, Tk))
+
+# %% ../nbs/25_int8_attention.ipynb #49d17376
 def prequantize_int8_attention(q:torch.Tensor, # queries (B, Hq, Tq, D), fp32, fp16 or bf16
                                k:torch.Tensor, # keys (B, Hkv, Tk, D), Hq a multiple of Hkv
                                v:torch.Tensor, # values (B, Hkv, Tk, D)
@@ -152,7 +160,7 @@ def prequantize_int8_attention(q:torch.Tensor, # queries (B, Hq, Tq, D), fp32, f
     v8 = F.pad(v8.mT, (0, -(-Tk // cta_k) * cta_k - Tk)).reshape(B * Hkv * kd, -1)
     return PrequantizedInt8Attention(q8, k8, v8, qs, ks, vs.reshape(-1), D, dtype, s, cta_k, attn_mask)
 
-# %% ../nbs/25_int8_attention.ipynb #78fa24b4
+# %% ../nbs/25_int8_attention.ipynb #91120617
 def _int_matmul(a:torch.Tensor, b:torch.Tensor, bound:float) -> torch.Tensor:
     "a @ b of integer-valued fp32 tensors whose partial sums stay below `bound`: exact, as the kernel's int32 sums."
     return a @ b if bound < 2 ** 24 else (a.double() @ b.double()).float()
@@ -162,7 +170,7 @@ def _masked(s:torch.Tensor, mask) -> torch.Tensor:
     if mask is None: return s
     return s.masked_fill_(~mask, -math.inf) if mask.dtype == torch.bool else s.add_(mask)
 
-# %% ../nbs/25_int8_attention.ipynb #5440dcaa
+# %% ../nbs/25_int8_attention.ipynb #12317bbe
 def _attend_rows(q, qs, k, ks, v, mask, tile:int) -> tuple:
     "Online softmax over key tiles for stacked query rows q (B, Hkv, R, D) (codes as fp32, qs their scaled scales)."
     m = q.new_full((*q.shape[:-1], 1), -math.inf)
@@ -179,7 +187,7 @@ def _attend_rows(q, qs, k, ks, v, mask, tile:int) -> tuple:
         m = m_new
     return acc, l
 
-# %% ../nbs/25_int8_attention.ipynb #2ebd3da9
+# %% ../nbs/25_int8_attention.ipynb #252f9d8a
 def int8_attention_from_prequantized(pq:PrequantizedInt8Attention, # from `prequantize_int8_attention`
                                      block_q:int=1024, # queries per step (memory, not results)
                                      key_tile:int|None=None, # keys per online-softmax step; default the kernel's cta_k
@@ -192,10 +200,9 @@ def int8_attention_from_prequantized(pq:PrequantizedInt8Attention, # from `prequ
         if not isinstance(n, int) or n < 1: raise ValueError(f"int8_attention_from_prequantized: {name} must be a positive int, got {n!r}")
     (B, Hq, Tq, D), (Hkv, Tk) = pq.q.shape, pq.k.shape[1:3]
     G = Hq // Hkv
-    qs = pq.q_scale.gather(-1, _q_scale_index(Tq, D).to(pq.q.device).expand(B, Hq, Tq)) * pq.attention_scale
-    ks = pq.k_scale.gather(-1, _k_scale_index(Tk, pq.cta_k).to(pq.q.device).expand(B, Hkv, Tk))
+    qs, ks = pq.token_scales()
     k, v = pq.k.float(), pq.v.view(B, Hkv, D, -1)[..., :Tk].mT.float()
-    out_dtype = torch.bfloat16 if pq.input_dtype == torch.float32 else pq.input_dtype
+    out_dtype = pq.output_dtype
     out = torch.empty(B, Hq, Tq, pq.original_head_dim, dtype=out_dtype, device=pq.q.device)
     for q0 in range(0, Tq, block_q):
         q1 = min(q0 + block_q, Tq); n = q1 - q0
@@ -206,7 +213,7 @@ def int8_attention_from_prequantized(pq:PrequantizedInt8Attention, # from `prequ
         out[:, :, q0:q1] = o.reshape(B, Hq, n, D)[..., :pq.original_head_dim].to(out_dtype)
     return out.float() if pq.input_dtype == torch.float32 else out
 
-# %% ../nbs/25_int8_attention.ipynb #f8edded2
+# %% ../nbs/25_int8_attention.ipynb #561be830
 def int8_attention(q:torch.Tensor, # queries (B, Hq, Tq, D), fp32, fp16 or bf16
                    k:torch.Tensor, # keys (B, Hkv, Tk, D), Hq a multiple of Hkv
                    v:torch.Tensor, # values (B, Hkv, Tk, D)
@@ -218,7 +225,7 @@ def int8_attention(q:torch.Tensor, # queries (B, Hq, Tq, D), fp32, fp16 or bf16
     "comfy-kitchen's `int8_attention` in torch, on any device: SageAttention-style int8 Q/K/V, blocked over queries."
     return int8_attention_from_prequantized(prequantize_int8_attention(q, k, v, scale, attn_mask, smooth_k), block_q)
 
-# %% ../nbs/25_int8_attention.ipynb #d85a39f7
+# %% ../nbs/25_int8_attention.ipynb #83f0a95a
 def _attention_error(ref:torch.Tensor, out:torch.Tensor) -> dict:
     "Relative L2, max abs error and cosine similarity of `out` against `ref` (float64)."
     cos = F.cosine_similarity(ref.double().flatten(), out.double().flatten(), dim=0)
@@ -230,7 +237,7 @@ def _sdpa(q, k, v, scale=None, attn_mask=None):
     k, v = (t.float().repeat_interleave(g, 1) for t in (k, v))
     return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=attn_mask, scale=scale)
 
-# %% ../nbs/25_int8_attention.ipynb #819887c8
+# %% ../nbs/25_int8_attention.ipynb #875434ec
 def _outlier_qkv(B:int, H:int, T:int, D:int, strength:float=0.0, n_outliers:int=4, gain:float=2.0, seed:int=0):
     "Seeded Gaussian Q, K, V (B, H, T, D), Q times `gain`, and K's `n_outliers` random channels per head offset by ±strength."
     g = torch.Generator().manual_seed(seed)
