@@ -111,7 +111,18 @@ def _smooth_keys(k:torch.Tensor) -> torch.Tensor:
     "K minus its mean over tokens (per batch, head and channel): the scores shift by a constant per query."
     return k - k.mean(-2, keepdim=True)
 
-# %% ../nbs/25_int8_attention.ipynb #0d979fba
+# %% ../nbs/25_int8_attention.ipynb #a8c82d07
+def _hadamard_block(kernel_dim:int, kv_length:int) -> int:
+    "The rotation block of kitchen's docstring: H4 for up to 256 keys, else H64 at head dim 64, H128 above."
+    return 4 if kv_length <= 256 else min(kernel_dim, 128)
+
+def _rotate_blocks(x:torch.Tensor, n:int) -> torch.Tensor:
+    "x (..., D) times the orthonormal Sylvester Hadamard H_n on each block of n channels (n divides D)."
+    h = x.new_ones(1, 1)
+    while h.shape[0] < n: h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return (x.reshape(*x.shape[:-1], -1, n) @ (h / math.sqrt(n))).reshape(x.shape)
+
+# %% ../nbs/25_int8_attention.ipynb #67c7a25e
 @dataclass(frozen=True)
 class PrequantizedInt8Attention:
     "Q/K/V in int8 with their scales, in kitchen's buffer shapes, plus what the attention step needs."
@@ -138,13 +149,14 @@ class PrequantizedInt8Attention:
         qs = self.q_scale.gather(-1, _q_scale_index(Tq, D).to(dev).expand(B, Hq, Tq)) * self.attention_scale
         return qs, self.k_scale.gather(-1, _k_scale_index(Tk, self.cta_k).to(dev).expand(B, Hkv, Tk))
 
-# %% ../nbs/25_int8_attention.ipynb #49d17376
+# %% ../nbs/25_int8_attention.ipynb #a91d23a8
 def prequantize_int8_attention(q:torch.Tensor, # queries (B, Hq, Tq, D), fp32, fp16 or bf16
                                k:torch.Tensor, # keys (B, Hkv, Tk, D), Hq a multiple of Hkv
                                v:torch.Tensor, # values (B, Hkv, Tk, D)
                                scale:float|None=None, # softmax scale; default 1/sqrt(D)
                                attn_mask:torch.Tensor|None=None, # bool (True = attend) or additive, broadcast to (B, Hq, Tq, Tk)
                                smooth_k:bool=True, # subtract the per-head mean key before quantizing K
+                               rotate:bool=False, # rotate Q and K by kitchen's block Hadamard (plain signs) first
                               ) -> PrequantizedInt8Attention:
     "Check, pad and quantize Q, K and V as kitchen's `prequantize_int8_attention` lays them out."
     attn_mask = _check_inputs(q, k, v, attn_mask)
@@ -153,6 +165,7 @@ def prequantize_int8_attention(q:torch.Tensor, # queries (B, Hq, Tq, D), fp32, f
     cta_k = _select_cta_k(kd, Tk, attn_mask is not None and not _key_mask_is_packed(attn_mask, s))
     q, k, v = (F.pad(t.float(), (0, kd - D)) for t in (q, k, v))
     if smooth_k: k = _smooth_keys(k)
+    if rotate: q, k = (_rotate_blocks(t, _hadamard_block(kd, Tk)) for t in (q, k))
     q8, qs = _quantize_groups(q, _q_scale_index(Tq, kd), -(-Tq // CTA_Q) * _q_scales_per_block(kd))
     k8, ks = _quantize_groups(k, _k_scale_index(Tk, cta_k), -(-Tk // cta_k) * 4)
     vs = v.abs().amax(-2, keepdim=True) / 127
@@ -160,7 +173,7 @@ def prequantize_int8_attention(q:torch.Tensor, # queries (B, Hq, Tq, D), fp32, f
     v8 = F.pad(v8.mT, (0, -(-Tk // cta_k) * cta_k - Tk)).reshape(B * Hkv * kd, -1)
     return PrequantizedInt8Attention(q8, k8, v8, qs, ks, vs.reshape(-1), D, dtype, s, cta_k, attn_mask)
 
-# %% ../nbs/25_int8_attention.ipynb #91120617
+# %% ../nbs/25_int8_attention.ipynb #b105f263
 def _int_matmul(a:torch.Tensor, b:torch.Tensor, bound:float) -> torch.Tensor:
     "a @ b of integer-valued fp32 tensors whose partial sums stay below `bound`: exact, as the kernel's int32 sums."
     return a @ b if bound < 2 ** 24 else (a.double() @ b.double()).float()
@@ -170,7 +183,7 @@ def _masked(s:torch.Tensor, mask) -> torch.Tensor:
     if mask is None: return s
     return s.masked_fill_(~mask, -math.inf) if mask.dtype == torch.bool else s.add_(mask)
 
-# %% ../nbs/25_int8_attention.ipynb #12317bbe
+# %% ../nbs/25_int8_attention.ipynb #e374bd6d
 def _attend_rows(q, qs, k, ks, v, mask, tile:int) -> tuple:
     "Online softmax over key tiles for stacked query rows q (B, Hkv, R, D) (codes as fp32, qs their scaled scales)."
     m = q.new_full((*q.shape[:-1], 1), -math.inf)
@@ -187,7 +200,7 @@ def _attend_rows(q, qs, k, ks, v, mask, tile:int) -> tuple:
         m = m_new
     return acc, l
 
-# %% ../nbs/25_int8_attention.ipynb #252f9d8a
+# %% ../nbs/25_int8_attention.ipynb #de029785
 def int8_attention_from_prequantized(pq:PrequantizedInt8Attention, # from `prequantize_int8_attention`
                                      block_q:int=1024, # queries per step (memory, not results)
                                      key_tile:int|None=None, # keys per online-softmax step; default the kernel's cta_k
@@ -213,19 +226,20 @@ def int8_attention_from_prequantized(pq:PrequantizedInt8Attention, # from `prequ
         out[:, :, q0:q1] = o.reshape(B, Hq, n, D)[..., :pq.original_head_dim].to(out_dtype)
     return out.float() if pq.input_dtype == torch.float32 else out
 
-# %% ../nbs/25_int8_attention.ipynb #561be830
+# %% ../nbs/25_int8_attention.ipynb #fdbbdef3
 def int8_attention(q:torch.Tensor, # queries (B, Hq, Tq, D), fp32, fp16 or bf16
                    k:torch.Tensor, # keys (B, Hkv, Tk, D), Hq a multiple of Hkv
                    v:torch.Tensor, # values (B, Hkv, Tk, D)
                    scale:float|None=None, # softmax scale; default 1/sqrt(D)
                    attn_mask:torch.Tensor|None=None, # bool (True = attend) or additive, broadcast to (B, Hq, Tq, Tk)
                    smooth_k:bool=True, # subtract the per-head mean key before quantizing K
+                   rotate:bool=False, # rotate Q and K by kitchen's block Hadamard (plain signs) first
                    block_q:int=1024, # queries per step (memory, not results)
                   ) -> torch.Tensor: # (B, Hq, Tq, D), the input dtype (fp32 inputs: bf16-rounded values as fp32)
     "comfy-kitchen's `int8_attention` in torch, on any device: SageAttention-style int8 Q/K/V, blocked over queries."
-    return int8_attention_from_prequantized(prequantize_int8_attention(q, k, v, scale, attn_mask, smooth_k), block_q)
+    return int8_attention_from_prequantized(prequantize_int8_attention(q, k, v, scale, attn_mask, smooth_k, rotate), block_q)
 
-# %% ../nbs/25_int8_attention.ipynb #83f0a95a
+# %% ../nbs/25_int8_attention.ipynb #3a86c796
 def _attention_error(ref:torch.Tensor, out:torch.Tensor) -> dict:
     "Relative L2, max abs error and cosine similarity of `out` against `ref` (float64)."
     cos = F.cosine_similarity(ref.double().flatten(), out.double().flatten(), dim=0)
@@ -237,7 +251,7 @@ def _sdpa(q, k, v, scale=None, attn_mask=None):
     k, v = (t.float().repeat_interleave(g, 1) for t in (k, v))
     return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=attn_mask, scale=scale)
 
-# %% ../nbs/25_int8_attention.ipynb #875434ec
+# %% ../nbs/25_int8_attention.ipynb #42487289
 def _outlier_qkv(B:int, H:int, T:int, D:int, strength:float=0.0, n_outliers:int=4, gain:float=2.0, seed:int=0):
     "Seeded Gaussian Q, K, V (B, H, T, D), Q times `gain`, and K's `n_outliers` random channels per head offset by ±strength."
     g = torch.Generator().manual_seed(seed)
