@@ -117,12 +117,14 @@ def test_harness_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location('harness', path)
     harness = importlib.util.module_from_spec(spec); spec.loader.exec_module(harness)
     out = tmp_path / 'h.json'
-    assert harness.main(['--smoke', '--formats', 'int8_row,fp8_e4m3', '--out', str(out)]) == 0
+    assert harness.main(['--smoke', '--formats', 'int8_row,fp8_e4m3,int8_attention', '--out', str(out)]) == 0
     res = json.loads(out.read_text())
     recs = res['records']
     assert res['peer_errors'] == []             # torch and comfy-kitchen peers ran once (eager backends on CPU)
     got = {(r['kernel'], r['case']) for r in recs}
     assert {('quantize', 'int8_row'), ('dequantize', 'int8_row'), ('linear', 'int8_row')} <= got
     assert all(r['exact'] for r in recs if r['case'] == 'int8_row')
+    att = [r for r in recs if r['kernel'] == 'attention']
+    assert [r['case'] for r in att] == ['int8_attention'] and att[0]['max_diff'] < 1e-4, att
     from cquant.tensor import FAST_PATHS
     assert not FAST_PATHS                       # the harness leaves the eager layouts in place
