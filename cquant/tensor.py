@@ -10,7 +10,6 @@ import difflib, json, logging, math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 import torch
-from .numerics import absmax
 
 # %% auto #0
 __all__ = ['FORMATS', 'QuantFormatError', 'encode_json', 'decode_json', 'unique_keys', 'Option', 'Params', 'Layout',
@@ -641,7 +640,8 @@ def _register_linear(layout:type):
 def check_finite(w:torch.Tensor, name:str='weight'):
     "Raise a clear `ValueError` if `w` holds inf or NaN, naming the tensor and counting the bad values."
     if w.numel() == 0: return
-    if not torch.isfinite(absmax(w)):  # NaN and inf survive a max: one cheap pass in the common case
+    lo, hi = torch.aminmax(w)          # NaN and inf survive a min/max: one cheap pass in the common case
+    if not (torch.isfinite(lo) and torch.isfinite(hi)):
         bad = ~torch.isfinite(w)
         n, idx = int(bad.sum()), tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(f"{name}: {n} non-finite value(s) (first at index {idx}: {w[idx].item()}); "
