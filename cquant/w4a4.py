@@ -30,9 +30,9 @@ def quantize_rows_int4(x:torch.Tensor, # [..., K] float (fp32, bf16 or fp16)
     s = absmax(x, dim=-1, keepdim=True).clamp_(min=1e-10).div_(W4A4_QMAX)
     v = x / s
     v = round_stochastic(v, stochastic_rounding) if stochastic_rounding else v.round_()
-    v = v.clamp_(-W4A4_QMAX, W4A4_QMAX)
-    if x.dtype == torch.float16 and bool((s == 0).any()): v = v.nan_to_num_(0.0)   # 0/0 of an underflowed scale
-    return v.to(torch.int8), s
+    if x.dtype == torch.float16 and bool((s == 0).any()):   # an underflowed scale: x/0 = ±inf -> ±7, 0/0 -> 0
+        v = v.clamp_(-W4A4_QMAX, W4A4_QMAX).nan_to_num_(0.0)
+    return v.to(torch.int8).clamp_(-W4A4_QMAX, W4A4_QMAX), s   # |v| <= 11 (s is amax/7 rounded once): exact cast
 
 # %% ../nbs/06_convrot_w4a4.ipynb #454708da
 def quantize_w4a4_weight(w:torch.Tensor, # [N, K] float weight, K % 64 == 0
