@@ -1,10 +1,11 @@
 """Quantize / dequantize speed of cquant vs comfy-kitchen eager on one 4096x4096 bf16 weight.
 
-    python bench/bench_quantize.py [--shape 4096 4096] [--dtype bf16] [--repeats 3] [--tolerance 0.05] [--strict]
+    python bench/bench_quantize.py [--shape 4096 4096] [--dtype bf16] [--outliers 8] [--repeats 3] [--stat median]
+                                   [--tolerance 0.05] [--strict]
 
 For every row of `ROWS` (a format plus options, and the kitchen layout that makes the same tensor), in one process:
-warm up once, then take the best of `--repeats` rounds (time.perf_counter; cquant and kitchen timed back to back in
-each round) of quantize and of dequantize, for cquant
+warm up once, then take the median (or the best, `--stat best`) of `--repeats` rounds (time.perf_counter; cquant and
+kitchen timed back to back in each round) of quantize and of dequantize, for cquant
 (`cq.quantize`, `QuantizedTensor.dequantize`) and for kitchen (`QuantizedTensor.from_float`, `.dequantize`). Prints a
 table with seconds and the ratio kitchen/cquant (> 1 means cquant is faster) and writes bench/out/quantize.json.
 Rows whose format cquant has not registered yet are listed as skipped.
@@ -12,7 +13,7 @@ Rows whose format cquant has not registered yet are listed as skipped.
 To add a format, add one line to `ROWS`.
 """
 from __future__ import annotations
-import argparse, json, os, platform, sys, time
+import argparse, json, os, platform, statistics, sys, time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -54,10 +55,10 @@ def timed(fn: Callable) -> tuple:
     return time.perf_counter() - t, time.process_time() - c
 
 
-def bench_row(row: Row, w: torch.Tensor, repeats: int) -> dict:
+def bench_row(row: Row, w: torch.Tensor, repeats: int, stat: Callable = min) -> dict:
     """Warm up once, then `repeats` rounds; each round times cquant and kitchen back to back (so a load spike on a
-    shared machine hits both), and each timing keeps its best round. Wall time (perf_counter) is the measure; the
-    best CPU time (process_time, all threads) is recorded too, as it is far less sensitive to other processes."""
+    shared machine hits both), and each timing keeps `stat` (min or median) of its rounds. Wall time (perf_counter)
+    is the measure; CPU time (process_time, all threads) is recorded too, as it is less sensitive to other processes."""
     import cquant as cq
     from comfy_kitchen.tensor import QuantizedTensor as KQT
     spec = cq.FORMATS[row.fmt]
@@ -69,10 +70,11 @@ def bench_row(row: Row, w: torch.Tensor, repeats: int) -> dict:
     qt.dequantize(); kt.dequantize(); cq_layout_q()
     fns = dict(cquant_quantize=cq_q, kitchen_quantize=ck_q, cquant_dequantize=qt.dequantize,
                kitchen_dequantize=kt.dequantize, cquant_layout_quantize=cq_layout_q)
-    wall = {k: float("inf") for k in fns}; cpu = dict(wall)
+    walls = {k: [] for k in fns}; cpus = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
-            tw, tc = timed(fn); wall[k] = min(wall[k], tw); cpu[k] = min(cpu[k], tc)
+            tw, tc = timed(fn); walls[k].append(tw); cpus[k].append(tc)
+    wall = {k: stat(v) for k, v in walls.items()}; cpu = {k: stat(v) for k, v in cpus.items()}
     out = dict(id=row.id, format=row.fmt, options=row.opts, **{k + "_s": v for k, v in wall.items()},
                **{k + "_cpu_s": v for k, v in cpu.items()})
     for op in ("quantize", "dequantize"):
@@ -86,6 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", type=int, nargs=2, default=(4096, 4096))
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--stat", choices=("median", "best"), default="median", help="statistic of the rounds")
+    ap.add_argument("--outliers", type=int, default=8, help="input columns scaled x12 (outlier columns); 0: plain randn")
     ap.add_argument("--tolerance", type=float, default=0.05, help="ratio >= 1 - tolerance counts as no slower (timing noise)")
     ap.add_argument("--only", nargs="*", help="row ids to run")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "out" / "quantize.json"))
@@ -95,17 +99,21 @@ def main(argv=None) -> int:
     import cquant as cq
     from importlib.metadata import version as _version
     torch.manual_seed(0)
-    w = torch.randn(*args.shape, dtype=torch.float32).to(DTYPES[args.dtype])
+    w = torch.randn(*args.shape, dtype=torch.float32)
+    if args.outliers: w[:, torch.randperm(args.shape[1])[:args.outliers]] *= 12
+    w = w.to(DTYPES[args.dtype])
+    stat = statistics.median if args.stat == "median" else min
     rows, skipped = [], []
     for row in ROWS:
         if args.only and row.id not in args.only: continue
         if row.fmt not in cq.FORMATS: skipped.append(row.id); continue
-        rows.append(bench_row(row, w, args.repeats))
+        rows.append(bench_row(row, w, args.repeats, stat))
 
     floor = 1.0 - args.tolerance
     hdr = (f"{'format':<18} {'cq quant':>9} {'ck quant':>9} {'ratio':>6}   {'cq deq':>8} {'ck deq':>8} {'ratio':>6}"
            f"   {'cq layout q':>11}")
-    print(f"quantize / dequantize of a {args.shape[0]}x{args.shape[1]} {args.dtype} weight, best of {args.repeats}, "
+    print(f"quantize / dequantize of a {args.shape[0]}x{args.shape[1]} {args.dtype} weight ({args.outliers} outlier "
+          f"columns x12), {args.stat} of {args.repeats}, "
           f"seconds; ratio = kitchen / cquant (> 1: cquant faster); torch threads {torch.get_num_threads()}")
     print("cq layout q = the layout's quantize alone, without cq.quantize's option resolution and finiteness check;"
           " cpu ratios (process_time) in the JSON")
@@ -121,7 +129,8 @@ def main(argv=None) -> int:
     ok = bool(rows) and not slower
     out = Path(args.out); out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(
-        shape=list(args.shape), dtype=args.dtype, repeats=args.repeats, tolerance=args.tolerance,
+        shape=list(args.shape), dtype=args.dtype, outliers=args.outliers, repeats=args.repeats, stat=args.stat,
+        tolerance=args.tolerance,
         torch=torch.__version__, comfy_kitchen=_version("comfy-kitchen"), python=platform.python_version(),
         threads=torch.get_num_threads(), rows=rows, skipped=skipped, slower=slower, no_slower_for_every_format=ok), indent=1))
     print(f"wrote {out}")

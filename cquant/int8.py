@@ -63,8 +63,10 @@ def quantize_int8(x:torch.Tensor, # float tensor (fp32, bf16 or fp16)
     K = x.shape[-1]
     x2, d2 = x.reshape(-1, K), (d.reshape(-1, 1) if per_row else d)
     q = torch.empty(x2.shape, dtype=torch.int8)
+    # fp32/bf16: d is amax/127 rounded once, so |x/d| <= 127.5 and only +128 needs clamping; fp16 d can be subnormal
+    lo = -128.0 if x.dtype == torch.float16 else None
     for i, j in _row_blocks(x2.shape[0], K):      # same ops as above, block by block (exact integers: the cast is exact)
-        q[i:j] = (x2[i:j] / (d2[i:j] if per_row else d2)).round_().clamp_(-128.0, 127.0)
+        q[i:j] = (x2[i:j] / (d2[i:j] if per_row else d2)).round_().clamp_(lo, 127.0)
     return q.reshape(x.shape), scale
 
 # %% ../nbs/05_int8.ipynb #8cf739ce
@@ -128,7 +130,7 @@ def dequantize_int8_convrot(q:torch.Tensor, # int8 [N, K], rotated
     N, K = q.shape
     out = torch.empty(N, K, dtype=dtype)
     for i, j in _rotation_blocks(N, K, group):
-        out[i:j] = rotate(torch.mul(q[i:j], scale[i:j]), group, torch.float32, as_weight=True)
+        out[i:j] = rotate(q[i:j].float().mul_(scale[i:j]), group, torch.float32, as_weight=True)   # = q * scale
     return out
 
 # %% ../nbs/05_int8.ipynb #9168d8a2

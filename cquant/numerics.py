@@ -58,6 +58,9 @@ def absmax(x:torch.Tensor, # input tensor
     if dim is None:
         r = _amax_abs(x)
         return r.reshape([1] * x.dim()) if keepdim else r
+    if x.dtype in (torch.bfloat16, torch.float16):   # |x| = the bits without the sign: as int16 they order like |x|
+        b = x.view(torch.int16) & 0x7FFF             # (inf and NaN stay the largest), and an int16 max is ~2x faster
+        return b.amax(dim=dim, keepdim=keepdim).view(x.dtype)
     return x.abs().amax(dim=dim, keepdim=keepdim)
 
 # %% ../nbs/00_numerics.ipynb #a263329c
@@ -122,13 +125,15 @@ def pack_int4(q:torch.Tensor, # signed integers in [-8, 7], last dim K even
              ) -> torch.Tensor: # int8 [..., K/2]: even column in the LOW nibble, two's complement
     "Pack signed 4-bit integers (convrot_w4a4 storage)."
     _check_even(q, "pack_int4")
-    return pack_nibbles((q & 0xF).to(torch.uint8), hi_first=False).view(torch.int8)
+    u = (q if q.dtype == torch.int8 else q.to(torch.int8)).contiguous().view(torch.int16)   # a byte pair per int16
+    return ((u & 0xF) | ((u >> 4) & 0xF0)).to(torch.uint8).view(torch.int8)  # even (low byte) | odd (high byte) << 4
 
 def unpack_int4(p:torch.Tensor, # int8 (or uint8) bytes [..., cols]
                ) -> torch.Tensor: # int8 in [-8, 7], [..., 2*cols]
     "Unpack `pack_int4` bytes, sign-extending each nibble."
-    n = unpack_nibbles(p, hi_first=False).view(torch.int8)
-    return (n ^ 8) - 8
+    x = _as_u8(p).view(torch.int8).to(torch.int16, memory_format=torch.contiguous_format)
+    lo, hi = (x << 12) >> 12, x >> 4                    # arithmetic shifts sign-extend each nibble
+    return ((lo & 0xFF) | (hi << 8)).view(torch.int8)   # little-endian int16 = (even, odd) bytes
 
 def pack_uint4(codes:torch.Tensor, # unsigned codes 0..15, last dim K even
               ) -> torch.Tensor: # int8 [..., K/2]: even column in the LOW nibble

@@ -12,7 +12,7 @@ import torch
 from .tensor import ValueRule, int8_compute
 from .tensor import Params, Layout, Int4PackedLayout, Option, FormatSpec, register_format, format_error, check_2d, round_stochastic
 from .numerics import absmax, rotate, pack_int4, unpack_int4, is_power_of_4, SCALE_DTYPES
-from .int8 import int_mm, quantize_rows_int8
+from .int8 import int_mm, quantize_rows_int8, _rotation_blocks
 from .tensor import Grid
 
 # %% auto #0
@@ -30,9 +30,9 @@ def quantize_rows_int4(x:torch.Tensor, # [..., K] float (fp32, bf16 or fp16)
     s = absmax(x, dim=-1, keepdim=True).clamp_(min=1e-10).div_(W4A4_QMAX)
     v = x / s
     v = round_stochastic(v, stochastic_rounding) if stochastic_rounding else v.round_()
-    v = v.clamp_(-W4A4_QMAX, W4A4_QMAX)
-    if x.dtype == torch.float16 and bool((s == 0).any()): v = v.nan_to_num_(0.0)   # 0/0 of an underflowed scale
-    return v.to(torch.int8), s
+    if x.dtype == torch.float16 and bool((s == 0).any()):   # an underflowed scale: x/0 = ±inf -> ±7, 0/0 -> 0
+        v = v.clamp_(-W4A4_QMAX, W4A4_QMAX).nan_to_num_(0.0)
+    return v.to(torch.int8).clamp_(-W4A4_QMAX, W4A4_QMAX), s   # |v| <= 11 (s is amax/7 rounded once): exact cast
 
 # %% ../nbs/06_convrot_w4a4.ipynb #454708da
 def quantize_w4a4_weight(w:torch.Tensor, # [N, K] float weight, K % 64 == 0
@@ -43,6 +43,16 @@ def quantize_w4a4_weight(w:torch.Tensor, # [N, K] float weight, K % 64 == 0
     if w.dim() != 2 or w.shape[1] % W4A4_KERNEL_GROUP or not is_power_of_4(convrot_groupsize) or w.shape[1] % convrot_groupsize:
         raise ValueError(f"quantize_w4a4_weight: expected a 2-D weight with K % 64 == 0 and a power-of-4 group dividing K, "
                          f"got shape {tuple(w.shape)} and convrot_groupsize={convrot_groupsize}")
+    if stochastic_rounding or w.device.type != 'cpu':       # one noise draw over the whole tensor (kitchen's stream)
+        return _quantize_w4a4_rows(w, convrot_groupsize, stochastic_rounding)
+    N, K = w.shape
+    q, s = torch.empty(N, K // 2, dtype=torch.int8), torch.empty(N, dtype=torch.float32)
+    for i, j in _rotation_blocks(N, K, convrot_groupsize):   # cache-sized blocks, each the same GEMM as kitchen's
+        q[i:j], s[i:j] = _quantize_w4a4_rows(w[i:j], convrot_groupsize, 0)
+    return q, s
+
+def _quantize_w4a4_rows(w, convrot_groupsize, stochastic_rounding):
+    "`quantize_w4a4_weight` of a block of rows."
     q, s = quantize_rows_int4(rotate(w, convrot_groupsize, as_weight=True), stochastic_rounding)
     s = s.reshape(-1).float()
     over = ~torch.isfinite(s)      # the rotation overflowed w's dtype (fp16 near 65504; kitchen writes inf): redo in fp32
@@ -56,10 +66,16 @@ def dequantize_w4a4_weight(qdata:torch.Tensor, # int8 [N, K/2] packed values
                            convrot_groupsize:int=256, # the rotation group G
                            dtype:torch.dtype=torch.float32, # output dtype
                           ) -> torch.Tensor: # [N, K]
-    "Unpack, scale and rotate back in fp32, then cast to `dtype` (kitchen's order)."
-    w = torch.mul(unpack_int4(qdata), scale.to(device=qdata.device, dtype=torch.float32).reshape(-1, 1))
-    w = rotate(w, convrot_groupsize, as_weight=True)
-    return w if dtype == torch.float32 else w.to(dtype)
+    "Unpack, scale and rotate back in fp32, then cast to `dtype` (kitchen's order), in cache-sized row blocks."
+    sc = scale.to(device=qdata.device, dtype=torch.float32).reshape(-1, 1)
+    rows = lambda i, j: rotate(unpack_int4(qdata[i:j]).float().mul_(sc[i:j]), convrot_groupsize, as_weight=True)
+    if qdata.device.type != 'cpu':
+        w = rows(0, qdata.shape[0])
+        return w if dtype == torch.float32 else w.to(dtype)
+    N, K = qdata.shape[0], 2 * qdata.shape[1]
+    out = torch.empty(N, K, dtype=dtype)
+    for i, j in _rotation_blocks(N, K, convrot_groupsize): out[i:j] = rows(i, j)   # the assignment casts (= .to)
+    return out
 
 # %% ../nbs/06_convrot_w4a4.ipynb #9e724dce
 def _rescale(acc, x_scale, w_scale, bias, out_dtype):

@@ -14,7 +14,7 @@ import torch
 from .tensor import ValueRule, int8_compute
 from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, check_2d, Grid
 from .numerics import absmax, rotate, pack_uint4, unpack_uint4, pack_6bit, unpack_6bit, is_power_of_4
-from .int8 import int8_linear, _row_blocks
+from .int8 import int8_linear, _row_blocks, _rotation_blocks
 
 # %% auto #0
 __all__ = ['w4a8_default_codebook', 'dequantize_w4a8', 'w4a8_linear', 'quantize_w4a8', 'W4A8Params', 'W4A8Layout', 'W6A8Layout']
@@ -145,7 +145,10 @@ def dequantize_w4a8(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
         if corr is not None: v.add_(corr[i:j, :, None].float())
         wr[i:j] = v.view(j - i, K)
     _parallel_rows(blk, N, K, qdata.device)
-    return rotate(wr, convrot_groupsize, as_weight=True)
+    if qdata.device.type != 'cpu': return rotate(wr, convrot_groupsize, as_weight=True)
+    for i, j in _rotation_blocks(N, K, convrot_groupsize):   # cache-sized blocks: each the same GEMM as kitchen's
+        wr[i:j] = rotate(wr[i:j], convrot_groupsize, as_weight=True)
+    return wr
 
 # %% ../nbs/07_w4a8.ipynb #00a0859c
 def w4a8_linear(x:torch.Tensor, # activations [..., K]
