@@ -118,8 +118,9 @@ def test_smoothing_search_needs_a_declared_format():
 LAYERS = (
     ('core', {'_version', 'numerics', 'tensor'}),
     ('formats', {*format_module_names(), 'formats'}),
+    ('attention methods', {'sol_attention', 'int8_attention'}),
     ('comfy vocabulary', {'comfy'}),
-    ('checkpoint and modules', {'checkpoint', 'modules'}),
+    ('checkpoint and modules', {'checkpoint', 'attention', 'modules'}),
     ('models', {'models', 'minilm'}),
     ('calibration and policy', {'calibrate', 'policy', 'rounding'}),
     ('jobs', {'convert'}),
