@@ -2,6 +2,7 @@
 
 Modules:
 
+- `cquant.attention`: `ComfyAttention`: the child module that reads `<m>.comfy_attention.config`, picks the method ComfyUI would pick, runs it (cquant's references on any device, comfy-kitchen's kernels where they run) and says which one ran and why.
 - `cquant.awq`: `awq_w4a16`: asymmetric 4-bit weights with one float scale and zero per group of 64 input features, float activations; a data-free encoder (min/max with a per-group clip search) and AWQ's activation-aware one.
 - `cquant.convert`: `quantize_checkpoint`: a float (or fp8) safetensors file in, a Comfy quantized file out, streamed tensor by tensor with memory near the largest tensor, atomically, with a per-layer report of what each layer got, why, and what it cost; the `cquant quantize / plan / report / demo` commands.
 - `cquant.fp8`: `float8_e4m3fn` and `float8_e5m2`: one fp32 scale per weight, FP8 elements, byte-compatible with comfy-kitchen, without its NaN and fp16-overflow failures.
@@ -33,6 +34,7 @@ from .sol_attention import *
 from .int8_attention import int8_attention, prequantize_int8_attention, int8_attention_from_prequantized
 from .comfy import *
 from .checkpoint import *
+from .attention import *
 from .quality import *
 from .modules import *
 from .models import *

@@ -7,8 +7,8 @@ Docs: https://cquant-dev.github.io/cquant/cli.html.md"""
 # %% auto #0
 __all__ = ['cmd_inspect', 'add_inspect_parser', 'cmd_validate', 'add_validate_parser', 'policy_from_args', 'cmd_quantize',
            'add_quantize_parser', 'cmd_plan', 'add_plan_parser', 'cmd_recipe', 'add_recipe_parser', 'cmd_report',
-           'add_report_parser', 'cmd_demo', 'add_demo_parser', 'cmd_convert', 'add_convert_parser', 'formats_table',
-           'presets_table', 'build_parser', 'Terminated', 'main']
+           'add_report_parser', 'cmd_demo', 'add_demo_parser', 'cmd_convert', 'add_convert_parser', 'cmd_attention',
+           'add_attention_parser', 'formats_table', 'presets_table', 'build_parser', 'Terminated', 'main']
 
 # %% ../nbs/18_cli.ipynb #a82e8daa
 import argparse, glob, json, os, signal, sys, threading, time, warnings
@@ -22,6 +22,7 @@ from .policy import MODES, PRESETS, SELECTIONS, Policy, PolicyWarning, layer_sou
 from .convert import (check_outputs, convert_checkpoint, demo, plan_table, preset_name, quantize_checkpoint,
                             report_error, save_plot)
 from .minilm import fetch_minilm
+from .attention import attention_report, parse_preferences, set_attention
 
 # %% ../nbs/18_cli.ipynb #9b47e2c3
 def cmd_inspect(args) -> int:
@@ -298,6 +299,43 @@ def add_convert_parser(subparsers):
     return p
 
 
+# %% ../nbs/18_cli.ipynb #2ec94035
+def _attention_set(args) -> int:
+    if len(args.paths) != 3 or not args.module or len(args.module) != len(args.prefer or ()):
+        raise ValueError("usage: cquant attention set FILE DST --module GLOB --prefer LIST [--module GLOB --prefer LIST ...]")
+    done = set_attention(args.paths[1], args.paths[2], dict(zip(args.module, map(parse_preferences, args.prefer))))
+    if args.json: print(json.dumps(dict(dst=args.paths[2], modules=done), indent=1)); return 0
+    for m, cfg in done.items(): print(f"{m}: {json.dumps(cfg) if cfg is not None else 'removed'}")
+    print(f"wrote {args.paths[2]}")
+    return 0
+
+def cmd_attention(args) -> int:
+    "Run `cquant attention FILE` or `cquant attention set FILE DST ...`."
+    if args.paths[0] == 'set': return _attention_set(args)
+    if len(args.paths) != 1 or args.module or args.prefer:
+        raise ValueError("usage: cquant attention FILE [--json] [--device D]  |  cquant attention set FILE DST --module ... --prefer ...")
+    rows = attention_report(args.paths[0], args.device)
+    if args.json: print(json.dumps(rows, indent=1)); return 0
+    if not rows: print(f"{args.paths[0]}: no attention preferences"); return 0
+    print(text_table(['module', 'stored preferences', 'cquant runs', 'ComfyUI runs'],
+                     [[r['module'], json.dumps(r['stored']), r['cquant'], r['comfyui']] for r in rows]))
+    for r in rows:
+        if r['unknown']: print(f"warning: {r['module']}: unknown attention methods {r['unknown']} (skipped)")
+    print("(at call time masked calls, and Q/K/V outside SOL's rule -- fp16/bf16, head dim 128 -- run exact attention)")
+    return 0
+
+# %% ../nbs/18_cli.ipynb #28b2f82b
+def add_attention_parser(subparsers):
+    "Add `cquant attention FILE` and `cquant attention set FILE DST --module GLOB --prefer LIST`."
+    p = subparsers.add_parser('attention', help='list the attention preferences of a checkpoint, or set them (attention set)')
+    p.add_argument('paths', nargs='+', metavar='FILE | set FILE DST', help='a checkpoint to list, or: set SRC DST')
+    p.add_argument('--module', action='append', help='set: a glob of module names (e.g. "blocks.*.attn"); repeatable')
+    p.add_argument('--prefer', action='append', help="set: method[:opt=v][,method...] for the --module before it, or 'none'")
+    p.add_argument('--device', default=None, help='resolve for this device (default: CUDA if present, else CPU)')
+    p.add_argument('--json', action='store_true', help='print JSON on stdout')
+    p.set_defaults(func=cmd_attention)
+    return p
+
 # %% ../nbs/18_cli.ipynb #1403675a
 def formats_table(as_json:bool=False) -> str:
     "The registered formats: storage dtype, scale keys, options with defaults, group size."
@@ -343,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument('--json', action='store_true', help='print JSON on stdout')
     m.set_defaults(func=_cmd_fetch_minilm)
     for add in (add_demo_parser, add_quantize_parser, add_plan_parser, add_recipe_parser, add_report_parser,
-                add_inspect_parser, add_validate_parser, add_convert_parser): add(sub)
+                add_inspect_parser, add_validate_parser, add_convert_parser, add_attention_parser): add(sub)
     return p
 
 # %% ../nbs/18_cli.ipynb #a79744f0

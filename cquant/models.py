@@ -10,6 +10,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from .attention import ComfyAttention
 from .modules import QuantMoEExperts
 
 # %% auto #0
@@ -20,10 +21,11 @@ class _Attention(nn.Module):
     def __init__(self, dim, heads):
         super().__init__()
         self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.comfy_attention = ComfyAttention()       # follows `<m>.comfy_attention.config` (12a_attention)
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.qkv(x).reshape(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
-        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, C))
+        return self.proj(self.comfy_attention(q, k, v).transpose(1, 2).reshape(B, T, C))
 
 # %% ../nbs/13_models.ipynb #cff70d88
 class _Mlp(nn.Module):

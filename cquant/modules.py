@@ -16,6 +16,7 @@ from .tensor import (QuantFormatError, QuantizedTensor, decode_json, encode_json
                            load_quantized, quantize, check_activations, DeviceClass)
 from .comfy import (FPMM, comfy_config, dequantize_rows, file_value, flagged_formats,
                           nested_params, read_comfy_quant, row_dim, split_bank)
+from .attention import attach_attention
 
 # %% auto #0
 __all__ = ['comfy_disabled_formats', 'QuantModule', 'QuantLinear', 'QuantEmbedding', 'QuantMoEExperts', 'set_quant_compute',
@@ -538,6 +539,7 @@ def load_quantized_model(model:nn.Module, # a model; its Linear/Embedding module
             if not name: raise TypeError("load_quantized_model: the root module itself has a comfy_quant; load it "
                                          "through a parent module")
             swap_module(model, name, q)
+    attach_attention(model, sd)                          # keep `<m>.comfy_attention.config` (12a_attention)
     set_quant_compute(model, disabled_formats, full_precision_mm)
     model.load_result = res = model.load_state_dict(sd, strict=False, assign=assign)
     msg = key_report(res, f'load_quantized_model: the state dict for {type(model).__name__}')

@@ -120,7 +120,7 @@ LAYERS = (
     ('formats', {*format_module_names(), 'formats'}),
     ('attention methods', {'sol_attention', 'int8_attention'}),
     ('comfy vocabulary', {'comfy'}),
-    ('checkpoint and modules', {'checkpoint', 'modules'}),
+    ('checkpoint and modules', {'checkpoint', 'attention', 'modules'}),
     ('models', {'models', 'minilm'}),
     ('validation', {'validate'}),
     ('calibration and policy', {'calibrate', 'policy', 'recipe', 'rounding'}),
