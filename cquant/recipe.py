@@ -18,7 +18,7 @@ from .tensor import FORMATS, QuantFormatError
 from .policy import PRESETS, Plan, Policy, rule_matches
 
 # %% auto #0
-__all__ = ['RecipeError', 'read_recipe', 'recipe_policy', 'plan_policy', 'plan_recipe']
+__all__ = ['RecipeError', 'plan_recipe']
 
 # %% ../nbs/16a_recipe.ipynb #d568e2da
 class RecipeError(ValueError):
