@@ -1,21 +1,28 @@
 """Whole-checkpoint quantization: throughput and peak memory of `cquant.quantize_checkpoint` on a synthetic
-bf16 checkpoint of at least 2 GB (a Flux-like stack of transformer blocks, dim 3072) with `int4_mixed`.
+bf16 checkpoint of at least 2 GB (a Flux-like stack of transformer blocks, dim 3072) with `int4_mixed`, against the
+same job done through comfy-kitchen's layouts in a loop (the peer).
 
-    python bench/bench_checkpoint.py [--gb 2.0] [--dim 3072] [--mode int4_mixed] [--no-sqnr] [--dir DIR] [--keep]
+    python bench/bench_checkpoint.py [--gb 2.0] [--dim 3072] [--mode int4_mixed] [--no-sqnr] [--device cpu|cuda]
+                                     [--no-peer] [--dir DIR] [--keep]
 
 1. The source file is written tensor by tensor (`StreamingWriter`), so generating it never holds the model.
-2. The conversion runs in a fresh child process, which reports its resident set before converting
+2. Each conversion runs in a fresh child process, which reports its resident set before converting
    (interpreter + torch + cquant: the baseline) and its peak (`VmHWM`; `ru_maxrss` would include the
    parent's peak, which Linux carries across fork + exec) after.
-3. Prints throughput (source GB per second of wall time), the peak RSS, the largest tensor, and
-   (peak - baseline) / largest tensor. Target: peak RSS < 3 x largest tensor + baseline.
+3. The peer: read each tensor (safetensors `safe_open`), quantize the layers cquant's plan quantizes with kitchen's
+   layout for the same format (`QuantizedTensor.from_float`), with per-layer SQNR from kitchen's `dequantize` when SQNR
+   is on, keep the results and write them with `safetensors.torch.save_file` (kitchen has no streaming writer).
+4. Prints throughput (source GB per second of wall time) and as a fraction of this machine's memcpy bandwidth (a
+   256 MiB clone, best of 3), the peak RSS, the largest tensor, (peak - baseline) / largest tensor, and the
+   cquant / kitchen throughput ratio. Target: peak RSS < 3 x largest tensor + baseline.
 Writes bench/out/checkpoint.json. Timings on a shared machine are noisy; the memory ratio is not.
 """
 from __future__ import annotations
-import argparse, json, os, platform, resource, shutil, subprocess, sys, tempfile, time
+import argparse, json, math, os, platform, resource, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout without installing cquant
+sys.path.insert(0, str(Path(__file__).resolve().parent))      # bench_quantize's kitchen rows
 import torch
 
 BLOCK = (('attn.qkv', 3, 1), ('attn.proj', 1, 1), ('mlp.fc1', 4, 1), ('mlp.fc2', 1, 4), ('modulation.lin', 6, 1))   # (name, out/dim, in/dim)
@@ -47,20 +54,66 @@ def make_source(path:str, gb:float, dim:int) -> dict:
                 del wt
     return dict(blocks=blocks, tensors=n, tensor_bytes=total, file_bytes=os.path.getsize(path), largest_tensor_bytes=largest)
 
-def child(src:str, dst:str, mode:str, sqnr:bool):
-    "Run in a fresh process: baseline RSS, convert, peak RSS."
+def memcpy_gb_s() -> float:
+    "This machine's memory copy bandwidth in GB/s (read + write counted once): a 256 MiB clone, best of 3."
+    x, best = torch.empty(1 << 28, dtype=torch.uint8).fill_(1), float('inf')
+    for _ in range(3):
+        t = time.perf_counter(); y = x.clone(); best = min(best, time.perf_counter() - t); del y
+    return x.numel() / best / 1e9
+
+def _kitchen_row(fmt:str, options:dict):
+    "bench_quantize's row (kitchen layout and keywords) for a cquant format and options."
+    from bench_quantize import ROWS
+    rows = [r for r in ROWS if r.fmt == fmt and all(options.get(k) == v for k, v in r.opts.items())]
+    if not rows: raise SystemExit(f"no kitchen layout known for {fmt} {options} (bench_quantize.ROWS)")
+    return max(rows, key=lambda r: len(r.opts))
+
+def kitchen_job(src:str, dst:str, mode:str, sqnr:bool, device:str) -> dict:
+    "The same conversion through kitchen's layouts in a loop; returns the aggregate SQNR (or None)."
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from comfy_kitchen.tensor import QuantizedTensor as KQT
+    import cquant as cq
+    from cquant.policy import Policy
+    plan = Policy(mode, preset='none').plan(src)
+    out, sig, noise = {}, 0.0, 0.0
+    with safe_open(src, 'pt') as f:
+        for key in f.keys():
+            m, _, s = key.rpartition('.')
+            d = plan.get(m)
+            if d is None or not d.format or s != 'weight': out[key] = f.get_tensor(key); continue
+            w = f.get_tensor(key).to(device)
+            r = _kitchen_row(d.format, d.options)
+            kt = KQT.from_float(w, r.k_layout, **r.k_kw)
+            out.update({k: t.cpu() for k, t in kt.state_dict(key).items()})
+            out[m + '.comfy_quant'] = cq.encode_json({'format': d.format})
+            if sqnr:
+                e = w.float() - kt.dequantize().float()
+                sig += float(w.float().square().sum(dtype=torch.float64)); noise += float(e.square().sum(dtype=torch.float64))
+    save_file(out, dst)
+    return None if not sqnr else 10 * math.log10(sig / noise)
+
+def child(src:str, dst:str, mode:str, sqnr:bool, job:str, device:str):
+    "Run in a fresh process: baseline RSS, convert (cquant or the kitchen peer), peak RSS."
     import cquant
     from cquant.convert import quantize_checkpoint
     from cquant.policy import Policy
     base = _rss_now()
     cpu = lambda: sum(getattr(resource.getrusage(resource.RUSAGE_SELF), k) for k in ('ru_utime', 'ru_stime'))
     t0, c0 = time.perf_counter(), cpu()
-    rep = quantize_checkpoint(src, dst, Policy(mode, preset='none'), progress=True, measure=sqnr)
+    if job == 'kitchen': formats, db = None, kitchen_job(src, dst, mode, sqnr, device)
+    else:
+        rep = quantize_checkpoint(src, dst, Policy(mode, preset='none'), progress=True, measure=sqnr, device=device)
+        formats, db = {k: v['layers'] for k, v in rep.totals['formats'].items()}, rep.totals['sqnr_db'] if sqnr else None
     dt, dc = time.perf_counter() - t0, cpu() - c0
     peak = _hwm()
-    print(json.dumps(dict(seconds=dt, cpu_seconds=dc, load_avg=os.getloadavg()[0], baseline_rss=base, peak_rss=peak, dst_bytes=os.path.getsize(dst),
-                          formats={k: v['layers'] for k, v in rep.totals['formats'].items()},
-                          sqnr_db=rep.totals['sqnr_db'] if sqnr else None, threads=torch.get_num_threads())))
+    print(json.dumps(dict(seconds=dt, cpu_seconds=dc, load_avg=os.getloadavg()[0], baseline_rss=base, peak_rss=peak,
+                          dst_bytes=os.path.getsize(dst), formats=formats, sqnr_db=db, threads=torch.get_num_threads())))
+
+def _run(job:str, src:str, dst:str, a) -> dict:
+    out = subprocess.run([sys.executable, __file__, '--child', src, dst, a.mode, '0' if a.no_sqnr else '1', job, a.device],
+                         check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
@@ -70,37 +123,47 @@ def main():
     ap.add_argument('--no-sqnr', action='store_true', help='skip the per-layer SQNR (one dequantize per weight)')
     ap.add_argument('--dir', default=None, help='where to write the files (default: a temporary folder)')
     ap.add_argument('--keep', action='store_true', help='keep the files')
-    ap.add_argument('--child', nargs=4, metavar=('SRC', 'DST', 'MODE', 'SQNR'), help=argparse.SUPPRESS)
+    ap.add_argument('--device', default='cpu', help="where the weights are quantized (cuda: the GPU path)")
+    ap.add_argument('--no-peer', action='store_true', help="skip the kitchen peer run")
+    ap.add_argument('--child', nargs=6, metavar=('SRC', 'DST', 'MODE', 'SQNR', 'JOB', 'DEVICE'), help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.child: return child(a.child[0], a.child[1], a.child[2], a.child[3] == '1')
+    if a.child: return child(*a.child[:3], a.child[3] == '1', *a.child[4:])
     d = a.dir or tempfile.mkdtemp(prefix='cq_bench_ckpt_')
     os.makedirs(d, exist_ok=True)
     src, dst = os.path.join(d, 'synthetic_bf16.safetensors'), os.path.join(d, f'synthetic_{a.mode}.safetensors')
+    peer_dst = os.path.join(d, f'synthetic_{a.mode}_kitchen.safetensors')
     try:
         t0 = time.perf_counter()
         info = make_source(src, a.gb, a.dim)
         print(f"source: {info['file_bytes'] / 1e9:.2f} GB, {info['tensors']} tensors ({info['blocks']} blocks, dim {a.dim}), "
               f"largest tensor {info['largest_tensor_bytes'] / 2**20:.1f} MiB; written in {time.perf_counter() - t0:.1f} s", flush=True)
-        out = subprocess.run([sys.executable, __file__, '--child', src, dst, a.mode, '0' if a.no_sqnr else '1'],
-                             check=True, stdout=subprocess.PIPE, text=True).stdout
-        r = json.loads(out.strip().splitlines()[-1])
+        r = dict(_run('cquant', src, dst, a), memcpy_gb_s=memcpy_gb_s())
         L, base, peak = info['largest_tensor_bytes'], r['baseline_rss'], r['peak_rss']
+        gbs = info['file_bytes'] / 1e9 / r['seconds']
         res = dict(machine=dict(cpus=os.cpu_count(), torch=torch.__version__, python=platform.python_version(), threads=r['threads']),
-                   mode=a.mode, sqnr=not a.no_sqnr, **info, **r, throughput_gb_s=info['file_bytes'] / 1e9 / r['seconds'],
+                   mode=a.mode, sqnr=not a.no_sqnr, device=a.device, **info, **r, throughput_gb_s=gbs,
+                   fraction_of_memcpy=gbs / r['memcpy_gb_s'],
                    ratio_peak_minus_baseline_to_largest=(peak - base) / L, target_met=peak < 3 * L + base)
         print(f"{a.mode}: {info['file_bytes'] / 1e9:.2f} GB -> {r['dst_bytes'] / 1e9:.2f} GB in {r['seconds']:.1f} s = "
-              f"{res['throughput_gb_s']:.3f} GB/s ({os.cpu_count()} CPUs, {r['threads']} torch threads, load average {r['load_avg']:.1f})"
+              f"{gbs:.3f} GB/s = {res['fraction_of_memcpy']:.3f} of memcpy ({r['memcpy_gb_s']:.1f} GB/s) on {a.device} "
+              f"({os.cpu_count()} CPUs, {r['threads']} torch threads, load average {r['load_avg']:.1f})"
               f"{'' if a.no_sqnr else ', per-layer SQNR on'}; CPU time {r['cpu_seconds']:.1f} s = {info['file_bytes'] / 1e9 / r['cpu_seconds']:.3f} GB per CPU-second")
         print(f"layers: {r['formats']}" + (f", aggregate SQNR {r['sqnr_db']:.2f} dB" if r['sqnr_db'] is not None else ''))
         print(f"RSS: baseline {base / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB; largest tensor {L / 2**20:.1f} MiB; "
               f"(peak - baseline) / largest = {res['ratio_peak_minus_baseline_to_largest']:.2f}; "
               f"peak / largest = {peak / L:.2f}; target peak < 3 x largest + baseline: {'met' if res['target_met'] else 'NOT met'}")
+        if not a.no_peer:
+            k = _run('kitchen', src, peer_dst, a)
+            res['kitchen'] = dict(k, throughput_gb_s=info['file_bytes'] / 1e9 / k['seconds'])
+            print(f"kitchen's layouts in a loop: {k['seconds']:.1f} s = {res['kitchen']['throughput_gb_s']:.3f} GB/s"
+                  + (f", aggregate SQNR {k['sqnr_db']:.2f} dB" if k['sqnr_db'] is not None else '')
+                  + f", peak RSS {k['peak_rss'] / 2**20:.0f} MiB; cquant / kitchen throughput: {gbs / res['kitchen']['throughput_gb_s']:.2f}x")
         outdir = Path(__file__).resolve().parent / 'out'
         outdir.mkdir(exist_ok=True)
         (outdir / 'checkpoint.json').write_text(json.dumps(res, indent=1))
     finally:
         if not a.keep:
-            if a.dir: [os.unlink(p) for p in (src, dst) if os.path.exists(p)]
+            if a.dir: [os.unlink(p) for p in (src, dst, peer_dst) if os.path.exists(p)]
             else: shutil.rmtree(d, ignore_errors=True)
 
 if __name__ == '__main__':

@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/checkpoint.html.md"""
 
 # %% ../nbs/11_checkpoint.ipynb #4006f88f
 from __future__ import annotations
-import errno, glob, hashlib, itertools, json, math, os, re, shutil, socket, stat, struct, tempfile, textwrap, warnings
+import errno, glob, hashlib, itertools, json, math, os, re, shutil, socket, stat, struct, tempfile, textwrap, threading, warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -392,6 +392,7 @@ class Checkpoint(Mapping):
         state = self._state.get(f) if isinstance(self._state, dict) else self._state
         if state is not None: _check_unchanged(self.path, f, state, key)
         try:
+            if self._hash is not None: self._hash.reading(f, i.offsets[1])
             if self._mmap and i.nbytes > 4096:   # small entries (JSON, scalars) never need a mapping
                 if f not in self._handle:
                     from safetensors import safe_open
@@ -406,7 +407,6 @@ class Checkpoint(Mapping):
                     n = fh.readinto(mv[got:])
                     if not n: raise CheckpointError(self.path, f"'{key}': expected {i.nbytes} bytes, found {got} (file truncated while open?)")
                     got += n
-                if self._hash is not None: self._hash[f].feed(fh, i.offsets[0], mv)
             t = buf.view(i.dtype).reshape(i.shape)
             return t if torch.device(self.device).type == 'cpu' else t.to(self.device)
         except CheckpointError: raise
@@ -415,7 +415,8 @@ class Checkpoint(Mapping):
     def close(self):
         "Close the files and release the mappings (tensors already read stay valid)."
         for fh in self._fh.values(): fh.close()
-        self._handle, self._fh = {}, {}
+        if self._hash is not None: self._hash.stop()
+        self._handle, self._fh, self._hash = {}, {}, None
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
     def __del__(self):                  # a checkpoint dropped without close() releases its files
@@ -436,31 +437,64 @@ def open_checkpoint(path, device='cpu', convert:bool=True, mmap:bool=False) -> C
     return Checkpoint.open(path, device, convert, mmap)
 
 # %% ../nbs/11_checkpoint.ipynb #sh01b002
-class _FileHash:
-    "SHA-256 of one file fed by the reads of a `Checkpoint`: bytes read at the hash position are hashed as they pass."
-    def __init__(self, path:str): self.path, self.h, self.pos, self.extra = path, hashlib.sha256(), 0, 0
-    def _upto(self, fd:int, end:int):
-        "Hash the bytes from the position to `end`, reading them (16 MiB at a time)."
-        while self.pos < end:
-            b = os.pread(fd, min(1 << 24, end - self.pos), self.pos)
-            if not b: raise CheckpointError(self.path, f"expected {end} bytes to hash, found the file ends at {self.pos}")
-            self.h.update(b); self.pos += len(b); self.extra += len(b)
-    def feed(self, fh, start:int, data):
-        if start > self.pos: self._upto(fh.fileno(), start)
-        if start == self.pos: self.h.update(data); self.pos += len(data)
-    def finish(self) -> str:
-        with open(self.path, 'rb', buffering=0) as f: self._upto(f.fileno(), os.fstat(f.fileno()).st_size)
-        return self.h.hexdigest()
+class _FileHasher(threading.Thread):
+    "SHA-256 of a checkpoint's files, read front to back in a background thread at most `ahead` bytes past its reads."
+    def __init__(self, files:list, ahead:int=1 << 30):
+        super().__init__(name='cquant-hash', daemon=True)
+        self.files, self.ahead, self.cv = list(files), ahead, threading.Condition()
+        sizes = [os.path.getsize(f) for f in self.files]
+        self.base = dict(zip(self.files, itertools.accumulate([0] + sizes[:-1])))   # offsets in the files laid end to end
+        self.reached, self.hashed, self.digests, self.error, self.stopped = 0, 0, {}, None, False
+        self.start()
+
+    def reading(self, f:str, end:int):
+        "The checkpoint has read file `f` up to byte `end`: the hash may run `ahead` bytes past it."
+        with self.cv: self.reached = max(self.reached, self.base[f] + end); self.cv.notify()
+
+    def _allowed(self, f:str, pos:int) -> float:
+        "Bytes the thread may read now at `pos` of `f` (inf once stopped or finishing)."
+        return math.inf if self.stopped else self.reached + self.ahead - self.base[f] - pos
+
+    def run(self):
+        try:
+            for f in self.files:
+                h, pos = hashlib.sha256(), 0
+                with open(f, 'rb', buffering=0) as fh:
+                    size = os.fstat(fh.fileno()).st_size
+                    while pos < size:
+                        with self.cv:
+                            self.cv.wait_for(lambda: self._allowed(f, pos) > 0)
+                            if self.stopped: return
+                            n = int(min(1 << 24, size - pos, self._allowed(f, pos)))
+                        b = os.pread(fh.fileno(), n, pos)
+                        if not b: raise CheckpointError(f, f"expected {size} bytes to hash, found the file ends at {pos}")
+                        h.update(b); pos += len(b); self.hashed += len(b)
+                self.digests[f] = h.hexdigest()
+        except BaseException as e: self.error = e
+
+    def finish(self) -> dict:
+        "`{file: sha256}` of the whole files (waits for the thread)."
+        with self.cv: self.reached = math.inf; self.cv.notify()
+        self.join()
+        if self.error is not None: raise self.error
+        return self.digests
+
+    def stop(self):
+        "End the thread without finishing (the checkpoint was closed)."
+        with self.cv: self.stopped = True; self.cv.notify()
+        self.join()
 
 # %% ../nbs/11_checkpoint.ipynb #sh01b003
-def _start_hashing(self:Checkpoint):
-    "Hash every file of this checkpoint as it is read, from now on (see `file_hashes`)."
-    self._hash = {f: _FileHash(f) for f in self.files}
+def _start_hashing(self:Checkpoint, ahead:int=1 << 30):
+    "Hash every file of this checkpoint in a background thread that reads at most `ahead` bytes past the reads."
+    if self._hash is not None: self._hash.stop()
+    self._hash = _FileHasher(self.files, ahead)
 
 def _file_hashes(self:Checkpoint) -> list:
-    "`[{name, size, sha256}]` of the files, a shard index first (SHA-256 of each whole file; reads what reads so far skipped)."
+    "`[{name, size, sha256}]` of the files, a shard index first (SHA-256 of each whole file)."
     if self._hash is None: self.start_hashing()
-    out = [dict(name=os.path.basename(f), size=os.path.getsize(f), sha256=h.finish()) for f, h in self._hash.items()]
+    digests = self._hash.finish()
+    out = [dict(name=os.path.basename(f), size=os.path.getsize(f), sha256=digests[f]) for f in self.files]
     if isinstance(self._file, dict): out.insert(0, dict(name=os.path.basename(self.path), size=os.path.getsize(self.path),
                                                         sha256=sha256_file(self.path)))    # the index of shards
     self._hash = None

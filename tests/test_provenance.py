@@ -1,6 +1,6 @@
 """Provenance in every output header (cquant version, policy, the sources' names, sizes and SHA-256 computed in
 the one streaming read, a per-layer summary), shown by `cquant inspect`; `hash_output` / `--hash-output`."""
-import hashlib, json, os, subprocess, sys, warnings
+import hashlib, json, os, subprocess, sys, time, warnings
 from pathlib import Path
 
 import pytest
@@ -55,25 +55,46 @@ def test_hash_is_the_whole_file_whatever_was_read(src):
         ck.start_hashing()
         for k in keys[::-3] + keys[1::2] + keys[:2]: ck[k]
         assert ck.file_hashes()[0]['sha256'] == sha(src)
+
+
+def _settled(h, expected:int) -> int:
+    "The hash thread's byte count once it reaches `expected` (or stops moving for a second)."
+    for _ in range(100):
+        if h.hashed >= expected: break
+        time.sleep(0.01)
+    return h.hashed
+
+
+def test_hash_thread_reads_ahead_by_at_most_ahead(src):
+    "The hash thread runs `ahead` bytes past the reads and waits there; finishing reads the rest, each byte once."
     with open_checkpoint(src) as ck:
-        ck.start_hashing()
-        for k in ck.file_order(): ck[k]
-        h = ck._hash[str(src)]
-        assert h.pos == 8 + int.from_bytes(Path(src).read_bytes()[:8], 'little') + sum(ck.info(k).nbytes for k in ck)
-        assert h.extra == 8 + int.from_bytes(Path(src).read_bytes()[:8], 'little')     # the header, nothing else twice
-        assert ck.file_hashes()[0]['sha256'] == sha(src)
+        keys = ck.file_order()
+        ck.start_hashing(ahead=4096)
+        h = ck._hash
+        assert _settled(h, 4096) == 4096
+        ck[keys[0]]
+        end = ck.info(keys[0]).offsets[1]
+        assert _settled(h, end + 4096) == end + 4096
+        assert h.is_alive() and h.name == 'cquant-hash'
+        assert ck.file_hashes()[0]['sha256'] == sha(src) and h.hashed == os.path.getsize(src)
+    with open_checkpoint(src) as ck:
+        ck.start_hashing(ahead=0); h = ck._hash
+    assert not h.is_alive()                         # close() ends a waiting hash thread
 
 
 def test_stream_reads_each_source_byte_once(src, tmp_path, monkeypatch):
-    "quantize_checkpoint reads the tensors in file order: the hash reads only the header beside them."
+    "quantize_checkpoint reads each tensor once in file order; the hash thread reads each file byte once, ahead of it."
     import cquant.checkpoint as C
-    extra = []
-    orig = C._FileHash.finish
-    def finish(self): r = orig(self); extra.append(self.extra); return r
-    monkeypatch.setattr(C._FileHash, 'finish', finish)
+    hashed, reads = [], []
+    orig_finish, orig_read = C._FileHasher.finish, C.Checkpoint._read
+    def finish(self): r = orig_finish(self); hashed.append(self.hashed); return r
+    def read(self, key, i): reads.append(key); return orig_read(self, key, i)
+    monkeypatch.setattr(C._FileHasher, 'finish', finish)
+    monkeypatch.setattr(C.Checkpoint, '_read', read)
     quiet_quantize(src, tmp_path / 'q.safetensors', POL, measure=False)
-    n = int.from_bytes(Path(src).read_bytes()[:8], 'little')
-    assert extra == [8 + n]
+    assert hashed == [os.path.getsize(src)]
+    with open_checkpoint(src) as ck: big = [k for k in ck.file_order() if ck.info(k).nbytes > 1024]
+    assert [k for k in reads if k in big] == big        # small entries (JSON, scales) are also read by the scan
 
 
 def test_sharded_source_hashes_every_shard(tmp_path):
