@@ -3,6 +3,7 @@
 Modules:
 
 - `cquant.attention`: `ComfyAttention`: the child module that reads `<m>.comfy_attention.config`, picks the method ComfyUI would pick, runs it (cquant's references on any device, comfy-kitchen's kernels where they run) and says which one ran and why.
+- `cquant.attention_explore`: What `comfy_kitchen_sol` and `comfy_kitchen_int8` do to attention, and to a model's output: error against exact attention as a function of tau, sequence length, head dim and K outliers; SOL's routed blocks; an interactive explorer; and the end-to-end cost of each preference on the DiT and on MiniLM.
 - `cquant.awq`: `awq_w4a16`: asymmetric 4-bit weights with one float scale and zero per group of 64 input features, float activations; a data-free encoder (min/max with a per-group clip search) and AWQ's activation-aware one.
 - `cquant.convert`: `quantize_checkpoint`: a float (or fp8) safetensors file in, a Comfy quantized file out, streamed tensor by tensor with memory near the largest tensor, atomically, with a per-layer report of what each layer got, why, and what it cost; the `cquant quantize / plan / report / demo` commands.
 - `cquant.fp8`: `float8_e4m3fn` and `float8_e5m2`: one fp32 scale per weight, FP8 elements, byte-compatible with comfy-kitchen, without its NaN and fp16-overflow failures.
@@ -43,6 +44,7 @@ from .recipe import *
 from .convert import *
 from .validate import *
 from .explore import *
+from .attention_explore import *
 from .evaluate import *
 from .rounding import *
 from .calibrate import *

@@ -240,19 +240,19 @@ def int8_attention(q:torch.Tensor, # queries (B, Hq, Tq, D), fp32, fp16 or bf16
     return int8_attention_from_prequantized(prequantize_int8_attention(q, k, v, scale, attn_mask, smooth_k, rotate), block_q)
 
 # %% ../nbs/25_int8_attention.ipynb #3a86c796
-def _attention_error(ref:torch.Tensor, out:torch.Tensor) -> dict:
+def attention_error(ref:torch.Tensor, out:torch.Tensor) -> dict:
     "Relative L2, max abs error and cosine similarity of `out` against `ref` (float64)."
     cos = F.cosine_similarity(ref.double().flatten(), out.double().flatten(), dim=0)
     return {'rel_l2': rel_error(ref, out), 'max_abs': max_abs_error(ref, out), 'cosine': float(cos)}
 
-def _sdpa(q, k, v, scale=None, attn_mask=None):
+def sdpa_fp32(q, k, v, scale=None, attn_mask=None):
     "Exact attention in fp32 (torch SDPA), GQA by repeating the KV heads."
     g = q.shape[1] // k.shape[1]
     k, v = (t.float().repeat_interleave(g, 1) for t in (k, v))
     return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=attn_mask, scale=scale)
 
 # %% ../nbs/25_int8_attention.ipynb #42487289
-def _outlier_qkv(B:int, H:int, T:int, D:int, strength:float=0.0, n_outliers:int=4, gain:float=2.0, seed:int=0):
+def outlier_qkv(B:int, H:int, T:int, D:int, strength:float=0.0, n_outliers:int=4, gain:float=2.0, seed:int=0):
     "Seeded Gaussian Q, K, V (B, H, T, D), Q times `gain`, and K's `n_outliers` random channels per head offset by ±strength."
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))

@@ -304,3 +304,12 @@ def chunking_report(q, k, v, query_blocks:int, **options) -> dict:
         clean = ~diff.any(-1)                                                  # rows whose probabilities agree
         bad_rows += int((chunk_out(plan, p) != chunk_out(plan, pd))[clean].any(-1).sum())
     return dict(gemm_rows=gemm_rows, exp2_only=exp2_only, bad_rows=bad_rows)
+
+# %% ../nbs/24_sol_attention.ipynb #00000996
+def drift_qkv(t:int=1024, h:int=2, d:int=128, rho:float=0.9, seed:int=0, dtype=torch.bfloat16) -> tuple:
+    "`(q, k, v)` `(1, t, h, d)`: per-block directions in a random walk (correlation `rho`), plus unit noise per token."
+    g = torch.Generator().manual_seed(seed)
+    c = [torch.randn(h, d, generator=g)]
+    for _ in range(block_count(t) - 1): c.append(rho * c[-1] + (1 - rho**2) ** .5 * torch.randn(h, d, generator=g))
+    centre = torch.stack(c).repeat_interleave(BLOCK, 0)[:t]
+    return tuple((centre + torch.randn(t, h, d, generator=g)).unsqueeze(0).to(dtype) for _ in range(3))
