@@ -198,9 +198,9 @@ def _flow(v) -> str:
     "`v` as one line of YAML flow style."
     return yaml.safe_dump(v, default_flow_style=True, sort_keys=False, width=1 << 16).strip().removesuffix('...').strip()
 
-def recipe_yaml(data:dict, header:str=HEADER) -> str:
-    "YAML text of recipe data: `header` as comments, one line per key, one line per list item."
-    out = [f"# {l}" for l in header.splitlines()]
+def recipe_yaml(data:dict, header:str|None=None) -> str:
+    "YAML text of recipe data: `header` (default `HEADER`) as comments, one line per key, one line per list item."
+    out = [f"# {l}" for l in (HEADER if header is None else header).splitlines()]
     for k, v in data.items():
         if isinstance(v, list) and v: out += [f"{k}:"] + [f"  - {_flow(x)}" for x in v]
         else: out.append(f"{k}: {_flow(v)}")
@@ -208,7 +208,7 @@ def recipe_yaml(data:dict, header:str=HEADER) -> str:
 
 # %% ../nbs/16a_recipe.ipynb #4ff135bf
 @patch
-def to_recipe(self:Policy, header:str=HEADER) -> str:
+def to_recipe(self:Policy, header:str|None=None) -> str:
     "The policy as recipe YAML (`Policy.from_recipe` reads it back to an equal policy)."
     return recipe_yaml(recipe_data(self), header)
 

@@ -28,7 +28,7 @@ def src(tmp_path_factory):
 
 def _quantize(src, dst, mode, kernels:bool) -> Counter:
     "Quantize with or without the kernels; which fast paths ran, and how often."
-    calls = Counter()
+    calls, saved = Counter(), {k: list(v) for k, v in tensor.FAST_PATHS.items()}
     def counted(key, fn):
         def run(*a, **k): calls[f'{key[0].__name__}.{key[1]}'] += 1; return fn(*a, **k)
         return run
@@ -37,8 +37,15 @@ def _quantize(src, dst, mode, kernels:bool) -> Counter:
             dispatch.enable(cpu=True, strict=True)
             for key, paths in tensor.FAST_PATHS.items(): paths[:] = [(f, counted(key, g)) for f, g in paths]
         quantize_checkpoint(src, dst, Policy(mode, preset='none'), progress=False, device=DEV)
-    finally: dispatch.disable()
+    finally:                        # the counting wrappers are not dispatch's: put the fast paths back as they were
+        dispatch.disable(); tensor.FAST_PATHS.clear(); tensor.FAST_PATHS.update(saved)
     return calls
+
+
+def test_the_fast_paths_are_restored(src, tmp_path):
+    before = {k: list(v) for k, v in tensor.FAST_PATHS.items()}
+    _quantize(src, tmp_path / 'k.safetensors', 'int8', kernels=True)
+    assert tensor.FAST_PATHS == before
 
 
 @pytest.mark.parametrize('mode', ['int8_convrot', 'nvfp4', 'int4_mixed'])
