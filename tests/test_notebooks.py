@@ -31,13 +31,27 @@ def test_there_are_notebooks():
 def registries_restored():
     """A notebook that defines a layout re-registers its format with the notebook's own classes (`__main__`):
     restore the registries after each notebook so the next one sees the package's, as under `nbdev-test`."""
+    import inspect, sys
     import cquant.tensor as T
     saved = {name: dict(getattr(T, name)) for name in ('FORMATS', 'LAYOUT_OPS', 'GENERIC_OPS', 'ROUNDINGS')}
     saved['FAST_PATHS'] = {k: list(v) for k, v in T.FAST_PATHS.items()}
+    # `@patch` cells re-add methods to the package's classes (e.g. Policy.from_recipe raising the notebook's own
+    # RecipeError): put every class of a cquant module back as it was
+    classes = {c for n, m in list(sys.modules.items()) if n == 'cquant' or n.startswith('cquant.')
+               for _, c in inspect.getmembers(m, inspect.isclass) if c.__module__.startswith('cquant')}
+    attrs = {c: dict(vars(c)) for c in classes}
     yield
     for name, value in saved.items():
         reg = getattr(T, name)
         reg.clear(); reg.update(value)
+    for c, d in attrs.items():
+        for k in set(vars(c)) - set(d):
+            try: delattr(c, k)
+            except (AttributeError, TypeError): pass
+        for k, v in d.items():
+            if vars(c).get(k) is not v and k not in ('__dict__', '__weakref__', '__doc__'):
+                try: setattr(c, k, v)
+                except (AttributeError, TypeError): pass
 
 
 @pytest.mark.parametrize('nb', NBS, ids=[p.relative_to(CFG.nbs_path).with_suffix('').as_posix() for p in NBS])
