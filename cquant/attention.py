@@ -23,7 +23,7 @@ __all__ = ['attention_backends', 'AttentionRun', 'exact_attention', 'ComfyAttent
 # %% ../nbs/12a_attention.ipynb #e6784f22
 from .checkpoint import (ATTENTION_KEY, ATTENTION_METHODS, CheckpointError, CheckpointWarning, attention_available,
                                attention_entries, decode_attention, encode_attention, open_checkpoint, save_file,
-                               select_attention, sol_applicable)
+                               select_attention, sol_applicable, split_key)
 from .int8_attention import int8_attention
 from .sol_attention import sol_attention
 
@@ -165,8 +165,8 @@ def attach_attention(model:nn.Module, # the model being loaded
     "Give each module named by a `<m>.comfy_attention.config` key a `ComfyAttention` child if it has none."
     mods, added = dict(model.named_modules()), []
     for key in keys:
-        if not key.endswith(ATTENTION_KEY) or key != ATTENTION_KEY and not key.endswith('.' + ATTENTION_KEY): continue
-        name = key[:-len(ATTENTION_KEY)].rstrip('.')
+        name, suffix = split_key(key)
+        if suffix != ATTENTION_KEY: continue
         m = mods.get(name)
         if m is None or isinstance(getattr(m, 'comfy_attention', None), ComfyAttention): continue
         m.add_module('comfy_attention', ComfyAttention(name=name)); added.append(name)
@@ -188,8 +188,8 @@ def attention_report(src, # a safetensors path, a Checkpoint or a state dict
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', CheckpointWarning)
         with open_checkpoint(src) if isinstance(src, (str, os.PathLike)) else contextlib.nullcontext(src) as ck:
-            for key in sorted(k for k in ck if k == ATTENTION_KEY or k.endswith('.' + ATTENTION_KEY)):
-                name = key[:-len(ATTENTION_KEY)].rstrip('.')
+            for key in sorted(k for k in ck if split_key(k)[1] == ATTENTION_KEY):
+                name = split_key(key)[0]
                 a = ComfyAttention(decode_attention(ck[key], key), name)
                 rows.append(dict(module=name, stored=a.config, cquant=_runs(a, device),
                                  comfyui=_runs(a, device, attention_available(device)),
