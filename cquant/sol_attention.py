@@ -45,31 +45,52 @@ def block_pool(x:torch.Tensor, lengths:torch.Tensor, live:torch.Tensor, mean:boo
     s = x.view(b, n, BLOCK, h, d).sum(dim=2)
     return s / lengths.view(1, n, 1, 1) if mean else s
 
+# %% ../nbs/24_sol_attention.ipynb #6e84af2f
+def centred_key_means(kc:torch.Tensor) -> tuple:
+    "`(mu, kcc, var)`: the mean block key `(B, 1, H, D)`, the centred block keys `kc - mu`, their variance `(B, H, D)`."
+    mu = kc.mean(dim=1, keepdim=True)
+    kcc = kc - mu
+    return mu, kcc, kcc.pow(2).mean(dim=1)
+
 # %% ../nbs/24_sol_attention.ipynb #00000970
 def topk_budget(n:int, ratio:float) -> int:
     "Key blocks top-k keeps from `n` candidates: round(ratio * n) within [1, n - 1]; 0 when n <= 1."
     return 0 if n <= 1 else min(n - 1, max(1, round(ratio * n)))
 
+# %% ../nbs/24_sol_attention.ipynb #d10acb5d
+def route_budget(n:int, topk_ratio:float, sink_blocks:tuple) -> int:
+    "Top-k's k among `n` key blocks: `topk_budget` of the blocks outside `sink_blocks` = [s0, s1)."
+    s0, s1 = sink_blocks
+    return topk_budget(n - max(0, min(s1, n) - min(s0, n)), topk_ratio)
+
 # %% ../nbs/24_sol_attention.ipynb #00000972
+def route_cut(colmean:torch.Tensor, centroid:torch.Tensor, kc_var:torch.Tensor, log2s:float, tau:float,
+              topk_ratio:float, sink_blocks:tuple) -> torch.Tensor:
+    "`(B, H, N, 1)` per query block: top-k's k-th best non-sink proxy score (+inf when k = 0), else the threshold."
+    if topk_ratio:
+        kk = route_budget(colmean.shape[-1], topk_ratio, sink_blocks)
+        if not kk: return torch.full_like(colmean[..., :1], float('inf'))
+        ranked = colmean.clone()
+        ranked[..., sink_blocks[0]:sink_blocks[1]] = float('-inf')      # sinks are exact anyway: outside the budget
+        return ranked.topk(kk, dim=-1).values[..., -1:]
+    var = (centroid.pow(2) * kc_var.unsqueeze(1)).sum(-1)              # (B, N, H): sd_I^2 / (sigma log2 e)^2
+    return (tau * torch.sqrt(var * log2s * log2s + 1e-6)).permute(0, 2, 1).unsqueeze(-1)
+
+# %% ../nbs/24_sol_attention.ipynb #35be2902
+def forced_blocks(n:int, sink_blocks:tuple, sink_q:tuple, device=None) -> torch.Tensor:
+    "`(N, N)` bool: the blocks exact whatever the scores: the band |I - J| <= 1, sink key blocks, sink query blocks."
+    idx = torch.arange(n, device=device)
+    (s0, s1), (q0, q1) = sink_blocks, sink_q
+    band = (idx.view(1, -1) - idx.view(-1, 1)).abs() <= 1
+    return band | ((idx >= s0) & (idx < s1)).view(1, n) | ((idx >= q0) & (idx < q1)).view(n, 1)
+
+# %% ../nbs/24_sol_attention.ipynb #1a200bab
 def route(colmean:torch.Tensor, centroid:torch.Tensor, kc_var:torch.Tensor, log2s:float, tau:float,
           topk_ratio:float, sink_blocks:tuple, sink_q:tuple) -> torch.Tensor:
     "`(B, H, N, N)` bool: the key blocks each query block attends exactly (threshold or top-k, plus the forced ones)."
-    n = colmean.shape[-1]
-    idx = torch.arange(n, device=colmean.device)
-    (s0, s1), (q0, q1) = sink_blocks, sink_q
-    if topk_ratio:
-        ranked = colmean.clone()
-        ranked[..., s0:s1] = float('-inf')                  # sinks are exact anyway: outside the budget
-        kk = topk_budget(n - max(0, min(s1, n) - min(s0, n)), topk_ratio)
-        exact = ranked >= ranked.topk(kk, dim=-1).values[..., -1:] if kk else torch.zeros_like(ranked, dtype=bool)
-    else:
-        var = (centroid.pow(2) * kc_var.unsqueeze(1)).sum(-1)          # (B, N, H): sd_I^2 / (sigma log2 e)^2
-        thr = tau * torch.sqrt(var * log2s * log2s + 1e-6)
-        exact = colmean > thr.permute(0, 2, 1).unsqueeze(-1)
-    exact |= (idx.view(1, -1) - idx.view(-1, 1)).abs() <= 1
-    exact |= ((idx >= s0) & (idx < s1)).view(1, n)
-    exact |= ((idx >= q0) & (idx < q1)).view(n, 1)
-    return exact
+    cut = route_cut(colmean, centroid, kc_var, log2s, tau, topk_ratio, sink_blocks)
+    exact = colmean >= cut if topk_ratio else colmean > cut              # top-k keeps the ties at the k-th score
+    return exact | forced_blocks(colmean.shape[-1], sink_blocks, sink_q, colmean.device)
 
 # %% ../nbs/24_sol_attention.ipynb #00000976
 def key_bias_rows(key_bias:torch.Tensor) -> torch.Tensor:
@@ -88,8 +109,7 @@ def sol_plan(q, k, v, tau=1.0, scale=None, sink_blocks=None, sink_q=None, key_bi
     lengths = live_lengths(t, q.device, block_len)
     live = live_rows(t, lengths)
     kc, vc, centroid = (block_pool(x, lengths, live, m) for x, m in ((fk, True), (fv, False), (fq, True)))
-    k_mean = kc.mean(dim=1, keepdim=True)
-    kcc = kc - k_mean
+    k_mean, kcc, kc_var = centred_key_means(kc)
     qh = fq.permute(0, 2, 1, 3)                                              # (B, H, T, D)
     s_blk = (qh @ kcc.permute(0, 2, 3, 1)) * log2s                           # (B, H, T, N) row-to-block scores
     if block_len is not None: s_blk = s_blk * live.view(1, 1, t, 1)          # dead rows stay out of the means
@@ -97,7 +117,7 @@ def sol_plan(q, k, v, tau=1.0, scale=None, sink_blocks=None, sink_q=None, key_bi
     colmean = torch.zeros(b, h, n, n, device=q.device)
     colmean.scatter_add_(2, qblk.view(1, 1, t, 1).expand(b, h, t, n), s_blk)
     colmean = colmean / lengths.view(1, 1, n, 1)
-    exact = route(colmean, centroid, kcc.pow(2).mean(dim=1), log2s, tau, topk_ratio,
+    exact = route(colmean, centroid, kc_var, log2s, tau, topk_ratio,
                   tuple(sink_blocks or (0, 0)), tuple(sink_q or (0, 0)))
     kb = None if key_bias is None else (key_bias_rows(key_bias) * LOG2E).view(-1, 1, 1, t)
     return dict(qh=qh, kh=(fk - k_mean).permute(0, 2, 1, 3), vh=fv.permute(0, 2, 1, 3), vch=vc.permute(0, 2, 1, 3),
@@ -142,6 +162,15 @@ def query_chunks(b:int, t:int, h:int, query_blocks:int|None=None) -> list:
     rows = BLOCK * (query_blocks or max(1, SCORE_BUDGET // (b * h * BLOCK * (t + n) * 4)))
     starts = list(range(0, max(t // BLOCK, 1) * BLOCK, rows))
     return list(zip(starts, starts[1:] + [t]))
+
+# %% ../nbs/24_sol_attention.ipynb #334e4a77
+def plan_attention(plan:dict, dtype, query_blocks:int|None=None) -> torch.Tensor:
+    "`(B, T, H, D)` in `dtype`: both branches' softmax for the plan's rows, chunk by chunk (no coarse branch)."
+    b, h, t, d = plan['qh'].shape
+    out = torch.empty(b, t, h, d, dtype=dtype, device=plan['qh'].device)
+    for r0, r1 in query_chunks(b, t, h, query_blocks):
+        out[:, r0:r1] = chunk_out(plan, chunk_probs(chunk_logits(plan, r0, r1))).transpose(1, 2)
+    return out
 
 # %% ../nbs/24_sol_attention.ipynb #00000981
 def add_coarse(out:torch.Tensor, plan:dict, gate:torch.Tensor, scale:float) -> torch.Tensor:
@@ -252,9 +281,7 @@ def sol_attention(q:torch.Tensor, # (B, T, H, D) queries: float32, bfloat16 or f
                      token_aug, query_blocks)
     b, t, h, d = q.shape
     plan = sol_plan(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len)
-    out = torch.empty(b, t, h, d, dtype=v.dtype, device=v.device)
-    for r0, r1 in query_chunks(b, t, h, query_blocks):
-        out[:, r0:r1] = chunk_out(plan, chunk_probs(chunk_logits(plan, r0, r1))).transpose(1, 2)
+    out = plan_attention(plan, v.dtype, query_blocks)
     if coarse_gate is not None: add_coarse(out, plan, coarse_gate, d ** -0.5 if scale is None else scale)
     return out
 

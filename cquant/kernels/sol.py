@@ -10,25 +10,51 @@ __all__ = ['sol_attention_kernel']
 # %% ../../nbs/36_kernels_sol.ipynb #00000e15
 import torch
 from .base import jit, tl, triton, triton_available
-from ..sol_attention import (sol_attention, sol_plan, add_coarse, check_sol_inputs, key_bias_rows, live_lengths,
-                                  live_rows, BLOCK)
+from ..sol_attention import (sol_plan, plan_attention, add_coarse, block_count, block_pool, centred_key_means,
+                                  check_sol_inputs, forced_blocks, key_bias_rows, live_lengths, live_rows,
+                                  route_budget, route_cut, BLOCK, LOG2E)
 
 # %% ../../nbs/36_kernels_sol.ipynb #00000e16
 @jit
-def _sol_fwd_kernel(q_ptr, k_ptr, v_ptr, vc_ptr, cm_ptr, ex_ptr, len_ptr, kb_ptr, o_ptr, T, N, log2s, KB_STRIDE,
-                    H: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr, HAS_KB: tl.constexpr, TAIL: tl.constexpr):
-    """One (query block, batch*head) program: online softmax over the exact key blocks and the pooled ones.
-    q/k/v/o [BH, T, D] fp32 (k centred), vc [BH, N, D] block value sums, cm/ex [BH, N, N] pooled logits / flags."""
+def _sol_fwd_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, kv_ptr, vc_ptr, len_ptr, kb_ptr, o_ptr, rt_ptr, cm_ptr, T, N,
+                    log2s, tau, KK, S0, S1, Q0, Q1, KB_STRIDE, H: tl.constexpr, D: tl.constexpr, BLK: tl.constexpr,
+                    NP: tl.constexpr, DC: tl.constexpr, HAS_KB: tl.constexpr, TAIL: tl.constexpr,
+                    TOPK: tl.constexpr, DEBUG: tl.constexpr):
+    """One (query block, batch*head) program: its routing row, then an online softmax over exact and pooled blocks.
+    q/k/v/o [BH, T, D] fp32 (k centred), kc/vc [BH, N, D] centred key means / value sums, kv [BH, D] key-mean
+    variance; with DEBUG the routing row and pooled logits go to rt (int8) / cm (fp32) [BH, N, N]."""
     qb, bh = tl.program_id(0), tl.program_id(1)
-    rows, dd, inb = qb * BLK + tl.arange(0, BLK), tl.arange(0, D), tl.arange(0, BLK)
-    base = bh * T * D
+    rows, dd, inb, jj = qb * BLK + tl.arange(0, BLK), tl.arange(0, D), tl.arange(0, BLK), tl.arange(0, NP)
+    base, jin, nq = bh * T * D, jj < N, tl.load(len_ptr + qb)
+    # pass 1, in D-chunks: the live query rows' centroid, its scores c against every centred key mean, its variance
+    c = tl.zeros((NP,), tl.float32)
+    var = tl.zeros((DC,), tl.float32)
+    for d0 in range(0, D, DC):
+        dc = d0 + tl.arange(0, DC)
+        qc = tl.load(q_ptr + base + rows[:, None] * D + dc[None, :], mask=(inb < nq)[:, None], other=0.0)
+        cen = tl.sum(qc, axis=0) / nq
+        kcc = tl.load(kc_ptr + (bh * N + jj[:, None]) * D + dc[None, :], mask=jin[:, None], other=0.0)
+        c += tl.sum(kcc * cen[None, :], axis=1)
+        var += cen * cen * tl.load(kv_ptr + bh * D + dc)
+    c = c * log2s                                                               # pooled logits c_IJ, log2 units
+    if TOPK:                                                                    # the KK best non-sink blocks
+        ranked = tl.where(jin & ((jj < S0) | (jj >= S1)), c, float('-inf'))
+        kth = tl.max(tl.where(jj == KK - 1, tl.sort(ranked, descending=True), float('-inf')), axis=0)
+        exact = (ranked >= kth) & (KK > 0)
+    else:                                                                       # the tau-sigma threshold
+        exact = c > tau * tl.sqrt(tl.sum(var) * log2s * log2s + 1e-6)
+    exact = exact | ((jj - qb <= 1) & (qb - jj <= 1)) | ((jj >= S0) & (jj < S1)) | ((qb >= Q0) & (qb < Q1))
+    exact = (exact & jin).to(tl.int32)
+    if DEBUG:
+        tl.store(rt_ptr + (bh * N + qb) * N + jj, exact.to(tl.int8), mask=jin)
+        tl.store(cm_ptr + (bh * N + qb) * N + jj, c, mask=jin)
+    # pass 2: the online softmax
     q = tl.load(q_ptr + base + rows[:, None] * D + dd[None, :], mask=(rows < T)[:, None], other=0.0)
     m = tl.full((BLK,), float('-inf'), tl.float32)
     l = tl.zeros((BLK,), tl.float32)
     acc = tl.zeros((BLK, D), tl.float32)
     for j in range(0, N):
-        blk = bh * N * N + qb * N + j
-        if tl.load(ex_ptr + blk) != 0:
+        if tl.sum(tl.where(jj == j, exact, 0)) != 0:
             cols = j * BLK + inb
             live = (cols < T) & (inb < tl.load(len_ptr + j))
             kt = tl.load(k_ptr + base + cols[None, :] * D + dd[:, None], mask=live[None, :], other=0.0)
@@ -45,43 +71,118 @@ def _sol_fwd_kernel(q_ptr, k_ptr, v_ptr, vc_ptr, cm_ptr, ex_ptr, len_ptr, kb_ptr
             acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
             m = m_new
         elif TAIL:
-            c = tl.load(cm_ptr + blk)
-            m_new = tl.maximum(m, c)
-            alpha, w = tl.exp2(m - m_new), tl.exp2(c - m_new)
+            cj = tl.sum(tl.where(jj == j, c, 0.0))
+            m_new = tl.maximum(m, cj)
+            alpha, w = tl.exp2(m - m_new), tl.exp2(cj - m_new)
             l = l * alpha + w * tl.load(len_ptr + j)
             acc = acc * alpha[:, None] + w[:, None] * tl.load(vc_ptr + (bh * N + j) * D + dd)[None, :]
             m = m_new
     out = acc / tl.maximum(l, 1e-30)[:, None]
     tl.store(o_ptr + base + rows[:, None] * D + dd[None, :], out, mask=(rows < T)[:, None])
 
-# %% ../../nbs/36_kernels_sol.ipynb #00000e17
-def sol_attention_kernel(q, k, v, tau=1.0, scale=None, sink_blocks=None, sink_q=None, key_bias=None, topk_ratio=0.0,
-                         tail=True, block_len=None, coarse_gate=None, token_aug=0) -> torch.Tensor:
-    "`cq.sol_attention`'s call and result (within the bound above), the attention itself in one Triton kernel."
+# %% ../../nbs/36_kernels_sol.ipynb #18c00252
+def sol_kernel_run(q, k, v, tau=1.0, scale=None, sink_blocks=None, sink_q=None, key_bias=None, topk_ratio=0.0,
+                   tail=True, block_len=None, coarse_gate=None, token_aug=0, debug=False) -> tuple:
+    "`(out, routing)`: the kernel's result and, with `debug`, its `(B, H, N, N)` exact flags and pooled logits."
     check_sol_inputs(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len, coarse_gate,
                      token_aug, None)
     b, t, h, d = q.shape
     if d < 16 or d & (d - 1): raise ValueError(f'sol_attention_kernel: head dim must be a power of 2 >= 16, got {d}')
     if not triton_available():
         raise RuntimeError('sol_attention_kernel: needs triton and a CUDA GPU or TRITON_INTERPRET=1')
-    plan = sol_plan(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len)
-    n = len(plan['lengths'])
-    heads = lambda x: x.reshape(b * h, *x.shape[2:]).contiguous()                  # (B, H, ...) -> (BH, ...)
-    qh, kh, vh, vch, cm = (heads(plan[x]) for x in ('qh', 'kh', 'vh', 'vch', 'colmean'))
-    ex = heads(plan['exact']).to(torch.int8)
+    n, scale = block_count(t), d ** -0.5 if scale is None else scale
+    (s0, s1), (q0, q1) = tuple(sink_blocks or (0, 0)), tuple(sink_q or (0, 0))
+    fq, fk, fv = q.float(), k.float(), v.float()
+    lengths = live_lengths(t, q.device, block_len)
+    live = live_rows(t, lengths)
+    kc, vc = block_pool(fk, lengths, live, True), block_pool(fv, lengths, live, False)   # O(N D) per head
+    k_mean, kcc, kc_var = centred_key_means(kc)
+    heads = lambda x: x.transpose(1, 2).reshape(b * h, x.shape[1], d).contiguous()   # (B, T|N, H, D) -> (BH, ., D)
+    qh, kh, vh, kch, vch = heads(fq), heads(fk - k_mean), heads(fv), heads(kcc), heads(vc)
     kb = None if key_bias is None else key_bias_rows(key_bias).contiguous()
+    npow = max(16, triton.next_power_of_2(n))
     o = torch.empty(b * h, t, d, device=q.device)
-    _sol_fwd_kernel[(n, b * h)](qh, kh, vh, vch, cm, ex, plan['lengths'], qh if kb is None else kb, o, t, n,
-                                plan['log2s'], 0 if kb is None or kb.shape[0] == 1 else t, H=h, D=d, BLK=BLOCK,
-                                HAS_KB=kb is not None, TAIL=bool(tail))
+    rt = torch.zeros(b * h, n, n, dtype=torch.int8, device=q.device) if debug else o
+    cm = torch.zeros(b * h, n, n, device=q.device) if debug else o
+    _sol_fwd_kernel[(n, b * h)](qh, kh, vh, kch, kc_var.reshape(b * h, d).contiguous(), vch, lengths,
+                                qh if kb is None else kb, o, rt, cm, t, n, scale * LOG2E, float(tau),
+                                route_budget(n, topk_ratio, (s0, s1)) if topk_ratio else 0, s0, s1, q0, q1,
+                                0 if kb is None or kb.shape[0] == 1 else t, H=h, D=d, BLK=BLOCK, NP=npow,
+                                DC=min(d, max(1, 4096 // npow)), HAS_KB=kb is not None, TAIL=bool(tail),
+                                TOPK=bool(topk_ratio), DEBUG=debug)
     out = o.view(b, h, t, d).transpose(1, 2).to(v.dtype).contiguous()
-    if coarse_gate is not None: add_coarse(out, plan, coarse_gate, d ** -0.5 if scale is None else scale)
-    return out
+    if coarse_gate is not None:
+        pooled = dict(lengths=lengths, centroid=block_pool(fq, lengths, live, True), kc=kc, vc=vc)
+        add_coarse(out, pooled, coarse_gate, scale)
+    return out, (rt.view(b, h, n, n).bool(), cm.view(b, h, n, n)) if debug else None
+
+# %% ../../nbs/36_kernels_sol.ipynb #00000e17
+def sol_attention_kernel(q, k, v, tau=1.0, scale=None, sink_blocks=None, sink_q=None, key_bias=None, topk_ratio=0.0,
+                         tail=True, block_len=None, coarse_gate=None, token_aug=0) -> torch.Tensor:
+    "`cq.sol_attention`'s call and result (within the bound above), routing and attention in one Triton kernel."
+    return sol_kernel_run(q, k, v, tau, scale, sink_blocks, sink_q, key_bias, topk_ratio, tail, block_len,
+                          coarse_gate, token_aug)[0]
+
+# %% ../../nbs/36_kernels_sol.ipynb #fd45a73d
+ROUTE_TOL = 1e-4    # a routing flip is explained when the reference's margin is below ROUTE_TOL x its scale
+
+def route_margins(q, plan, tau=1.0, sink_blocks=None, sink_q=None, topk_ratio=0.0, **_) -> tuple:
+    "`(margin, tol)` `(B, H, N, N)`: how far the reference's score is from flipping (inf: forced), the tolerance."
+    c, n, log2s = plan['colmean'], len(plan['lengths']), plan['log2s']
+    sinks, sink_q = tuple(sink_blocks or (0, 0)), tuple(sink_q or (0, 0))
+    _, kcc, kc_var = centred_key_means(plan['kc'])
+    cut = route_cut(c, plan['centroid'], kc_var, log2s, tau, topk_ratio, sinks)
+    if topk_ratio:                                  # top-k: the cut lies between the k-th score and the next one
+        left_out = c < cut
+        left_out[..., sinks[0]:sinks[1]] = False
+        below = c.masked_fill(~left_out, float('-inf')).amax(-1, keepdim=True)
+        margin = torch.where(c >= cut, c - below, cut - c)
+    else:
+        margin = (c - cut).abs()
+    qa = block_pool(q.float().abs(), plan['lengths'], live_rows(q.shape[1], plan['lengths']), True)
+    a = torch.einsum('bihd,bjhd->bhij', qa, kcc.abs()) * log2s        # mean over I's rows of sum_d |q_d kcc_Jd|
+    tol = ROUTE_TOL * (a + a.amax(-1, keepdim=True) + torch.where(cut.isfinite(), cut.abs(), 0.0))
+    return margin.masked_fill(forced_blocks(n, sinks, sink_q, q.device), float('inf')), tol
+
+# %% ../../nbs/36_kernels_sol.ipynb #3d40d286
+PLAN_OPTIONS = ('tau', 'scale', 'sink_blocks', 'sink_q', 'key_bias', 'topk_ratio', 'tail', 'block_len')
+
+def sol_kernel_report(q, k, v, **options) -> dict:
+    "Kernel vs reference: routing flips, those outside the tolerance, pooled logit error / tol, output error / bound."
+    out, (exact, pooled) = sol_kernel_run(q, k, v, debug=True, **options)
+    plan = sol_plan(q, k, v, **{o: x for o, x in options.items() if o in PLAN_OPTIONS})
+    margin, tol = route_margins(q, plan, **options)
+    flips = exact != plan['exact']
+    plan['exact'] = exact                                     # the reference's arithmetic on the kernel's routing
+    ref = plan_attention(plan, v.dtype)
+    if options.get('coarse_gate') is not None:
+        add_coarse(ref, plan, options['coarse_gate'], options.get('scale') or q.shape[-1] ** -0.5)
+    live = live_rows(q.shape[1], plan['lengths'])
+    out, ref = out.float(), ref.float()
+    bound = 1e-5 * v.float().abs().max() + torch.finfo(v.dtype).eps * ref.abs()
+    unexplained = int((flips & (margin > tol)).sum())
+    pooled = ((pooled - plan['colmean']).abs() / tol.clamp_min(1e-30)).max().item()
+    return dict(flips=int(flips.sum()), unexplained=unexplained, pooled=pooled,
+                routing_ok=unexplained == 0 and pooled <= 1, err=((out - ref).abs() / bound)[:, live].max().item())
 
 # %% ../../nbs/36_kernels_sol.ipynb #00000e1a
 def sol_kernel_error(q, k, v, **options) -> float:
-    "max over live rows of |kernel - reference| / (1e-5 max|v| + eps |reference|): <= 1 is within the bound."
-    out, ref = sol_attention_kernel(q, k, v, **options).float(), sol_attention(q, k, v, **options).float()
-    live = live_rows(q.shape[1], live_lengths(q.shape[1], q.device, options.get('block_len')))
-    bound = 1e-5 * v.float().abs().max() + torch.finfo(v.dtype).eps * ref.abs()
-    return ((out - ref).abs() / bound)[:, live].max().item()
+    "Output error / bound over the live rows (<= 1: within), inf if a routing flip or pooled logit is out of tolerance."
+    r = sol_kernel_report(q, k, v, **options)
+    return r['err'] if r['routing_ok'] else float('inf')
+
+# %% ../../nbs/36_kernels_sol.ipynb #448a6c20
+def threshold_edge_qkv(t:int=320, h:int=4, d:int=64, seed:int=0) -> tuple:
+    "fp32 `(q, k, v)` `(1, t, h, d)` whose query centroids are orthogonal to every off-band centred key mean."
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, t, h, d, generator=g) for _ in range(3))
+    lengths = live_lengths(t)
+    _, kcc, _ = centred_key_means(block_pool(k.double(), lengths.double(), live_rows(t, lengths), True))
+    q, n = q.double(), len(lengths)
+    for i in range(n):
+        far = [j for j in range(n) if abs(i - j) > 1]
+        for hh in range(h if far else 0):
+            basis = torch.linalg.qr(kcc[0, far, hh].T)[0]                # (D, far): their span, orthonormal
+            rows = q[0, i * BLOCK:(i + 1) * BLOCK, hh]
+            rows -= (rows @ basis) @ basis.T
+    return q.float(), k, v
