@@ -49,14 +49,25 @@ def row_blocks(rows:int, cols:int, elems:int|None=None) -> list:
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #9f05e3f0
 def _err(ref:torch.Tensor, approx:torch.Tensor) -> tuple:
-    "(Σref², Σ(ref-approx)², max|ref-approx|) in float64, row block by row block."
-    sig = noise = mx = 0.0
+    "(Σref², Σ(ref-approx)², max|ref-approx|): per-row fp32 sums of fp32 squares added in float64, row block by row block."
     if ref.dim() == 0: ref, approx = ref.reshape(1), approx.reshape(1)
-    for i, j in row_blocks(ref.shape[0], ref[0].numel(), 1 << 18):
-        r = ref[i:j].float(); e = r - approx[i:j].float()
-        sig += float(r.square().sum(dtype=torch.float64)); noise += float(e.square().sum(dtype=torch.float64))
-        mx = max(mx, float(e.abs().max()) if e.numel() else 0.0)
-    return sig, noise, mx
+    if ref.numel() == 0: return 0.0, 0.0, 0.0
+    ref, approx = ref.reshape(ref.shape[0], -1), approx.reshape(approx.shape[0], -1)
+    blocks = row_blocks(ref.shape[0], ref.shape[1], 1 << 18)
+    R, dev = blocks[0][1], ref.device
+    rb, eb, sq = (torch.empty(R, ref.shape[1], dtype=torch.float32, device=dev) for _ in range(3))
+    acc, mx = torch.zeros(2, dtype=torch.float64, device=dev), torch.zeros((), dtype=torch.float32, device=dev)
+    for i, j in blocks:
+        r, e, s = rb[:j - i], eb[:j - i], sq[:j - i]
+        r.copy_(ref[i:j])
+        if approx.dtype == torch.float32: torch.sub(approx[i:j], r, out=e)
+        else: e.copy_(approx[i:j]).sub_(r)
+        acc[0] += torch.square(r, out=s).sum(1).sum(dtype=torch.float64)
+        acc[1] += torch.square(e, out=s).sum(1).sum(dtype=torch.float64)
+        lo, hi = torch.aminmax(e)
+        mx = torch.maximum(mx, torch.maximum(-lo, hi))
+    sig, noise = acc.tolist()
+    return sig, noise, float(mx)
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #59ce45b8
 def quantize_rows(w:torch.Tensor, # float weight [N, K]
