@@ -1,5 +1,4 @@
 # A/B of quantize_checkpoint's SQNR cost: python bench/ab_sqnr.py CODE_DIR [CODE_DIR ...] (the source: bench_checkpoint.make_source('/tmp/pipe2/src300.safetensors', 0.3, 3072))
-# usage: python ab.py CODE_DIR ... : time quantize_checkpoint SQNR off/on, best of 2, each code in a child process
 import subprocess, sys, json
 src = sys.argv[1] if sys.argv[1].endswith('.safetensors') else '/tmp/pipe2/src300.safetensors'
 if sys.argv[1].endswith('.safetensors'): sys.argv.pop(1)
@@ -10,7 +9,7 @@ from cquant.convert import quantize_checkpoint
 from cquant.policy import Policy
 p = Policy('int4_mixed', preset='none'); r = {}
 for m in (False, True, False, True):
-    t = time.perf_counter(); rep = quantize_checkpoint(sys.argv[2], '/tmp/pipe2/ab_out.safetensors', p, progress=False, measure=m)
+    t = time.perf_counter(); rep = quantize_checkpoint(sys.argv[2], sys.argv[2] + '.ab_out.safetensors', p, progress=False, measure=m)
     r.setdefault(str(m), []).append(time.perf_counter() - t)
     if m: r['sqnr_db'] = rep.totals['sqnr_db']
 print(json.dumps(r))
