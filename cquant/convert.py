@@ -8,7 +8,7 @@ Docs: https://cquant-dev.github.io/cquant/quantize_checkpoint.html.md"""
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #02a0f22e
 from __future__ import annotations
-import ctypes, dataclasses, json, math, os, sys, tempfile, time, warnings
+import ctypes, dataclasses, json, math, os, sys, tempfile, threading, time, warnings
 from dataclasses import dataclass, field
 import torch
 from .tensor import FORMATS, QuantizedTensor, check_finite, encode_json, format_color, get_format, quantize, same_bits
@@ -49,14 +49,25 @@ def row_blocks(rows:int, cols:int, elems:int|None=None) -> list:
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #9f05e3f0
 def _err(ref:torch.Tensor, approx:torch.Tensor) -> tuple:
-    "(Σref², Σ(ref-approx)², max|ref-approx|) in float64, row block by row block."
-    sig = noise = mx = 0.0
+    "(Σref², Σ(ref-approx)², max|ref-approx|): per-row fp32 sums of fp32 squares added in float64, row block by row block."
     if ref.dim() == 0: ref, approx = ref.reshape(1), approx.reshape(1)
-    for i, j in row_blocks(ref.shape[0], ref[0].numel(), 1 << 18):
-        r = ref[i:j].float(); e = r - approx[i:j].float()
-        sig += float(r.square().sum(dtype=torch.float64)); noise += float(e.square().sum(dtype=torch.float64))
-        mx = max(mx, float(e.abs().max()) if e.numel() else 0.0)
-    return sig, noise, mx
+    if ref.numel() == 0: return 0.0, 0.0, 0.0
+    ref, approx = ref.reshape(ref.shape[0], -1), approx.reshape(approx.shape[0], -1)
+    blocks = row_blocks(ref.shape[0], ref.shape[1], 1 << 18)
+    R, dev = blocks[0][1], ref.device
+    rb, eb, sq = (torch.empty(R, ref.shape[1], dtype=torch.float32, device=dev) for _ in range(3))
+    acc, mx = torch.zeros(2, dtype=torch.float64, device=dev), torch.zeros((), dtype=torch.float32, device=dev)
+    for i, j in blocks:
+        r, e, s = rb[:j - i], eb[:j - i], sq[:j - i]
+        r.copy_(ref[i:j])
+        if approx.dtype == torch.float32: torch.sub(approx[i:j], r, out=e)
+        else: e.copy_(approx[i:j]).sub_(r)
+        acc[0] += torch.square(r, out=s).sum(1).sum(dtype=torch.float64)
+        acc[1] += torch.square(e, out=s).sum(1).sum(dtype=torch.float64)
+        lo, hi = torch.aminmax(e)
+        mx = torch.maximum(mx, torch.maximum(-lo, hi))
+    sig, noise = acc.tolist()
+    return sig, noise, float(mx)
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #59ce45b8
 def quantize_rows(w:torch.Tensor, # float weight [N, K]
@@ -424,11 +435,11 @@ def _rounding_fields(wt:torch.Tensor, d, rk:dict, x:torch.Tensor|None, out:dict)
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #f53ba81c
 def _quantize_layer(w:StreamingWriter, ck:Checkpoint, key:str, m:str, d, layers, cal, old:list, measure:bool,
-                    device='cpu') -> LayerRow:
+                    device='cpu', weight:torch.Tensor|None=None) -> LayerRow:
     """Quantize weight `key` of layer `m` as `d` says (calibrated by `cal`, a `Calibration` or None) on `device` into
-    `w`; its row. `old`: the keys of its old quantization, dropped."""
+    `w`; its row. `old`: the keys of its old quantization, dropped; `weight`: the layer's weight already read."""
     prefix, info = m + '.' if m else '', ck.info(key)
-    wt, extras = layers.weight(m), {}
+    wt, extras = layers.weight(m) if weight is None else weight, {}
     if cal is not None: wt, extras = cal.layer(m, d.format, wt)
     x = None if cal is None else cal.layer_inputs(m, extras)
     rk = rounding_kwargs(m, d.rounding, x, d.format)
@@ -447,6 +458,72 @@ def _quantize_layer(w:StreamingWriter, ck:Checkpoint, key:str, m:str, d, layers,
     return _plan_row(m, d, info, before, out['bytes'], (out['sig'], out['noise'], out['max_abs']) if measure else None,
                      config=out['config'], smoothed='pre_quant_scale' in extras,
                      input_scale=float(extras['input_scale']) if 'input_scale' in extras else None, **more)
+
+# %% ../nbs/17_quantize_checkpoint.ipynb #f1aaa6e8
+class _Prefetcher:
+    """Read the weights of `names` (in that order) in a background thread, at most `budget` bytes held at once, and
+    stage each on `device` (CUDA: pinned double buffers and a side stream); `get` them in order, `release` each."""
+    def __init__(self, read, # name -> host float tensor (`LayerSource.weight`)
+                 names:list, # the layers, in the order `get` will ask for them
+                 nbytes:dict, # name -> bytes its weight holds
+                 device='cpu', # where `get` hands the weights over
+                 budget:int|None=None): # bytes held at most (the weight in use included; default 1.5x the largest)
+        self.read, self.names, self.nbytes, self.device = read, list(names), nbytes, torch.device(device)
+        self.budget = budget if budget is not None else max(nbytes.values(), default=0) * 3 // 2
+        self.cv, self.ready, self.held, self.peak, self.error, self.stopped = threading.Condition(), {}, 0, 0, None, False
+        self.cuda = self.device.type == 'cuda'
+        if self.cuda: self.stream, self.pins, self.events, self.turn = torch.cuda.Stream(self.device), [None, None], [None, None], 0
+        self.thread = threading.Thread(target=self._run, name='cquant-prefetch', daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            for m in self.names:
+                n = self.nbytes[m]
+                with self.cv:
+                    self.cv.wait_for(lambda: self.stopped or self.held == 0 or self.held + n <= self.budget)
+                    if self.stopped: return
+                    self.held += n; self.peak = max(self.peak, self.held)
+                staged = self._stage(self.read(m))
+                with self.cv: self.ready[m] = staged; self.cv.notify_all()
+        except BaseException as e:
+            with self.cv: self.error = e; self.cv.notify_all()
+
+    def _stage(self, w:torch.Tensor) -> tuple:
+        "(the weight on the device, the event its copy records); on the CPU (w, None)."
+        if not self.cuda or w.device.type == 'cuda': return w, None
+        b, nb = self.turn, w.numel() * w.element_size()
+        self.turn ^= 1
+        if self.events[b] is not None: self.events[b].synchronize()       # the last copy out of this buffer is done
+        if self.pins[b] is None or self.pins[b].numel() < nb: self.pins[b] = torch.empty(nb, dtype=torch.uint8, pin_memory=True)
+        pin = self.pins[b][:nb].view(w.dtype).reshape(w.shape)
+        pin.copy_(w)
+        with torch.cuda.stream(self.stream):
+            d = pin.to(self.device, non_blocking=True)
+            ev = self.events[b] = torch.cuda.Event()
+            ev.record(self.stream)
+        return d, ev
+
+    def get(self, m:str) -> torch.Tensor:
+        "The weight of `m` on the device (waits for its read and copy)."
+        with self.cv:
+            self.cv.wait_for(lambda: m in self.ready or self.error is not None)
+            if m not in self.ready: raise self.error
+            t, ev = self.ready.pop(m)
+        if ev is not None:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_event(ev); t.record_stream(cur)
+        return t
+
+    def release(self, m:str):
+        "Weight `m` is done: its bytes no longer count against the budget."
+        with self.cv: self.held -= self.nbytes[m]; self.cv.notify_all()
+
+    def close(self):
+        with self.cv: self.stopped = True; self.ready.clear(); self.cv.notify_all()
+        self.thread.join()
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.close()
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #368ea846
 def check_device(device, caller:str) -> torch.device:
@@ -485,6 +562,12 @@ def _placed_bytes(ck:Checkpoint, keys:dict, d, drop) -> int:
     try: w = math.prod(spec.layout.storage_shape(tuple(d.shape), opts)) * torch.empty(0, dtype=spec.storage_dtype).element_size()
     except Exception: w = ck.info(keys['weight']).nbytes      # a shape the layout does not size (a bank): the source's
     return rest + w * 5 // 4 + 4096
+
+# %% ../nbs/17_quantize_checkpoint.ipynb #a38e7bd3
+def _weight_host_bytes(info) -> int:
+    "Bytes of a layer's weight as `LayerSource.weight` returns it (fp8 upcast to bf16, a quantized one dequantized in fp32)."
+    if info.source_format is not None or info.dtype is None: return math.prod(info.shape) * 4
+    return math.prod(info.shape) * max(2, torch.empty(0, dtype=info.dtype).element_size())
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #18e66f85
 def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors file, or a sharded folder / its index
@@ -525,7 +608,10 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
              else StreamingWriter(dst, meta, reserve=reserve))
         mod_bytes = {m: _placed_bytes(ck, keys, plan.get(m), drop.get(m, ())) for m, keys in groups.items()}
         ck.start_hashing()                          # the sources' SHA-256, fed by the reads below (file order)
-        with w, tqdm(total=sum(ck.info(k).nbytes for k in ck), unit='B', unit_scale=True, unit_divisor=1024,
+        todo = [m for m, s in map(split_key, ck.file_order()) if s == 'weight' and (d := plan.get(m)) is not None and d.format]
+        pf = _Prefetcher(layers.weight, todo, {m: _weight_host_bytes(layers.infos[m]) for m in todo},
+                         device if cal is None else 'cpu')     # calibration adjusts the weight on the host first
+        with pf, w, tqdm(total=sum(ck.info(k).nbytes for k in ck), unit='B', unit_scale=True, unit_divisor=1024,
                      desc='quantize', disable=not progress, file=sys.stderr, leave=False) as bar:
             for n, key in enumerate(ck.file_order()):
                 info = ck.info(key); before += info.nbytes
@@ -536,7 +622,8 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                     bar.set_postfix_str(f'{n + 1}/{len(ck)} tensors, {m}: {d.label}'
                                         + ('' if d.rounding == 'nearest' else f' ({d.rounding})'))
                     rows[m] = _quantize_layer(w, ck, key, m, d, layers, cal, [groups[m][x] for x in drop[m]], measure,
-                                                device)
+                                                device, pf.get(m))
+                    pf.release(m)
                 elif d is not None and d.format and s in drop[m]: pass
                 else:
                     w.add(key, ck[key])

@@ -1,6 +1,6 @@
 """Provenance in every output header (cquant version, policy, the sources' names, sizes and SHA-256 computed in
 the one streaming read, a per-layer summary), shown by `cquant inspect`; `hash_output` / `--hash-output`."""
-import hashlib, json, os, subprocess, sys, time, warnings
+import hashlib, json, os, subprocess, sys, threading, time, warnings
 from pathlib import Path
 
 import pytest
@@ -88,13 +88,17 @@ def test_stream_reads_each_source_byte_once(src, tmp_path, monkeypatch):
     hashed, reads = [], []
     orig_finish, orig_read = C._FileHasher.finish, C.Checkpoint._read
     def finish(self): r = orig_finish(self); hashed.append(self.hashed); return r
-    def read(self, key, i): reads.append(key); return orig_read(self, key, i)
+    def read(self, key, i, out=None): reads.append((threading.current_thread().name, key)); return orig_read(self, key, i, out)
     monkeypatch.setattr(C._FileHasher, 'finish', finish)
     monkeypatch.setattr(C.Checkpoint, '_read', read)
     quiet_quantize(src, tmp_path / 'q.safetensors', POL, measure=False)
     assert hashed == [os.path.getsize(src)]
     with open_checkpoint(src) as ck: big = [k for k in ck.file_order() if ck.info(k).nbytes > 1024]
-    assert [k for k in reads if k in big] == big        # small entries (JSON, scales) are also read by the scan
+    got = [k for _, k in reads if k in big]                  # small entries (JSON, scales) are also read by the scan
+    assert sorted(got) == sorted(big)                        # each tensor read once
+    for t in {t for t, _ in reads}:                          # the reader thread reads the quantized weights ahead,
+        mine = [k for n, k in reads if n == t and k in big]   # the main thread the rest: each thread in file order
+        assert mine == [k for k in big if k in mine], t
 
 
 def test_sharded_source_hashes_every_shard(tmp_path):
