@@ -65,6 +65,7 @@ def _grid_table(levels:tuple, per_byte:bool, device) -> torch.Tensor:
         b = torch.arange(256)
         q = torch.stack([q[:, b & 15], q[:, b >> 4]], -1).contiguous().view(torch.int16)
     return q.reshape(-1).to(device)
+
 @functools.lru_cache(maxsize=16)
 def _pair_table6(levels:tuple, device) -> torch.Tensor:
     "6 bits: int16 pairs of int8 grid values for every (s_rel byte, 12-bit column-pair code = low-plane byte | 4 high bits << 8)."
@@ -73,7 +74,6 @@ def _pair_table6(levels:tuple, device) -> torch.Tensor:
     lo, hi = p & 0xFF, p >> 8
     even, odd = (lo & 15) | ((hi & 3) << 4), (lo >> 4) | ((hi >> 2) << 4)
     return torch.stack([g[:, even], g[:, odd]], -1).contiguous().view(torch.int16).reshape(-1).to(device)
-
 
 # %% ../nbs/07_w4a8.ipynb #20d8c64d
 def _grid_rows(q, s, bits, lv, G):
@@ -169,7 +169,6 @@ def dequantize_w4a8(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
         _parallel_rows(lambda a, c: blk(i + a, i + c, b[a:c]), j - i, K, qdata.device)
         torch.mm(b.view(-1, convrot_groupsize), H, out=wr[i:j].view(-1, convrot_groupsize))
     return wr
-
 
 # %% ../nbs/07_w4a8.ipynb #00a0859c
 def w4a8_linear(x:torch.Tensor, # activations [..., K]
