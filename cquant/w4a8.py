@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from .tensor import ValueRule, int8_compute
 from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, check_2d, Grid
-from .numerics import absmax, rotate, pack_uint4, unpack_uint4, pack_6bit, unpack_6bit, is_power_of_4
+from .numerics import absmax, rotate, hadamard, pack_uint4, unpack_uint4, pack_6bit, unpack_6bit, unpack_nibbles, is_power_of_4
 from .int8 import int8_linear, _row_blocks, _rotation_blocks
 
 # %% auto #0
@@ -66,6 +66,15 @@ def _grid_table(levels:tuple, per_byte:bool, device) -> torch.Tensor:
         q = torch.stack([q[:, b & 15], q[:, b >> 4]], -1).contiguous().view(torch.int16)
     return q.reshape(-1).to(device)
 
+@functools.lru_cache(maxsize=16)
+def _pair_table6(levels:tuple, device) -> torch.Tensor:
+    "6 bits: int16 pairs of int8 grid values for every (s_rel byte, 12-bit column-pair code = low-plane byte | 4 high bits << 8)."
+    g = _grid_table(levels, False, torch.device('cpu')).view(256, 64)              # [s_rel byte, 6-bit code]
+    p = torch.arange(4096)
+    lo, hi = p & 0xFF, p >> 8
+    even, odd = (lo & 15) | ((hi & 3) << 4), (lo >> 4) | ((hi >> 2) << 4)
+    return torch.stack([g[:, even], g[:, odd]], -1).contiguous().view(torch.int16).reshape(-1).to(device)
+
 # %% ../nbs/07_w4a8.ipynb #20d8c64d
 def _grid_rows(q, s, bits, lv, G):
     "The int8 grid values of a block of rows: int8 [R, K]."
@@ -76,6 +85,12 @@ def _grid_rows(q, s, bits, lv, G):
             tab = _grid_table(tuple(lv.tolist()), True, q.device)
             ix = (sb * 256)[..., None] + q.view(torch.uint8).view(R, Gn, G // 2)
             return tab.index_select(0, ix.view(-1)).view(torch.int8).view(R, Gn * G)
+        if bits == 6 and sys.byteorder == 'little':                 # one lookup per column pair
+            K, u = Gn * G, q.view(torch.uint8)
+            hi = unpack_nibbles(u[:, K // 2:], hi_first=False).view(R, Gn, G // 2)   # the pair's 2+2 high bits
+            ix = (sb << 12)[..., None] + (hi.to(torch.int32) << 8)
+            ix += u[:, :K // 2].view(R, Gn, G // 2)                                   # the pair's low-plane byte
+            return _pair_table6(tuple(lv.tolist()), q.device).index_select(0, ix.view(-1)).view(torch.int8).view(R, K)
         c = unpack_6bit(q) if bits == 6 else unpack_uint4(q)
         tab = _grid_table(tuple(lv.tolist()), False, q.device)
         ix = (sb * (1 << bits))[..., None] + c.view(R, Gn, G)
@@ -139,15 +154,20 @@ def dequantize_w4a8(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
     sc = s_channel.to(device=qdata.device, dtype=torch.float32)
     corr = None if correction is None else correction.to(qdata.device).t()
     wr = torch.empty(N, K, dtype=dtype, device=qdata.device)
-    def blk(i, j):
-        v = torch.mul(_grid_rows(qdata[i:j], s_rel[i:j], bits, lv, group_size).view(j - i, Gn, group_size),
-                      sc[i:j, None, None])
-        if corr is not None: v.add_(corr[i:j, :, None].float())
-        wr[i:j] = v.view(j - i, K)
-    _parallel_rows(blk, N, K, qdata.device)
-    if qdata.device.type != 'cpu': return rotate(wr, convrot_groupsize, as_weight=True)
-    for i, j in _rotation_blocks(N, K, convrot_groupsize):   # cache-sized blocks: each the same GEMM as kitchen's
-        wr[i:j] = rotate(wr[i:j], convrot_groupsize, as_weight=True)
+    def blk(i, j, dst):
+        g = _grid_rows(qdata[i:j], s_rel[i:j], bits, lv, group_size).view(j - i, Gn, group_size)
+        if corr is None: torch.mul(g, sc[i:j, None, None], out=dst.view(j - i, Gn, group_size))   # fp32, rounded once
+        else: dst.copy_(torch.mul(g, sc[i:j, None, None]).add_(corr[i:j, :, None].float()).view(j - i, K))
+    if qdata.device.type != 'cpu':
+        _parallel_rows(lambda i, j: blk(i, j, wr[i:j]), N, K, qdata.device)
+        return rotate(wr, convrot_groupsize, as_weight=True)
+    H = hadamard(convrot_groupsize, dtype).T                  # rotate()'s operand: the same GEMM as kitchen's
+    blocks = _rotation_blocks(N, K, convrot_groupsize)
+    buf = torch.empty(max(j - i for i, j in blocks) * K, dtype=dtype)
+    for i, j in blocks:   # decode a cache-sized block, then rotate it straight into the output
+        b = buf[:(j - i) * K].view(j - i, K)
+        _parallel_rows(lambda a, c: blk(i + a, i + c, b[a:c]), j - i, K, qdata.device)
+        torch.mm(b.view(-1, convrot_groupsize), H, out=wr[i:j].view(-1, convrot_groupsize))
     return wr
 
 # %% ../nbs/07_w4a8.ipynb #00a0859c
