@@ -173,7 +173,7 @@ def gptq_codes(grid:Grid, # the format's rounding
     return Q, (scales if scales is not None else found)
 
 # %% ../nbs/23_rounding.ipynb #3eadf132
-GPTQ_ACTIVATIONS = ('float', 'noise', 'runtime')   # the inputs GPTQ's objective uses, see `gptq_rounding`
+GPTQ_ACTIVATIONS = ('float', 'runtime', 'asymmetric', 'noise')   # the inputs GPTQ's objective uses, see `gptq_rounding`
 
 def runtime_target(grid:Grid, # the format's rounding, with `runtime_inputs`
                    x:torch.Tensor, # calibration inputs [M, K] (checked by `gptq_hessian`)
@@ -181,12 +181,12 @@ def runtime_target(grid:Grid, # the format's rounding, with `runtime_inputs`
                    H:torch.Tensor, # `gptq_hessian` of x
                    activations:str, damp:float=GPTQ_DAMP,
                   ) -> tuple: # (Hessian to round under, fp64 [K', K']; target weight in the basis, fp32 [N, K'])
-    "GPTQ's Hessian and target when the format's linear rounds the activations (`activations` 'noise' or 'runtime')."
+    "GPTQ's Hessian and target when the format's linear rounds the activations (`activations` other than 'float')."
     xb, xr = grid.inputs(x).double(), grid.runtime_inputs(x).double()
     n = x.shape[0]
-    if activations == 'noise':
-        return H + torch.diag((xr - xb).square_().sum(0) / n), wb
+    if activations == 'noise': return H + torch.diag((xr - xb).square_().sum(0) / n), wb
     Hr = xr.T @ xr / n
+    if activations == 'runtime': return Hr, wb
     lam = damp * float(torch.diag(Hr).mean()) * torch.eye(Hr.shape[0], dtype=Hr.dtype, device=Hr.device)
     return Hr, torch.linalg.solve(Hr + lam, (xr.T @ xb / n + lam) @ wb.double().T).T.float()
 
@@ -196,7 +196,7 @@ def gptq_rounding(spec:FormatSpec, w:torch.Tensor, opts:dict, calibration=None, 
                   damp:float=GPTQ_DAMP, block:int=GPTQ_BLOCK, act_order:bool=False, activations:str='float') -> tuple:
     """rounding='gptq': error-compensating column rounding on the layer's inputs, in the format's basis; with
     `act_order`, columns of larger Hessian diagonal first where the scales are fixed (per row, per tensor);
-    `activations`: 'float' (the inputs as given), 'noise' or 'runtime' (as the format's linear rounds them)."""
+    `activations`: 'float' (the inputs as given), or 'runtime' / 'asymmetric' / 'noise' (as its linear rounds them)."""
     if activations not in GPTQ_ACTIVATIONS:
         raise format_error('', 'gptq activations', f"one of {GPTQ_ACTIVATIONS}", repr(activations))
     if calibration is None:
