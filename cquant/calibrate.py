@@ -372,12 +372,17 @@ class Calibration:
                  smoothing:bool=True, # NVFP4: search pre_quant_scale
                  search:bool=True, # FP8/NVFP4: the clip scale only where it beats the safe one by 0.5 dB (`calibrate_layer`)
                  max_rows:int=512, # rows per layer kept for the searches (batches only)
+                 sequential:bool=False, # data-aware layers (GPTQ): inputs from the model as quantized so far (batches only)
                 ):
         if method not in ('amax', 'percentile', 'mse'):
             raise ValueError(f"Calibration: method must be 'amax', 'percentile' or 'mse', got {method!r}")
         self.method, self.percentile, self.pow2, self.max_rows = method, percentile, pow2, max_rows
         self.smoothing, self.search = smoothing, search
         given = isinstance(data, dict)
+        if sequential and given:
+            raise ValueError("Calibration: sequential=True re-runs the model before each GPTQ layer, so it needs "
+                             "batches for the model, not {layer: inputs}")
+        self.sequential = bool(sequential)
         self.batches = None if given else list(data)          # kept: every `prepare` runs them again
         self.inputs, self.stats = (dict(data) if given else None), None
 
@@ -405,10 +410,15 @@ class Calibration:
         if x is None and st is None: return weight, {}
         return calibrate_layer(fmt, weight, x, st, self.method, self.percentile, self.pow2, self.smoothing, self.search)
 
-    def layer_inputs(self, name:str, extras:dict|None=None) -> torch.Tensor|None:
-        "The kept inputs of layer `name` as its stored weight sees them (times its pre_quant_scale when smoothed), or None."
-        x, p = (self.inputs or {}).get(name), (extras or {}).get('pre_quant_scale')
+    def layer_inputs(self, name:str, extras:dict|None=None, x:torch.Tensor|None=None) -> torch.Tensor|None:
+        "The kept inputs of layer `name` (or `x`) as its stored weight sees them (times its pre_quant_scale when smoothed), or None."
+        x, p = (self.inputs or {}).get(name) if x is None else x, (extras or {}).get('pre_quant_scale')
         return x if x is None or p is None else x * p.to(x)
+
+    def current_inputs(self, model:nn.Module, name:str) -> torch.Tensor|None:
+        "With `sequential`: layer `name`'s inputs in `model` as it is now (earlier layers quantized); else None."
+        if not self.sequential or self.batches is None: return None
+        return collect_inputs(model, self.batches, {name}, self.max_rows).get(name)
 
 # %% ../nbs/15_calibrate.ipynb #ba0d07fd
 def rounding_kwargs(name:str, # the layer
@@ -457,6 +467,7 @@ def quantize_model(model:nn.Module, # a float model, quantized in place
                                                           keep)
     for mod, (fmt, opts, fpmm) in plan.items():
         if fmt is None: continue
+        seen = calibration.current_inputs(model, mod) if calibration is not None and mod in keep else None
         m = submodule(model, mod)
         if m is None:
             raise KeyError(f"quantize_model: the plan names {mod!r}, which is not a module of {type(model).__name__}")
@@ -470,6 +481,6 @@ def quantize_model(model:nn.Module, # a float model, quantized in place
             if w is not w0: q.weight = nn.Parameter(w, requires_grad=False)     # smoothed: W / pre_quant_scale
         opts.setdefault('stochastic_rounding', stochastic_rounding)
         q.quantize_(fmt, full_precision_matrix_mult=fpmm, **opts, 
-                   **rounding_kwargs(mod, roundings[mod], calibration and calibration.layer_inputs(mod, extras), fmt))
+                   **rounding_kwargs(mod, roundings[mod], calibration and calibration.layer_inputs(mod, extras, seen), fmt))
         for k, t in extras.items(): setattr(q, k, t.to(q.weight.device))
     return model

@@ -345,9 +345,11 @@ def int8_grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
     def codes(wb, s): return (wb / s).round_().clamp_(-128.0, 127.0)
     def pack(wb, scales):
         return codes(wb, scales[0]).to(torch.int8), Int8Params(tuple(w.shape), w.dtype, scales[0], per_row, rot, g)
+    inputs = (lambda x: rotate(x.float(), g)) if rot else as_fp32
+    def runtime(x): q, sx = quantize_rows_int8(inputs(x)); return q.float() * sx    # `int8_linear`: per-token INT8
     return Grid(w.shape[1] if per_row else None, scale, lambda c, s: codes(c, s) * s, pack,
                 (lambda v: rotate(v.float(), g, as_weight=True)) if rot else as_fp32,
-                (lambda x: rotate(x.float(), g)) if rot else as_fp32, tensor_scale=not per_row)
+                inputs, tensor_scale=not per_row, runtime_inputs=runtime)
 
 # %% ../nbs/05_int8.ipynb #bfc4ac49
 INT8_TENSORWISE = register_format(FormatSpec(

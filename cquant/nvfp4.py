@@ -267,8 +267,10 @@ def nvfp4_grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
         bs = torch.cat(scales, dim=1)
         return nvfp4_encode(wb, s, bs), NVFP4Params(tuple(w.shape), w.dtype, s, to_blocked(bs))
     pad = lambda x: F.pad(x.float(), (0, round_up(x.shape[-1], _GROUP) - x.shape[-1]))
+    def runtime(x):                   # `nvfp4_linear` with a dynamic global scale (a calibrated one is close to it)
+        return pad(nvfp4_dequantize(*nvfp4_quantize(x.float(), None), torch.float32, tuple(x.shape)))
     return Grid(_GROUP, scale, nearest, pack, lambda v: pad_to_multiple(v.float(), _GROUP, _GROUP), pad,
-                tensor_scale=not given)
+                tensor_scale=not given, runtime_inputs=runtime)
 
 # %% ../nbs/03_nvfp4.ipynb #1933e017
 NVFP4 = register_format(FormatSpec(

@@ -172,16 +172,41 @@ def gptq_codes(grid:Grid, # the format's rounding
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
     return Q, (scales if scales is not None else found)
 
+# %% ../nbs/23_rounding.ipynb #3eadf132
+GPTQ_ACTIVATIONS = ('float', 'runtime', 'asymmetric', 'noise')   # the inputs GPTQ's objective uses, see `gptq_rounding`
+
+def runtime_target(grid:Grid, # the format's rounding, with `runtime_inputs`
+                   x:torch.Tensor, # calibration inputs [M, K] (checked by `gptq_hessian`)
+                   wb:torch.Tensor, # the weight in the basis [N, K']
+                   H:torch.Tensor, # `gptq_hessian` of x
+                   activations:str, damp:float=GPTQ_DAMP,
+                  ) -> tuple: # (Hessian to round under, fp64 [K', K']; target weight in the basis, fp32 [N, K'])
+    "GPTQ's Hessian and target when the format's linear rounds the activations (`activations` other than 'float')."
+    xb, xr = grid.inputs(x).double(), grid.runtime_inputs(x).double()
+    n = x.shape[0]
+    if activations == 'noise': return H + torch.diag((xr - xb).square_().sum(0) / n), wb
+    Hr = xr.T @ xr / n
+    if activations == 'runtime': return Hr, wb
+    lam = damp * float(torch.diag(Hr).mean()) * torch.eye(Hr.shape[0], dtype=Hr.dtype, device=Hr.device)
+    return Hr, torch.linalg.solve(Hr + lam, (xr.T @ xb / n + lam) @ wb.double().T).T.float()
+
+
 # %% ../nbs/23_rounding.ipynb #5a298ba5
 def gptq_rounding(spec:FormatSpec, w:torch.Tensor, opts:dict, calibration=None, name:str='weight',
-                  damp:float=GPTQ_DAMP, block:int=GPTQ_BLOCK, act_order:bool=False) -> tuple:
+                  damp:float=GPTQ_DAMP, block:int=GPTQ_BLOCK, act_order:bool=False, activations:str='float') -> tuple:
     """rounding='gptq': error-compensating column rounding on the layer's inputs, in the format's basis; with
-    `act_order`, columns of larger Hessian diagonal first where the scales are fixed (per row, per tensor)."""
+    `act_order`, columns of larger Hessian diagonal first where the scales are fixed (per row, per tensor);
+    `activations`: 'float' (the inputs as given), or 'runtime' / 'asymmetric' / 'noise' (as its linear rounds them)."""
+    if activations not in GPTQ_ACTIVATIONS:
+        raise format_error('', 'gptq activations', f"one of {GPTQ_ACTIVATIONS}", repr(activations))
     if calibration is None:
         raise format_error('', 'calibration', "layer inputs [..., K] with rounding='gptq'", 'None')
     grid, wb, scales, _ = mse_grid(spec, w, opts)            # per-tensor scale and static per-row scales: MSE
     H = gptq_hessian(calibration.to(w.device), grid, w.shape[1], name)
     static = grid.group is None or grid.group >= wb.shape[1]
+    if H is not None and activations != 'float' and grid.runtime_inputs is not None:
+        H, wb = runtime_target(grid, calibration.to(w.device).reshape(-1, w.shape[1]).float(), wb, H, activations, damp)
+        if static: scales = search_scales(grid, wb)[0]       # the row scales of the target weight
     perm = torch.argsort(torch.diag(H), descending=True, stable=True) if H is not None and static and act_order else None
     U = None if H is None else hessian_inverse(H if perm is None else H[perm][:, perm], damp, name)
     if U is None: return _no_worse(spec, w, opts, *grid.pack(wb, scales))
@@ -192,3 +217,4 @@ def gptq_rounding(spec:FormatSpec, w:torch.Tensor, opts:dict, calibration=None, 
     return grid.pack(Q[:, torch.argsort(perm)], scales)
 
 register_rounding('gptq', gptq_rounding)
+

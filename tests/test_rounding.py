@@ -162,3 +162,69 @@ def test_calibrated_formats_refuse_stochastic_rounding():
     for n in calibrated:
         with pytest.raises(cq.QuantFormatError, match=rf"stochastic_rounding': expected 0 with calibration inputs \({n}'s"):
             cq.quantize(torch.randn(8, 128), n, calibration=torch.randn(32, 128), stochastic_rounding=3)
+
+
+@pytest.mark.parametrize('fmt,opts', GRIDDED + [('convrot_w4a4', {'convrot_groupsize': 64, 'linear_dtype': 'int8'})],
+                         ids=lambda v: str(v))
+def test_runtime_inputs_reproduce_the_linear(fmt, opts):
+    "A grid's `runtime_inputs` times the basis weight is the format's own linear (the activations GPTQ may model)."
+    spec, w, x = cq.get_format(fmt), weight(), inputs(40, 256, 3)
+    grid = spec.grid(w, spec.resolve(None, **opts), 1.0)
+    if grid.runtime_inputs is None: pytest.skip(f'{fmt} declares no runtime_inputs')
+    qt = cq.quantize(w, fmt, **opts)
+    ref = torch.nn.functional.linear(x, qt)
+    got = grid.runtime_inputs(x) @ grid.basis(qt.dequantize(torch.float32)).T
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize('activations', ('runtime', 'asymmetric', 'noise'))
+@pytest.mark.parametrize('fmt,opts', GRIDDED, ids=lambda v: str(v))
+def test_gptq_activations_same_tensors_and_errors(fmt, opts, activations):
+    w, cal = weight(), inputs(512, 256, 1)
+    spec = cq.get_format(fmt); ro = spec.resolve(None, **opts)
+    q, p = gptq_rounding(spec, w, ro, cal, 'blk.fc.weight', activations=activations)
+    ref = cq.quantize(w, fmt, **opts)
+    got = spec.layout.tensors(q, p)
+    assert {k: (t.dtype, t.shape) for k, t in got.items()} == \
+           {k: (t.dtype, t.shape) for k, t in spec.layout.tensors(ref.qdata, ref.params).items()}
+    if spec.grid(w, ro, 1.0).runtime_inputs is None:                 # nothing to model: as 'float', bit for bit
+        assert torch.equal(q.view(torch.uint8), gptq_rounding(spec, w, ro, cal, 'blk.fc.weight')[0].view(torch.uint8))
+    with pytest.raises(ValueError, match=r"calibration of blk\.fc\.weight.*inputs \[\.\.\., 256\].*shape \(40, 128\)"):
+        gptq_rounding(spec, w, ro, torch.randn(40, 128), 'blk.fc.weight', activations=activations)
+    with pytest.warns(GPTQWarning, match=r"blk\.fc\.weight: 8 calibration rows"):
+        gptq_rounding(spec, w, ro, cal[:8], 'blk.fc.weight', activations=activations)
+
+
+def test_gptq_activations_option_is_checked():
+    spec = cq.get_format('convrot_w4a4'); ro = spec.resolve(None, convrot_groupsize=64)
+    with pytest.raises(ValueError, match=r"gptq activations.*expected one of \('float', 'runtime', 'asymmetric', 'noise'\).*'int4'"):
+        gptq_rounding(spec, weight(), ro, inputs(64, 256, 1), activations='int4')
+
+
+def test_gptq_runtime_lowers_the_runtime_error_it_is_fitted_on():
+    "In sample, activations='asymmetric' minimises the error of the format's linear: below GPTQ on float inputs."
+    w, cal = weight(), inputs(512, 256, 1)
+    for fmt, opts in (('convrot_w4a4', {'convrot_groupsize': 64}), ('nvfp4', {})):
+        spec = cq.get_format(fmt); ro = spec.resolve(None, **opts)
+        err = {}
+        for a in ('float', 'asymmetric'):
+            q, p = gptq_rounding(spec, w, ro, cal, activations=a)
+            qt = cq.QuantizedTensor(q, p, spec)
+            err[a] = sqnr(cal @ w.T, torch.nn.functional.linear(cal, qt))
+        assert err['asymmetric'] > err['float'] + 0.5, (fmt, err)
+
+
+def test_sequential_calibration():
+    "Calibration(sequential=True): each GPTQ layer rounds on the inputs of the model as quantized so far."
+    model, batches = cq.dit_model(0), cq.dit_batches(1, 2, 32, seed=1)
+    plan = cq.Policy(mode='int4_full', rounding='gptq').plan(model)
+    with pytest.raises(ValueError, match=r"sequential=True .* needs batches"):
+        cq.Calibration(cq.collect_inputs(model, batches), sequential=True)
+    seq = cq.quantize_model(cq.dit_model(0), plan, calibration=cq.Calibration(batches, sequential=True))
+    one = cq.quantize_model(cq.dit_model(0), plan, calibration=batches)
+    names = [n for n, d in plan.items() if d.format]
+    first, last = names[0], next(n for n in reversed(names) if 'experts' not in n)   # experts: few rows, MSE
+    sd, od = seq.state_dict(), one.state_dict()
+    assert torch.equal(sd[first + '.weight'], od[first + '.weight'])      # the first layer's inputs are the float ones
+    assert not torch.equal(sd[last + '.weight'], od[last + '.weight'])    # later ones see quantized layers before them
+    assert {k: (v.dtype, v.shape) for k, v in sd.items()} == {k: (v.dtype, v.shape) for k, v in od.items()}
