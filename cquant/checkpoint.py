@@ -371,13 +371,6 @@ class Checkpoint(Mapping):
         v = self._entries[key]
         return v if isinstance(v, torch.Tensor) else self._read(key, v)
 
-    def read_into(self, key:str, out:torch.Tensor) -> torch.Tensor:
-        "Read file entry `key` into the uint8 buffer `out` (e.g. pinned memory, at least its bytes); the typed view of it."
-        v = self._entries[key]
-        if isinstance(v, torch.Tensor) or self._file is None or out.dtype != torch.uint8 or out.numel() < v.nbytes:
-            raise CheckpointError(self.path, f"'{key}': read_into needs a file entry and a uint8 buffer of at least its bytes")
-        return self._read(key, v, out)
-
     def info(self, key:str) -> TensorInfo:
         "dtype, shape and bytes of `key` without reading it."
         v = self._entries[key]
@@ -395,19 +388,19 @@ class Checkpoint(Mapping):
         if isinstance(v, torch.Tensor) or self._file is None: return None
         return self._file if isinstance(self._file, str) else self._file[v.name]
 
-    def _read(self, key:str, i:TensorInfo, out:torch.Tensor|None=None) -> torch.Tensor:
+    def _read(self, key:str, i:TensorInfo) -> torch.Tensor:
         f = self._file if isinstance(self._file, str) else self._file[i.name]
         state = self._state.get(f) if isinstance(self._state, dict) else self._state
         if state is not None: _check_unchanged(self.path, f, state, key)
         try:
             if self._hash is not None: self._hash.reading(f, i.offsets[1])
-            if self._mmap and i.nbytes > 4096 and out is None:   # small entries (JSON, scalars) never need a mapping
+            if self._mmap and i.nbytes > 4096:   # small entries (JSON, scalars) never need a mapping
                 with self._lock:
                     if f not in self._handle:
                         from safetensors import safe_open
                         self._handle[f] = safe_open(f, framework='pt', device=str(self.device))
                 return self._handle[f].get_tensor(i.name)
-            buf = torch.empty(i.nbytes, dtype=torch.uint8) if out is None else out[:i.nbytes]
+            buf = torch.empty(i.nbytes, dtype=torch.uint8)
             if i.nbytes:
                 with self._lock:
                     if f not in self._fh: self._fh[f] = open(f, 'rb', buffering=0)
@@ -417,7 +410,7 @@ class Checkpoint(Mapping):
                     if not n: raise CheckpointError(self.path, f"'{key}': expected {i.nbytes} bytes, found {got} (file truncated while open?)")
                     got += n
             t = buf.view(i.dtype).reshape(i.shape)
-            return t if out is not None or torch.device(self.device).type == 'cpu' else t.to(self.device)
+            return t if torch.device(self.device).type == 'cpu' else t.to(self.device)
         except CheckpointError: raise
         except Exception as e: raise CheckpointError(self.path, f"'{key}': reading failed: {type(e).__name__}: {e}") from None
 

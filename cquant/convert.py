@@ -434,12 +434,12 @@ def _rounding_fields(wt:torch.Tensor, d, rk:dict, x:torch.Tensor|None, out:dict)
     return f
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #f53ba81c
-def _quantize_layer(w:StreamingWriter, ck:Checkpoint, key:str, m:str, d, layers, cal, old:list, measure:bool,
-                    device='cpu', weight:torch.Tensor|None=None) -> LayerRow:
+def _quantize_layer(w:StreamingWriter, ck:Checkpoint, key:str, m:str, d, weight:torch.Tensor, cal, old:list,
+                    measure:bool, device='cpu') -> LayerRow:
     """Quantize weight `key` of layer `m` as `d` says (calibrated by `cal`, a `Calibration` or None) on `device` into
-    `w`; its row. `old`: the keys of its old quantization, dropped; `weight`: the layer's weight already read."""
+    `w`; its row. `weight`: the layer's weight as read; `old`: the keys of its old quantization, dropped."""
     prefix, info = m + '.' if m else '', ck.info(key)
-    wt, extras = layers.weight(m) if weight is None else weight, {}
+    wt, extras = weight, {}
     if cal is not None: wt, extras = cal.layer(m, d.format, wt)
     x = None if cal is None else cal.layer_inputs(m, extras)
     rk = rounding_kwargs(m, d.rounding, x, d.format)
@@ -621,8 +621,8 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                 if d is not None and d.format and s == 'weight':
                     bar.set_postfix_str(f'{n + 1}/{len(ck)} tensors, {m}: {d.label}'
                                         + ('' if d.rounding == 'nearest' else f' ({d.rounding})'))
-                    rows[m] = _quantize_layer(w, ck, key, m, d, layers, cal, [groups[m][x] for x in drop[m]], measure,
-                                                device, pf.get(m))
+                    rows[m] = _quantize_layer(w, ck, key, m, d, pf.get(m), cal, [groups[m][x] for x in drop[m]], measure,
+                                                device)
                     pf.release(m)
                 elif d is not None and d.format and s in drop[m]: pass
                 else:

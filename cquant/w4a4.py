@@ -201,11 +201,12 @@ def w4a4_grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
         s = scales[0]
         return pack_int4(codes(wb, s).to(torch.int8)), W4A4Params(tuple(w.shape), w.dtype, s.reshape(-1), g,
                                                                    opts['linear_dtype'])
+    inputs = lambda x: rotate(x.float(), g)
     def runtime(x):                  # what the linear multiplies: rotated, per token int4 (or int8), dequantized
-        q, sx = (quantize_rows_int4 if opts['linear_dtype'] == 'int4' else quantize_rows_int8)(rotate(x.float(), g))
+        q, sx = (quantize_rows_int4 if opts['linear_dtype'] == 'int4' else quantize_rows_int8)(inputs(x))
         return q.float() * sx
     return Grid(w.shape[1], scale, lambda c, s: codes(c, s) * s, pack, lambda v: rotate(v.float(), g, as_weight=True),
-                lambda x: rotate(x.float(), g), runtime_inputs=runtime)
+                inputs, runtime_inputs=runtime)
 
 # %% ../nbs/06_convrot_w4a4.ipynb #35c0929a
 CONVROT_W4A4 = register_format(FormatSpec(

@@ -88,7 +88,7 @@ def test_stream_reads_each_source_byte_once(src, tmp_path, monkeypatch):
     hashed, reads = [], []
     orig_finish, orig_read = C._FileHasher.finish, C.Checkpoint._read
     def finish(self): r = orig_finish(self); hashed.append(self.hashed); return r
-    def read(self, key, i, out=None): reads.append((threading.current_thread().name, key)); return orig_read(self, key, i, out)
+    def read(self, key, i): reads.append((threading.current_thread().name, key)); return orig_read(self, key, i)
     monkeypatch.setattr(C._FileHasher, 'finish', finish)
     monkeypatch.setattr(C.Checkpoint, '_read', read)
     quiet_quantize(src, tmp_path / 'q.safetensors', POL, measure=False)
