@@ -4,8 +4,8 @@
 
 Per layer: a randn weight and `--rows` calibration rows (seed 0); each of nearest / mse / gptq timed as the best of
 `--repeats` runs of `cq.quantize` (the Hessian and its inverse included in gptq). Then the whole MiniLM encoder
-(real weights: `cquant fetch-minilm`) through `cq.quantize_model` with `Policy(mode=..., rounding=...)` and its
-calibration sentences. Prints seconds and the ratio to nearest; writes bench/out/gptq.json.
+(real weights: `cquant fetch-minilm`) through `cq.quantize_model` with `Policy(mode=..., rounding=...)` and the
+harness's `CALIBRATION_SENTENCES` (735). Prints seconds and the ratio to nearest; writes bench/out/gptq.json.
 """
 from __future__ import annotations
 import argparse, json, os, platform, sys, time, warnings
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
                   f"{t['mse'] / t['nearest']:9.0f}x {t['gptq'] / t['nearest']:9.0f}x")
     model_rows = []
     if not args.no_model and cq.minilm_path():
-        batches = cq.sentence_batches(cq.SENTENCES, 8)
+        batches = cq.sentence_batches(cq.CALIBRATION_SENTENCES, 8)
         for mode in ('int4_full', 'nvfp4'):
             t = {}
             for r in ('nearest', 'mse', 'gptq'):

@@ -153,6 +153,11 @@ def collect_amax(model:nn.Module, batches, names=None, progress:bool=False) -> d
     "Per-layer input amax over `batches` (fp32 0-d tensors): `collect_stats(...)[layer].amax`."
     return {n: s.amax for n, s in collect_stats(model, batches, names, progress).items()}
 
+# %% ../nbs/15_calibrate.ipynb #60770511
+def spaced_rows(x:torch.Tensor, n:int) -> torch.Tensor:
+    "At most `n` rows of `x`, evenly spaced."
+    return x if x.shape[0] <= n else x[torch.linspace(0, x.shape[0] - 1, n).round().long()]
+
 # %% ../nbs/15_calibrate.ipynb #c98b2a15
 @torch.no_grad()
 def collect_inputs(model:nn.Module, # the float model
@@ -173,8 +178,7 @@ def collect_inputs(model:nn.Module, # the float model
     for n, xs in seen.items():
         if not xs: continue
         x = torch.cat(xs)
-        if x.shape[0] > max_rows: x = x[torch.linspace(0, x.shape[0] - 1, max_rows).round().long()]
-        out[n] = x
+        out[n] = spaced_rows(x, max_rows)
     return out
 
 # %% ../nbs/15_calibrate.ipynb #0ef85f1f
@@ -372,11 +376,13 @@ class Calibration:
                  smoothing:bool=True, # NVFP4: search pre_quant_scale
                  search:bool=True, # FP8/NVFP4: the clip scale only where it beats the safe one by 0.5 dB (`calibrate_layer`)
                  max_rows:int=512, # rows per layer kept for the searches (batches only)
+                 gptq_rows:int=8192, # rows kept per GPTQ layer (batches only): its Hessian wants many more than K
                  sequential:bool=False, # data-aware layers (GPTQ): inputs from the model as quantized so far (batches only)
                 ):
         if method not in ('amax', 'percentile', 'mse'):
             raise ValueError(f"Calibration: method must be 'amax', 'percentile' or 'mse', got {method!r}")
-        self.method, self.percentile, self.pow2, self.max_rows = method, percentile, pow2, max_rows
+        self.method, self.percentile, self.pow2 = method, percentile, pow2
+        self.max_rows, self.gptq_rows = max_rows, gptq_rows
         self.smoothing, self.search = smoothing, search
         given = isinstance(data, dict)
         if sequential and given:
@@ -401,13 +407,15 @@ class Calibration:
         self.stats = collect_stats(model, self.batches, want)
         rows = {k for k, f in (plan or {}).items() if self.search and input_scale_rule(f) is not None or
                 self.smoothing and get_format(f).smoothing} | set(gptq)
-        self.inputs = collect_inputs(model, self.batches, rows, self.max_rows) if rows else {}
+        x = collect_inputs(model, self.batches, rows, self.gptq_rows) if rows else {}
+        self.inputs = {k: v if k in set(gptq) else spaced_rows(v, self.max_rows) for k, v in x.items()}
         return self
 
     def layer(self, name:str, fmt, weight:torch.Tensor) -> tuple:
         "`calibrate_layer` for layer `name`: (weight to quantize, activation tensors); no data for it: (weight, {})."
         x, st = (self.inputs or {}).get(name), (self.stats or {}).get(name)
         if x is None and st is None: return weight, {}
+        if x is not None: x = spaced_rows(x, self.max_rows)     # the same rows with or without GPTQ's extra ones
         return calibrate_layer(fmt, weight, x, st, self.method, self.percentile, self.pow2, self.smoothing, self.search)
 
     def layer_inputs(self, name:str, extras:dict|None=None, x:torch.Tensor|None=None) -> torch.Tensor|None:
@@ -418,7 +426,7 @@ class Calibration:
     def current_inputs(self, model:nn.Module, name:str) -> torch.Tensor|None:
         "With `sequential`: layer `name`'s inputs in `model` as it is now (earlier layers quantized); else None."
         if not self.sequential or self.batches is None: return None
-        return collect_inputs(model, self.batches, {name}, self.max_rows).get(name)
+        return collect_inputs(model, self.batches, {name}, self.gptq_rows).get(name)
 
 # %% ../nbs/15_calibrate.ipynb #ba0d07fd
 def rounding_kwargs(name:str, # the layer
