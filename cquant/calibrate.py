@@ -376,7 +376,7 @@ class Calibration:
                  smoothing:bool=True, # NVFP4: search pre_quant_scale
                  search:bool=True, # FP8/NVFP4: the clip scale only where it beats the safe one by 0.5 dB (`calibrate_layer`)
                  max_rows:int=512, # rows per layer kept for the searches (batches only)
-                 gptq_rows:int=8192, # rows kept per GPTQ layer (batches only): its Hessian wants many more than K
+                 gptq_rows:int=8192, # rows kept per data-aware layer (GPTQ, AWQ; batches only): a Hessian wants many more than K
                  sequential:bool=False, # data-aware layers (GPTQ): inputs from the model as quantized so far (batches only)
                 ):
         if method not in ('amax', 'percentile', 'mse'):
@@ -405,10 +405,11 @@ class Calibration:
             raise ValueError("Calibration: batches need the model (a checkpoint conversion takes {layer: inputs})")
         want = {k for k, f in (plan or {}).items() if input_scale_rule(f) is not None} if plan is not None else None
         self.stats = collect_stats(model, self.batches, want)
+        gptq = set(gptq)
         rows = {k for k, f in (plan or {}).items() if self.search and input_scale_rule(f) is not None or
-                self.smoothing and get_format(f).smoothing} | set(gptq)
+                self.smoothing and get_format(f).smoothing} | gptq
         x = collect_inputs(model, self.batches, rows, self.gptq_rows) if rows else {}
-        self.inputs = {k: v if k in set(gptq) else spaced_rows(v, self.max_rows) for k, v in x.items()}
+        self.inputs = {k: v if k in gptq else spaced_rows(v, self.max_rows) for k, v in x.items()}
         return self
 
     def layer(self, name:str, fmt, weight:torch.Tensor) -> tuple:
