@@ -76,14 +76,15 @@ def quantize_rows(w:torch.Tensor, # float weight [N, K]
                   name:str='weight', # the weight's key, for errors
                   elems:int|None=None, # elements per row block
                   rounding:dict|None=None, # `quantize` keywords of the rounding (GPTQ: one Hessian, the whole weight)
+                  energies:list|None=None, # a list for the encoder's own error energies (`quantize(energies=...)`)
                  ):
     "Quantize `w` block by block when `fmt` is row-independent (whole otherwise); yields `(QuantizedTensor, rows)` parts."
     rounding = rounding or {}
     rowwise = _rowwise(fmt, options) is not None and w.dim() == 2 and 'calibration' not in rounding
-    if rowwise and w.is_floating_point(): check_finite(w, name)      # indices in errors refer to the whole weight
+    if rowwise and w.is_floating_point(): check_finite(w, name)      # once, with indices of the whole weight
     for i, j in (row_blocks(w.shape[0], w.shape[1], elems) if rowwise else [(0, w.shape[0])]):
         part = w[i:j] if rowwise else w
-        yield quantize(part, fmt, name=name, **options, **rounding), part
+        yield quantize(part, fmt, name=name, energies=energies, allow_nonfinite=rowwise, **options, **rounding), part
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #2a6c801d
 def _out_err(x:torch.Tensor, ref:torch.Tensor, approx:torch.Tensor) -> tuple:
@@ -99,7 +100,8 @@ def _write_quantized(writer:StreamingWriter, w:torch.Tensor, key:str, prefix:str
     bytes, weight error sums and, with inputs `x`, output error sums."""
     stream, bufs, config, sig, noise, mx, out = None, {}, None, 0.0, 0.0, 0.0, [0.0, 0.0]
     how = _rowwise(fmt, options) or {}
-    for qt, part in quantize_rows(w, fmt, options, key, rounding=rounding):
+    energies = [] if measure and x is None else None       # filled where the encoder measures its own error
+    for qt, part in quantize_rows(w, fmt, options, key, rounding=rounding, energies=energies):
         tensors = qt.state_dict('')
         if config is None:
             config = qt.config
@@ -107,10 +109,14 @@ def _write_quantized(writer:StreamingWriter, w:torch.Tensor, key:str, prefix:str
         stream.append(tensors.pop('weight'))
         for k, t in tensors.items(): bufs.setdefault(k, []).append(t)
         if measure:
-            dq = qt.dequantize(torch.float32)
-            s, n, m = _err(part, dq)
-            sig, noise, mx = sig + s, noise + n, max(mx, m)
-            if x is not None: out = [a + b for a, b in zip(out, _out_err(x, part, dq))]
+            if energies and math.isfinite(n := math.fsum(e for _, e in energies)):
+                s, m = math.fsum(e for e, _ in energies), None
+            else:              # dequantize (also where a rotation overflowed and rows were re-encoded)
+                dq = qt.dequantize(torch.float32)
+                s, n, m = _err(part, dq)
+                if x is not None: out = [a + b for a, b in zip(out, _out_err(x, part, dq))]
+            sig, noise, mx = sig + s, noise + n, None if m is None or mx is None else max(mx, m)
+            if energies: energies.clear()
         del qt, tensors
     stream.close()
     nbytes = writer.entry(prefix + 'weight').nbytes

@@ -13,7 +13,7 @@ import torch
 from .tensor import ValueRule, int8_compute
 from .tensor import (Params, Layout, Option, FormatSpec, register_format, format_error, check_2d,
                            round_stochastic)
-from .numerics import absmax, rotate, FP16_MIN_NORMAL, SCALE_DTYPES, is_power_of_4
+from .numerics import absmax, rotate, FP16_MIN_NORMAL, SCALE_DTYPES, is_power_of_4, residual_energy
 from .tensor import Grid, as_fp32
 
 # %% auto #0
@@ -107,14 +107,18 @@ def _rotation_blocks(n_rows:int, K:int, group:int):
 def quantize_int8_convrot(w:torch.Tensor, # float weight [N, K] (fp32, bf16 or fp16)
                           group:int=256, # rotation group: a power of 4 dividing K
                           stochastic_rounding:int=0, # 0: round half to even; else a seed
+                          energies:list|None=None, # a list: extended with each block's (Σw², error energy) (`residual_energy`)
                          ) -> tuple: # (int8 [N, K] of the rotated weight, fp32 scale [N, 1])
     "ConvRot weight quantization: rotate each K-group by the regular Hadamard in w's dtype, then per-row INT8."
-    if stochastic_rounding or w.device.type != 'cpu':
-        return quantize_int8(rotate(w, group, as_weight=True), per_row=True, stochastic_rounding=stochastic_rounding)
+    def block(wb, sr=0):
+        r = rotate(wb, group, as_weight=True)
+        q, s = quantize_int8(r, per_row=True, stochastic_rounding=sr)
+        if energies is not None: energies.append(residual_energy(r, q, s))
+        return q, s
+    if stochastic_rounding or w.device.type != 'cpu': return block(w, stochastic_rounding)
     N, K = w.shape
     q = torch.empty(N, K, dtype=torch.int8); scale = torch.empty(N, 1, dtype=torch.float32)
-    for i, j in _rotation_blocks(N, K, group):
-        q[i:j], scale[i:j] = quantize_int8(rotate(w[i:j], group, as_weight=True), per_row=True)
+    for i, j in _rotation_blocks(N, K, group): q[i:j], scale[i:j] = block(w[i:j])
     return q, scale
 
 def dequantize_int8_convrot(q:torch.Tensor, # int8 [N, K], rotated
@@ -246,8 +250,8 @@ class Int8Layout(Layout):
     def check_shape(cls, shape, opts, prefix=''): return _int8_layout_check_shape(cls, shape, opts, prefix)
 
     @classmethod
-    def quantize(cls, w, stochastic_rounding=0, per_row=False, convrot=False, convrot_groupsize=256):
-        return _int8_layout_quantize(cls, w, stochastic_rounding, per_row, convrot, convrot_groupsize)
+    def quantize(cls, w, stochastic_rounding=0, per_row=False, convrot=False, convrot_groupsize=256, energies=None):
+        return _int8_layout_quantize(cls, w, stochastic_rounding, per_row, convrot, convrot_groupsize, energies)
 
     @classmethod
     def dequantize(cls, qdata, params, dtype):
@@ -296,9 +300,10 @@ def _requantize_overflow_rows(w, q, scale, group, stochastic_rounding):
     return q, scale
 
 # %% ../nbs/05_int8.ipynb #7a0019bf
-def _int8_layout_quantize(cls, w, stochastic_rounding=0, per_row=False, convrot=False, convrot_groupsize=256):
+def _int8_layout_quantize(cls, w, stochastic_rounding=0, per_row=False, convrot=False, convrot_groupsize=256,
+                          energies=None):
     per_row = bool(per_row or convrot)
-    if convrot: q, s = quantize_int8_convrot(w, convrot_groupsize, stochastic_rounding)
+    if convrot: q, s = quantize_int8_convrot(w, convrot_groupsize, stochastic_rounding, energies)
     else: q, s = quantize_int8(w, per_row=per_row, stochastic_rounding=stochastic_rounding)
     if convrot: q, s = _requantize_overflow_rows(w, q, s, convrot_groupsize, stochastic_rounding)
     if w.dtype == torch.float16: q = _requantize_subnormal_rows(w, q, s, convrot, convrot_groupsize,
@@ -328,6 +333,11 @@ def _int8_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
 def int8_per_row(opts:dict) -> bool:
     "The per-row rule: one scale per output row with `per_row` or `convrot` (ConvRot implies per-row)."
     return bool(opts.get('per_row') or opts.get('convrot'))
+
+def _int8_measures_error(w:torch.Tensor, opts:dict) -> bool:
+    """ConvRot on CPU measures its error while quantizing (the rotated residual); not for fp16 weights, whose overflowing and
+    subnormal rows are re-encoded after it."""
+    return bool(opts.get('convrot')) and w.device.type == 'cpu' and w.dtype != torch.float16
 
 # %% ../nbs/05_int8.ipynb #00800c80
 def _int8_flat_banks(opts:dict, tensors:dict|None=None) -> bool:
@@ -364,6 +374,7 @@ INT8_TENSORWISE = register_format(FormatSpec(
     value_rules={'weight_scale': ValueRule('the tensor or row scale multiplies the int8 values')},
     doc='Symmetric absmax INT8, tensor-wise or per-row scale, optional ConvRot; per-token INT8 activations in the linear.',
     row_gather=True, embedding=True, grid=int8_grid, row_independent=int8_per_row, flat_banks=_int8_flat_banks,
+    measures_error=_int8_measures_error,
     kitchen_layout='TensorWiseINT8Layout', native_compute=int8_compute,
     comfy_since='2026-08',   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
     kitchen_kwargs=lambda o: dict(per_channel=int8_per_row(o), convrot=bool(o.get('convrot')),

@@ -246,6 +246,8 @@ class FormatSpec:
     value_rules: dict = field(default_factory=dict)  # stored scale key -> `ValueRule`: the values it may hold
     grid: Any = None                    # hook(w, options, tensor_clip) -> `Grid`: its rounding, for rounding='mse'/'gptq'
     calibrated: Any = None              # hook(w, options, calibration, name) -> (qdata, params): its own data-aware encoder
+    measures_error: Any = None          # hook(w, options) -> bool: its layout's quantize takes energies= (a list it extends
+                                        # with (Σw², Σ(w - dequantize)²) from the encoder's own residual: `quantize(energies=...)`)
 
     @property
     def option_names(self) -> tuple: return tuple(o.name for o in self.options)
@@ -283,6 +285,10 @@ class FormatSpec:
         "(comfy-kitchen layout name, its quantize kwargs) for options `opts`, or None without a kitchen layout."
         if self.kitchen_layout is None: return None
         return self.kitchen_layout, (self.kitchen_kwargs(opts) if self.kitchen_kwargs else {})
+
+    def measures(self, w:torch.Tensor, opts:dict) -> bool:
+        "Whether the encoder measures the error of `w` with options `opts` from its own residual (`measures_error`)."
+        return self.measures_error is not None and bool(self.measures_error(w, opts))
 
     def native_on(self, device) -> bool:
         "Whether ComfyUI computes this format natively on `device` (else it dequantizes the weight)."
@@ -748,11 +754,13 @@ def _searched(spec:FormatSpec, w, opts:dict, rounding, calibration, stochastic_r
 
 # %% ../nbs/01_tensor.ipynb #29dc2461
 def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:bool=False, name:str='weight',
-             rounding:str='nearest', calibration=None, **options) -> QuantizedTensor:
+             rounding:str='nearest', calibration=None, energies:list|None=None, **options) -> QuantizedTensor:
     """Quantize float tensor `w` (named `name` in errors, e.g. 'blocks.0.proj.weight') to format `fmt` with its `options`.
     `rounding`: 'nearest' (the format's encoder: comfy-kitchen's bytes), 'mse' (scales chosen for the least weight
     error) or 'gptq' (codes chosen for the least output error on `calibration` inputs [..., K]). A format with a
-    data-aware encoder of its own (`FormatSpec.calibrated`, e.g. AWQ) uses `calibration` with rounding='nearest'."""
+    data-aware encoder of its own (`FormatSpec.calibrated`, e.g. AWQ) uses `calibration` with rounding='nearest'.
+    `energies`: a list; where the encoder measures its own error (`FormatSpec.measures`: the rotated formats on CPU), it
+    is extended with (Σw², Σ(w - dequantize)²) pairs, one per block, without a dequantize (it stays empty otherwise)."""
     spec = get_format(fmt, caller='cq.quantize')
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or isinstance(w, QuantizedTensor):
         raise format_error('', name, 'a floating-point torch.Tensor',
@@ -765,8 +773,9 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     prefix = name[:-len('weight')] if name.endswith('weight') else name + ' '   # module prefix for error messages
     spec.layout.check_shape(tuple(w.shape), opts, prefix)
     if rounding == 'nearest' and calibration is None:
-        qdata, params = layout_op(spec.layout, 'quantize', w, stochastic_rounding=stochastic_rounding,
-                                  **spec.layout_kwargs, **opts)
+        kw = dict(stochastic_rounding=stochastic_rounding, **spec.layout_kwargs, **opts)
+        if energies is not None and spec.measures(w, opts): qdata, params = spec.layout.quantize(w, energies=energies, **kw)
+        else: qdata, params = layout_op(spec.layout, 'quantize', w, **kw)
     elif rounding == 'nearest' and spec.calibrated and not stochastic_rounding:
         qdata, params = spec.calibrated(w, opts, calibration, name)
     else: qdata, params = _searched(spec, w, opts, rounding, calibration, stochastic_rounding, name)

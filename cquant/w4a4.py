@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from .tensor import ValueRule, int8_compute
 from .tensor import Params, Layout, Int4PackedLayout, Option, FormatSpec, register_format, format_error, check_2d, round_stochastic
-from .numerics import absmax, rotate, pack_int4, unpack_int4, is_power_of_4, SCALE_DTYPES
+from .numerics import absmax, rotate, pack_int4, unpack_int4, is_power_of_4, SCALE_DTYPES, residual_energy
 from .int8 import int_mm, quantize_rows_int8, _rotation_blocks
 from .tensor import Grid
 
@@ -38,27 +38,30 @@ def quantize_rows_int4(x:torch.Tensor, # [..., K] float (fp32, bf16 or fp16)
 def quantize_w4a4_weight(w:torch.Tensor, # [N, K] float weight, K % 64 == 0
                          convrot_groupsize:int=256, # the rotation group G: a power of 4 dividing K
                          stochastic_rounding:int=0, # 0: round to nearest; else a seed
+                         energies:list|None=None, # a list: extended with each block's (Σw², error energy) (`residual_energy`)
                         ) -> tuple: # (int8 [N, K/2] packed values, fp32 [N] scales)
     "ConvRot W4A4 weight quantization: rotate in w's dtype, per-row int4, pack low nibble first."
     if w.dim() != 2 or w.shape[1] % W4A4_KERNEL_GROUP or not is_power_of_4(convrot_groupsize) or w.shape[1] % convrot_groupsize:
         raise ValueError(f"quantize_w4a4_weight: expected a 2-D weight with K % 64 == 0 and a power-of-4 group dividing K, "
                          f"got shape {tuple(w.shape)} and convrot_groupsize={convrot_groupsize}")
     if stochastic_rounding or w.device.type != 'cpu':       # one noise draw over the whole tensor (kitchen's stream)
-        return _quantize_w4a4_rows(w, convrot_groupsize, stochastic_rounding)
+        return _quantize_w4a4_rows(w, convrot_groupsize, stochastic_rounding, energies)
     N, K = w.shape
     q, s = torch.empty(N, K // 2, dtype=torch.int8), torch.empty(N, dtype=torch.float32)
     for i, j in _rotation_blocks(N, K, convrot_groupsize):   # cache-sized blocks, each the same GEMM as kitchen's
-        q[i:j], s[i:j] = _quantize_w4a4_rows(w[i:j], convrot_groupsize, 0)
+        q[i:j], s[i:j] = _quantize_w4a4_rows(w[i:j], convrot_groupsize, 0, energies)
     return q, s
 
-def _quantize_w4a4_rows(w, convrot_groupsize, stochastic_rounding):
+def _quantize_w4a4_rows(w, convrot_groupsize, stochastic_rounding, energies=None):
     "`quantize_w4a4_weight` of a block of rows."
-    q, s = quantize_rows_int4(rotate(w, convrot_groupsize, as_weight=True), stochastic_rounding)
+    r = rotate(w, convrot_groupsize, as_weight=True)
+    q, s = quantize_rows_int4(r, stochastic_rounding)
     s = s.reshape(-1).float()
     over = ~torch.isfinite(s)      # the rotation overflowed w's dtype (fp16 near 65504; kitchen writes inf): redo in fp32
     if bool(over.any()):
         q[over], so = quantize_rows_int4(rotate(w[over].float(), convrot_groupsize, as_weight=True), stochastic_rounding)
         s[over] = so.reshape(-1)
+    if energies is not None: energies.append(residual_energy(r, q, s))   # inf where rows overflowed: callers fall back
     return pack_int4(q), s
 
 def dequantize_w4a4_weight(qdata:torch.Tensor, # int8 [N, K/2] packed values
@@ -142,8 +145,8 @@ class W4A4Layout(Int4PackedLayout):
     def check_shape(cls, shape, opts, prefix=''): return _w4a4_layout_check_shape(cls, shape, opts, prefix)
 
     @classmethod
-    def quantize(cls, w, stochastic_rounding=0, convrot_groupsize=256, linear_dtype='int4'):
-        q, s = quantize_w4a4_weight(w, convrot_groupsize, stochastic_rounding)
+    def quantize(cls, w, stochastic_rounding=0, convrot_groupsize=256, linear_dtype='int4', energies=None):
+        q, s = quantize_w4a4_weight(w, convrot_groupsize, stochastic_rounding, energies)
         return q, W4A4Params(tuple(w.shape), w.dtype, s, int(convrot_groupsize), linear_dtype)
 
     @classmethod
@@ -219,6 +222,7 @@ CONVROT_W4A4 = register_format(FormatSpec(
                                            zero_ok=True)},
     doc='ConvRot-rotated symmetric int4, one scale per output row, packed low nibble first; int4 or int8 activations.',
     row_independent=True, grid=w4a4_grid, kitchen_layout='TensorCoreConvRotW4A4Layout', native_compute=int8_compute,
+    measures_error=lambda w, o: w.device.type == 'cpu',   # the rotated residual on CPU (on a GPU, kernels dequantize fast)
     comfy_since='2026-08',   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
     kitchen_kwargs=lambda o: dict(convrot_groupsize=o.get('convrot_groupsize', 256),
                                   linear_dtype=o.get('linear_dtype', 'int4'))))
