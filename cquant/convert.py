@@ -81,10 +81,16 @@ def quantize_rows(w:torch.Tensor, # float weight [N, K]
     "Quantize `w` block by block when `fmt` is row-independent (whole otherwise); yields `(QuantizedTensor, rows)` parts."
     rounding = rounding or {}
     rowwise = _rowwise(fmt, options) is not None and w.dim() == 2 and 'calibration' not in rounding
-    if rowwise and w.is_floating_point(): check_finite(w, name)      # once, with indices of the whole weight
+    after = rowwise and w.is_floating_point() and get_format(fmt).checks_finite_after(
+        w, rounding.get('rounding', 'nearest'), rounding.get('calibration'))
+    if rowwise and not after and w.is_floating_point(): check_finite(w, name)   # once, with indices of the whole weight
     for i, j in (row_blocks(w.shape[0], w.shape[1], elems) if rowwise else [(0, w.shape[0])]):
         part = w[i:j] if rowwise else w
-        yield quantize(part, fmt, name=name, energies=energies, allow_nonfinite=rowwise, **options, **rounding), part
+        try: qt = quantize(part, fmt, name=name, energies=energies, allow_nonfinite=rowwise and not after, **options, **rounding)
+        except ValueError:
+            if after: check_finite(w, name)           # the bad value's index in the whole weight
+            raise
+        yield qt, part
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #2a6c801d
 def _out_err(x:torch.Tensor, ref:torch.Tensor, approx:torch.Tensor) -> tuple:
@@ -473,9 +479,9 @@ class _Prefetcher:
                  names:list, # the layers, in the order `get` will ask for them
                  nbytes:dict, # name -> bytes its weight holds
                  device='cpu', # where `get` hands the weights over
-                 budget:int|None=None): # bytes held at most (the weight in use included; default 1.5x the largest)
+                 budget:int|None=None): # bytes held at most (the weight in use included; default the largest)
         self.read, self.names, self.nbytes, self.device = read, list(names), nbytes, torch.device(device)
-        self.budget = budget if budget is not None else max(nbytes.values(), default=0) * 3 // 2
+        self.budget = budget if budget is not None else max(nbytes.values(), default=0)
         self.cv, self.ready, self.held, self.peak, self.error, self.stopped = threading.Condition(), {}, 0, 0, None, False
         self.cuda = self.device.type == 'cuda'
         if self.cuda: self.stream, self.pins, self.events, self.turn = torch.cuda.Stream(self.device), [None, None], [None, None], 0
@@ -492,6 +498,7 @@ class _Prefetcher:
                     self.held += n; self.peak = max(self.peak, self.held)
                 staged = self._stage(self.read(m))
                 with self.cv: self.ready[m] = staged; self.cv.notify_all()
+                del staged          # else this frame keeps the weight alive while it reads the next one
         except BaseException as e:
             with self.cv: self.error = e; self.cv.notify_all()
 

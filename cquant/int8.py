@@ -374,7 +374,7 @@ INT8_TENSORWISE = register_format(FormatSpec(
     value_rules={'weight_scale': ValueRule('the tensor or row scale multiplies the int8 values')},
     doc='Symmetric absmax INT8, tensor-wise or per-row scale, optional ConvRot; per-token INT8 activations in the linear.',
     row_gather=True, embedding=True, grid=int8_grid, row_independent=int8_per_row, flat_banks=_int8_flat_banks,
-    measures_error=_int8_measures_error,
+    flags_nonfinite=True, measures_error=_int8_measures_error,
     kitchen_layout='TensorWiseINT8Layout', native_compute=int8_compute,
     comfy_since='2026-08',   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
     kitchen_kwargs=lambda o: dict(per_channel=int8_per_row(o), convrot=bool(o.get('convrot')),

@@ -246,6 +246,8 @@ class FormatSpec:
     value_rules: dict = field(default_factory=dict)  # stored scale key -> `ValueRule`: the values it may hold
     grid: Any = None                    # hook(w, options, tensor_clip) -> `Grid`: its rounding, for rounding='mse'/'gptq'
     calibrated: Any = None              # hook(w, options, calibration, name) -> (qdata, params): its own data-aware encoder
+    flags_nonfinite: bool = False       # on CPU a non-finite weight always gives a scale `value_rules` refuse (or a ValueError
+                                        # from the encoder), so `quantize` checks the input only then: one pass less
     measures_error: Any = None          # hook(w, options) -> bool: its layout's quantize takes energies= (a list it extends
                                         # with (Σw², Σ(w - dequantize)²) from the encoder's own residual: `quantize(energies=...)`)
 
@@ -285,6 +287,10 @@ class FormatSpec:
         "(comfy-kitchen layout name, its quantize kwargs) for options `opts`, or None without a kitchen layout."
         if self.kitchen_layout is None: return None
         return self.kitchen_layout, (self.kitchen_kwargs(opts) if self.kitchen_kwargs else {})
+
+    def checks_finite_after(self, w:torch.Tensor, rounding:str='nearest', calibration=None) -> bool:
+        "Whether quantizing `w` may skip the input's finiteness pass: the encoder's scales reveal a non-finite value."
+        return self.flags_nonfinite and w.device.type == 'cpu' and rounding == 'nearest' and calibration is None
 
     def measures(self, w:torch.Tensor, opts:dict) -> bool:
         "Whether the encoder measures the error of `w` with options `opts` from its own residual (`measures_error`)."
@@ -768,19 +774,25 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2): raise format_error('', name, 'fp32, bf16 or fp16 (dequantize fp8 first)', f'dtype {w.dtype}')
     if not isinstance(stochastic_rounding, int) or isinstance(stochastic_rounding, bool):
         raise format_error('', 'option stochastic_rounding', 'int seed (0 = off)', repr(stochastic_rounding))
-    if not allow_nonfinite: check_finite(w, name)
+    after = not allow_nonfinite and spec.checks_finite_after(w, rounding, calibration)   # else check before
+    if not allow_nonfinite and not after: check_finite(w, name)
     opts = spec.resolve(None, **options)
     prefix = name[:-len('weight')] if name.endswith('weight') else name + ' '   # module prefix for error messages
     spec.layout.check_shape(tuple(w.shape), opts, prefix)
-    if rounding == 'nearest' and calibration is None:
-        kw = dict(stochastic_rounding=stochastic_rounding, **spec.layout_kwargs, **opts)
-        if energies is not None and spec.measures(w, opts): qdata, params = spec.layout.quantize(w, energies=energies, **kw)
-        else: qdata, params = layout_op(spec.layout, 'quantize', w, **kw)
-    elif rounding == 'nearest' and spec.calibrated and not stochastic_rounding:
-        qdata, params = spec.calibrated(w, opts, calibration, name)
-    else: qdata, params = _searched(spec, w, opts, rounding, calibration, stochastic_rounding, name)
+    try:
+        if rounding == 'nearest' and calibration is None:
+            kw = dict(stochastic_rounding=stochastic_rounding, **spec.layout_kwargs, **opts)
+            if energies is not None and spec.measures(w, opts): qdata, params = spec.layout.quantize(w, energies=energies, **kw)
+            else: qdata, params = layout_op(spec.layout, 'quantize', w, **kw)
+        elif rounding == 'nearest' and spec.calibrated and not stochastic_rounding:
+            qdata, params = spec.calibrated(w, opts, calibration, name)
+        else: qdata, params = _searched(spec, w, opts, rounding, calibration, stochastic_rounding, name)
+    except ValueError:
+        if after: check_finite(w, name)        # a non-finite input is named as such, not by what it broke
+        raise
     try: check_values(spec, spec.layout.tensors(qdata, params), prefix)
     except QuantFormatError as e:
+        if after: check_finite(w, name)
         raise QuantFormatError(f'{e} after quantizing {name} ({w.dtype}, max |w| {float(absmax_of(w)):.6g}); '
                                'refusing to write it') from None
     return QuantizedTensor(qdata, params, spec)

@@ -222,7 +222,7 @@ CONVROT_W4A4 = register_format(FormatSpec(
                                            zero_ok=True)},
     doc='ConvRot-rotated symmetric int4, one scale per output row, packed low nibble first; int4 or int8 activations.',
     row_independent=True, grid=w4a4_grid, kitchen_layout='TensorCoreConvRotW4A4Layout', native_compute=int8_compute,
-    measures_error=lambda w, o: w.device.type == 'cpu',   # the rotated residual on CPU (on a GPU, kernels dequantize fast)
+    flags_nonfinite=True, measures_error=lambda w, o: w.device.type == 'cpu',   # the rotated residual on CPU (on a GPU, kernels dequantize fast)
     comfy_since='2026-08',   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
     kitchen_kwargs=lambda o: dict(convrot_groupsize=o.get('convrot_groupsize', 256),
                                   linear_dtype=o.get('linear_dtype', 'int4'))))

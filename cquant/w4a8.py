@@ -588,7 +588,7 @@ _SEARCH_OPTION = Option('scale_search', True, bool,
 _W4A8_FACTS = dict(value_rules={
     'weight_s_rel': ValueRule('a group scale multiplies its codes (byte 0 is a zero group)', zero_ok=True),
     'weight_s_channel': ValueRule('the row scale multiplies every group scale of its row')},
-                   row_independent=True, flat_banks=True, kitchen_layout='AsymW4A8Int8Layout',
+                   row_independent=True, flat_banks=True, kitchen_layout='AsymW4A8Int8Layout', flags_nonfinite=True,
                    native_compute=int8_compute)
 
 def _codebook_kw(o:dict) -> dict:

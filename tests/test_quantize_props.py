@@ -184,6 +184,39 @@ def test_option_errors_name_the_option(fmt, opts, unit, data, name):
             cq.load_quantized(sd, "m.", shape=(4, 256), dtype=torch.float32)
 
 
+# Formats that check finiteness after encoding (`FormatSpec.flags_nonfinite`): the error must be check_finite's, exactly,
+# for any count and magnitude of bad values, in `quantize` and in the converter's row blocks (whole-weight indices).
+FLAGGED = [pytest.param(f, o, u, id=i) for i, f, o, u in VARIANTS if f in cq.FORMATS and cq.FORMATS[f].flags_nonfinite]
+
+
+def test_flagged_formats_are_the_rotated_and_int8_ones():
+    assert {p.values[0] for p in FLAGGED} == {"int8_tensorwise", "convrot_w4a4", "asym_w4a8_int8", "w6a8_int8"}
+
+
+@pytest.mark.parametrize("fmt,opts,unit", FLAGGED)
+@settings(max_examples=25, **COMMON)
+@given(data=st.data(), dtype=dtypes, exp10=magnitudes, seed=seeds, count=st.integers(1, 6))
+@example(data=None, dtype=torch.float16, exp10=4.0, seed=1, count=1).via("fp16 near its max: rotations overflow")
+def test_flagged_nonfinite_is_named_exactly(fmt, opts, unit, data, dtype, exp10, seed, count):
+    from cquant.convert import quantize_rows
+    from cquant.tensor import check_finite
+    spec = need(fmt)
+    if data is None: shape, picks = (40, 4 * max(unit, 64)), [(7, 5)]
+    else:
+        shape = (data.draw(st.integers(8, 64), label="N"), data.draw(st.integers(1, 4), label="k") * max(unit, 64))
+        picks = [(data.draw(st.integers(0, shape[0] - 1)), data.draw(st.integers(0, shape[1] - 1))) for _ in range(count)]
+    assume(valid(spec, shape, opts))
+    w = weight(shape, dtype, exp10, seed)
+    g = torch.Generator().manual_seed(seed)
+    for i, j in picks: w[i, j] = (float("nan"), float("inf"), float("-inf"))[int(torch.randint(3, (), generator=g))]
+    with pytest.raises(ValueError) as want: check_finite(w, "blk.2.fc.weight")
+    with pytest.raises(ValueError) as got: cq.quantize(w, fmt, name="blk.2.fc.weight", **opts)
+    assert str(got.value) == str(want.value)
+    if spec.rows_independent(spec.resolve(None, **opts)):
+        with pytest.raises(ValueError) as rows: list(quantize_rows(w, fmt, opts, "blk.2.fc.weight", elems=shape[1] * 3))
+        assert str(rows.value) == str(want.value)
+
+
 def test_expected_formats_registered():
     missing = [f for f in EXPECTED_FORMATS if f not in cq.FORMATS]
     assert not missing, f"not registered: {missing}"
