@@ -162,7 +162,7 @@ class LayerRow:
     source_dtype: str
     sqnr_db: float|None               # inf: unchanged; None: not measured
     rel_error: float|None
-    max_abs_error: float|None
+    max_abs_error: float|None         # None: not measured, or measured from a rotated residual (no maximum there)
     bytes_before: int                 # the weight with its scale tensors and comfy_quant
     bytes_after: int
     input_scale: float|None|_Absent = _ABSENT  # the calibrated activation scale written, if any
