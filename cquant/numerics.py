@@ -131,9 +131,8 @@ def pack_int4(q:torch.Tensor, # signed integers in [-8, 7], last dim K even
 def unpack_int4(p:torch.Tensor, # int8 (or uint8) bytes [..., cols]
                ) -> torch.Tensor: # int8 in [-8, 7], [..., 2*cols]
     "Unpack `pack_int4` bytes, sign-extending each nibble."
-    x = _as_u8(p).view(torch.int8).to(torch.int16, memory_format=torch.contiguous_format)
-    lo, hi = (x << 12) >> 12, x >> 4                    # arithmetic shifts sign-extend each nibble
-    return ((lo & 0xFF) | (hi << 8)).view(torch.int8)   # little-endian int16 = (even, odd) bytes
+    x = _as_u8(p).view(torch.int8)
+    return torch.stack(((x << 4) >> 4, x >> 4), dim=-1).flatten(-2)   # int8 arithmetic shifts sign-extend each nibble
 
 def pack_uint4(codes:torch.Tensor, # unsigned codes 0..15, last dim K even
               ) -> torch.Tensor: # int8 [..., K/2]: even column in the LOW nibble
