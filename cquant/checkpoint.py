@@ -459,6 +459,7 @@ class _FileHasher(threading.Thread):
 
     def run(self):
         try:
+            buf = memoryview(bytearray(1 << 24))        # one buffer for every read: no 16 MiB allocation per chunk
             for f in self.files:
                 h, pos = hashlib.sha256(), 0
                 with open(f, 'rb', buffering=0) as fh:
@@ -467,10 +468,10 @@ class _FileHasher(threading.Thread):
                         with self.cv:
                             self.cv.wait_for(lambda: self._allowed(f, pos) > 0)
                             if self.stopped: return
-                            n = int(min(1 << 24, size - pos, self._allowed(f, pos)))
-                        b = os.pread(fh.fileno(), n, pos)
-                        if not b: raise CheckpointError(f, f"expected {size} bytes to hash, found the file ends at {pos}")
-                        h.update(b); pos += len(b); self.hashed += len(b)
+                            n = int(min(len(buf), size - pos, self._allowed(f, pos)))
+                        got = os.preadv(fh.fileno(), [buf[:n]], pos)
+                        if not got: raise CheckpointError(f, f"expected {size} bytes to hash, found the file ends at {pos}")
+                        h.update(buf[:got]); pos += got; self.hashed += got
                 self.digests[f] = h.hexdigest()
         except BaseException as e: self.error = e
 
