@@ -81,14 +81,11 @@ def quantize_rows(w:torch.Tensor, # float weight [N, K]
     "Quantize `w` block by block when `fmt` is row-independent (whole otherwise); yields `(QuantizedTensor, rows)` parts."
     rounding = rounding or {}
     rowwise = _rowwise(fmt, options) is not None and w.dim() == 2 and 'calibration' not in rounding
-    after = rowwise and w.is_floating_point() and get_format(fmt).checks_finite_after(
-        w, rounding.get('rounding', 'nearest'), rounding.get('calibration'))
-    if rowwise and not after and w.is_floating_point(): check_finite(w, name)   # once, with indices of the whole weight
     for i, j in (row_blocks(w.shape[0], w.shape[1], elems) if rowwise else [(0, w.shape[0])]):
         part = w[i:j] if rowwise else w
-        try: qt = quantize(part, fmt, name=name, energies=energies, allow_nonfinite=rowwise and not after, **options, **rounding)
+        try: qt = quantize(part, fmt, name=name, energies=energies, **options, **rounding)
         except ValueError:
-            if after: check_finite(w, name)           # the bad value's index in the whole weight
+            check_finite(w, name)           # a non-finite value is named by its index in the whole weight
             raise
         yield qt, part
 

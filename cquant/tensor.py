@@ -288,10 +288,6 @@ class FormatSpec:
         if self.kitchen_layout is None: return None
         return self.kitchen_layout, (self.kitchen_kwargs(opts) if self.kitchen_kwargs else {})
 
-    def checks_finite_after(self, w:torch.Tensor, rounding:str='nearest', calibration=None) -> bool:
-        "Whether quantizing `w` may skip the input's finiteness pass: the encoder's scales reveal a non-finite value."
-        return self.flags_nonfinite and w.device.type == 'cpu' and rounding == 'nearest' and calibration is None
-
     def measures(self, w:torch.Tensor, opts:dict) -> bool:
         "Whether the encoder measures the error of `w` with options `opts` from its own residual (`measures_error`)."
         return self.measures_error is not None and bool(self.measures_error(w, opts))
@@ -774,7 +770,8 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2): raise format_error('', name, 'fp32, bf16 or fp16 (dequantize fp8 first)', f'dtype {w.dtype}')
     if not isinstance(stochastic_rounding, int) or isinstance(stochastic_rounding, bool):
         raise format_error('', 'option stochastic_rounding', 'int seed (0 = off)', repr(stochastic_rounding))
-    after = not allow_nonfinite and spec.checks_finite_after(w, rounding, calibration)   # else check before
+    after = (not allow_nonfinite and spec.flags_nonfinite and w.device.type == 'cpu' and rounding == 'nearest'
+             and calibration is None)             # the encoder's scales reveal a non-finite weight: check only then
     if not allow_nonfinite and not after: check_finite(w, name)
     opts = spec.resolve(None, **options)
     prefix = name[:-len('weight')] if name.endswith('weight') else name + ' '   # module prefix for error messages

@@ -11,7 +11,7 @@ from cquant.convert import Report, StreamingWriter, quantize_checkpoint, quantiz
 from cquant.cli import add_demo_parser, add_plan_parser, add_quantize_parser, add_report_parser
 from cquant.policy import Policy, PolicyWarning
 from cquant.models import dit_state_dict
-from cquant.numerics import hadamard
+from cquant.numerics import hadamard, sqnr
 from cquant.tensor import test_bits as check_bits   # imported as test_bits, pytest would collect it
 
 POL = Policy('int4_mixed', preset='none', keep_float=('embed', 'adaLN', 'final_layer'))
@@ -248,12 +248,6 @@ def test_writer_entry(tmp_path):
     w.abort()
 
 
-def _sqnr_of(w, qt):
-    "The SQNR of a quantized weight by dequantizing it (float64)."
-    e = w.double() - qt.dequantize(torch.float32).double()
-    return 10 * math.log10(float(w.double().square().sum()) / float(e.square().sum()))
-
-
 @pytest.mark.parametrize('fmt,opts', [('convrot_w4a4', {}), ('int8_tensorwise', {'convrot': True}),
                                       ('int8_tensorwise', {'convrot': True, 'convrot_groupsize': 16})])
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32, torch.float16])
@@ -272,7 +266,7 @@ def test_encoder_measured_error_matches_dequantize(fmt, opts, dtype):
     assert len(energies) >= 1
     sig, noise = (math.fsum(e[i] for e in energies) for i in (0, 1))
     assert sig == pytest.approx(float(w.double().square().sum()), rel=1e-4)
-    assert 10 * math.log10(sig / noise) == pytest.approx(_sqnr_of(w, qt), abs=0.01)
+    assert 10 * math.log10(sig / noise) == pytest.approx(sqnr(w, qt.dequantize(torch.float32)), abs=0.01)
 
 
 def test_encoder_measured_error_is_declared():
@@ -298,4 +292,4 @@ def test_converter_falls_back_where_the_rotation_overflows(tmp_path):
     cq.save_file({'blk.lin.weight': w}, src)
     rep = quantize_checkpoint(src, tmp_path / 'q.safetensors', Policy('int4_full', preset='none'), progress=False)
     row, = rep.quantized()
-    assert row['max_abs_error'] is not None and row['sqnr_db'] == pytest.approx(_sqnr_of(w, qt), abs=1e-6)
+    assert row['max_abs_error'] is not None and row['sqnr_db'] == pytest.approx(sqnr(w, qt.dequantize(torch.float32)), abs=1e-6)
