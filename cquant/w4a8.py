@@ -257,12 +257,13 @@ def _search_scales(t2, center, val, window):
     base = _e4m3_code(center)
     ix = h + ((base + (window[0] + _PAD)) * 512)[:, None, :]
     v = torch.empty_like(t2)
-    st = None
-    for k, o in enumerate(window):
+    err = torch.empty(len(window), R, Gn, dtype=t2.dtype, device=t2.device)
+    for k in range(len(window)):
         if k: ix.add_(512)
         torch.index_select(val, 0, ix.view(-1), out=v.view(-1))
-        st = _keep_best(st, torch.nn.functional.mse_loss(v, t2, reduction='none').sum(1), base + o)
-    return st[1], st[0], h
+        torch.sum(torch.nn.functional.mse_loss(v, t2, reduction='none'), 1, out=err[k])
+    best, k = err.min(0)                                                    # the first of equal errors wins
+    return (base + window[0]).add_(k), best, h
 
 # %% ../nbs/07_w4a8.ipynb #a913f344
 def _fit_symmetric(x, tabs, lmax, window, mults):
