@@ -8,7 +8,8 @@ Docs: https://cquant-dev.github.io/cquant/quantize_checkpoint.html.md"""
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #02a0f22e
 from __future__ import annotations
-import ctypes, dataclasses, json, math, os, sys, tempfile, threading, time, warnings
+import collections, contextlib, ctypes, dataclasses, json, math, os, sys, tempfile, threading, time, warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 import torch
 from .tensor import FORMATS, QuantizedTensor, check_finite, encode_json, format_color, get_format, quantize, same_bits
@@ -77,17 +78,37 @@ def quantize_rows(w:torch.Tensor, # float weight [N, K]
                   elems:int|None=None, # elements per row block
                   rounding:dict|None=None, # `quantize` keywords of the rounding (GPTQ: one Hessian, the whole weight)
                   energies:list|None=None, # a list for the encoder's own error energies (`quantize(energies=...)`)
+                  workers:int|None=None, # CPU: row blocks quantized at once, one torch thread each (default torch's threads)
                  ):
-    "Quantize `w` block by block when `fmt` is row-independent (whole otherwise); yields `(QuantizedTensor, rows)` parts."
+    "Quantize `w` block by block when `fmt` is row-independent (whole otherwise); yields `(QuantizedTensor, rows)` parts in order."
     rounding = rounding or {}
     rowwise = _rowwise(fmt, options) is not None and w.dim() == 2 and 'calibration' not in rounding
-    for i, j in (row_blocks(w.shape[0], w.shape[1], elems) if rowwise else [(0, w.shape[0])]):
-        part = w[i:j] if rowwise else w
-        try: qt = quantize(part, fmt, name=name, energies=energies, **options, **rounding)
+    blocks = row_blocks(w.shape[0], w.shape[1], elems) if rowwise else [(0, w.shape[0])]
+    def part(i, j):
+        rows, e = (w[i:j] if rowwise else w), ([] if energies is not None else None)
+        return quantize(rows, fmt, name=name, energies=e, **options, **rounding), rows, e
+    def done(result):                       # a part's outcome, in order
+        try: qt, rows, e = result()
         except ValueError:
             check_finite(w, name)           # a non-finite value is named by its index in the whole weight
             raise
-        yield qt, part
+        if e: energies.extend(e)
+        return qt, rows
+    n = min(workers or torch.get_num_threads(), len(blocks)) if w.device.type == 'cpu' else 1
+    if n <= 1:
+        for i, j in blocks: yield done(lambda: part(i, j))
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(n, thread_name_prefix='cquant-quantize') as pool:
+            ahead = collections.deque()
+            for i, j in blocks:
+                ahead.append(pool.submit(part, i, j))
+                if len(ahead) > n: yield done(ahead.popleft().result)
+            while ahead: yield done(ahead.popleft().result)
+    finally: torch.set_num_threads(threads)
+
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #2a6c801d
 def _out_err(x:torch.Tensor, ref:torch.Tensor, approx:torch.Tensor) -> tuple:
@@ -398,15 +419,30 @@ def _same_file(a:str, b:str) -> bool:
     except OSError: return False
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #6bb171f1
-_LIBC = None
+_LIBC, _M_ARENA_MAX = None, -8          # glibc's handle (False elsewhere) and its mallopt parameter
+
+def _libc():
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL('libc.so.6')
+            _LIBC.malloc_trim.argtypes, _LIBC.mallopt.argtypes = [ctypes.c_size_t], [ctypes.c_int, ctypes.c_int]
+        except (OSError, AttributeError): _LIBC = False
+    return _LIBC
 
 def trim_heap():
     "Hand freed heap memory back to the OS (glibc `malloc_trim`; a no-op elsewhere), so RSS tracks the live tensors."
-    global _LIBC
-    if _LIBC is None:
-        try: _LIBC = ctypes.CDLL('libc.so.6'); _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError): _LIBC = False
-    if _LIBC: _LIBC.malloc_trim(0)
+    if _libc(): _LIBC.malloc_trim(0)
+
+@contextlib.contextmanager
+def malloc_arenas(n:int):
+    """At most `n` glibc malloc arenas for the threads that start inside the block, then glibc's default limit
+    (8 per CPU) again; a no-op elsewhere."""
+    libc = _libc()
+    if libc: libc.mallopt(_M_ARENA_MAX, n)
+    try: yield
+    finally:
+        if libc: libc.mallopt(_M_ARENA_MAX, 8 * (os.cpu_count() or 1))
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #058d0939
 def _as_policy(policy) -> Policy:
@@ -603,7 +639,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
     device = check_device(device, 'quantize_checkpoint')
     cal = Calibration.of(calibration)
     if cal is not None: cal.prepare()               # a file conversion has no model: the inputs must be given per layer
-    with open_checkpoint(src) as ck:
+    with malloc_arenas(1), open_checkpoint(src) as ck:     # one arena: the job's threads share freed heap memory
         ck.modules()                                # the rule load_file applies (stray scales, shapes): refuse before writing
         if plan is None: plan = policy.plan(ck, None if cal is None else cal.inputs)
         layers, groups = layer_source(ck), ck.groups()
