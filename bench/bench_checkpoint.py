@@ -3,7 +3,7 @@ bf16 checkpoint of at least 2 GB (a Flux-like stack of transformer blocks, dim 3
 same job done through comfy-kitchen's layouts in a loop (the peer).
 
     python bench/bench_checkpoint.py [--gb 2.0] [--dim 3072] [--mode int4_mixed] [--no-sqnr] [--device cpu|cuda]
-                                     [--no-peer] [--sqnr-cost] [--dir DIR] [--keep]
+                                     [--no-peer] [--sqnr-cost] [--repeats N] [--dir DIR] [--keep]
 
 1. The source file is written tensor by tensor (`StreamingWriter`), so generating it never holds the model.
 2. Each conversion runs in a fresh child process, which reports its resident set before converting
@@ -17,7 +17,9 @@ same job done through comfy-kitchen's layouts in a loop (the peer).
    cquant / kitchen throughput ratio. Targets (issue 20): >= 0.25 GB/s with per-layer SQNR on, the SQNR costing <= 25%
    extra time (`--sqnr-cost` runs the job a second time without it and prints the ratio), and
    (peak RSS - baseline) <= 2 x the largest tensor.
-Writes bench/out/checkpoint.json. Timings on a shared machine are noisy; the memory ratio is not.
+Writes bench/out/checkpoint.json. Timings on a shared machine are noisy (the same run varies by 20-30% on a 2-core
+virtual machine); `--repeats N` runs each cquant setting N times, alternating, and reports the median run. The memory
+ratio is not noisy.
 """
 from __future__ import annotations
 import argparse, json, math, os, platform, resource, shutil, subprocess, sys, tempfile, time
@@ -112,6 +114,10 @@ def child(src:str, dst:str, mode:str, sqnr:bool, job:str, device:str):
     print(json.dumps(dict(seconds=dt, cpu_seconds=dc, load_avg=os.getloadavg()[0], baseline_rss=base, peak_rss=peak,
                           dst_bytes=os.path.getsize(dst), formats=formats, sqnr_db=db, threads=torch.get_num_threads())))
 
+def _median(runs:list) -> dict:
+    "The run of median wall time, with every run's seconds."
+    return dict(sorted(runs, key=lambda r: r['seconds'])[len(runs) // 2], all_seconds=[round(r['seconds'], 2) for r in runs])
+
 def _run(job:str, src:str, dst:str, a) -> dict:
     out = subprocess.run([sys.executable, __file__, '--child', src, dst, a.mode, '0' if a.no_sqnr else '1', job, a.device],
                          check=True, stdout=subprocess.PIPE, text=True).stdout
@@ -128,6 +134,7 @@ def main():
     ap.add_argument('--device', default='cpu', help="where the weights are quantized (cuda: the GPU path)")
     ap.add_argument('--no-peer', action='store_true', help="skip the kitchen peer run")
     ap.add_argument('--sqnr-cost', action='store_true', help="also run without SQNR and print what the SQNR costs")
+    ap.add_argument('--repeats', type=int, default=1, help="cquant runs per setting, alternating; the median is reported")
     ap.add_argument('--child', nargs=6, metavar=('SRC', 'DST', 'MODE', 'SQNR', 'JOB', 'DEVICE'), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child: return child(*a.child[:3], a.child[3] == '1', *a.child[4:])
@@ -140,7 +147,12 @@ def main():
         info = make_source(src, a.gb, a.dim)
         print(f"source: {info['file_bytes'] / 1e9:.2f} GB, {info['tensors']} tensors ({info['blocks']} blocks, dim {a.dim}), "
               f"largest tensor {info['largest_tensor_bytes'] / 2**20:.1f} MiB; written in {time.perf_counter() - t0:.1f} s", flush=True)
-        r = dict(_run('cquant', src, dst, a), memcpy_gb_s=memcpy_gb_s())
+        cost_on = a.sqnr_cost and not a.no_sqnr
+        a_off, ons, offs = argparse.Namespace(**{**vars(a), 'no_sqnr': True}), [], []
+        for _ in range(max(1, a.repeats)):
+            ons.append(_run('cquant', src, dst, a))
+            if cost_on: offs.append(_run('cquant', src, dst, a_off))
+        r = dict(_median(ons), memcpy_gb_s=memcpy_gb_s())
         L, base, peak = info['largest_tensor_bytes'], r['baseline_rss'], r['peak_rss']
         gbs = info['file_bytes'] / 1e9 / r['seconds']
         res = dict(machine=dict(cpus=os.cpu_count(), torch=torch.__version__, python=platform.python_version(), threads=r['threads']),
@@ -150,17 +162,20 @@ def main():
         print(f"{a.mode}: {info['file_bytes'] / 1e9:.2f} GB -> {r['dst_bytes'] / 1e9:.2f} GB in {r['seconds']:.1f} s = "
               f"{gbs:.3f} GB/s = {res['fraction_of_memcpy']:.3f} of memcpy ({r['memcpy_gb_s']:.1f} GB/s) on {a.device} "
               f"({os.cpu_count()} CPUs, {r['threads']} torch threads, load average {r['load_avg']:.1f})"
-              f"{'' if a.no_sqnr else ', per-layer SQNR on'}; CPU time {r['cpu_seconds']:.1f} s = {info['file_bytes'] / 1e9 / r['cpu_seconds']:.3f} GB per CPU-second")
+              f"{'' if a.no_sqnr else ', per-layer SQNR on'}; CPU time {r['cpu_seconds']:.1f} s = {info['file_bytes'] / 1e9 / r['cpu_seconds']:.3f} GB per CPU-second"
+              + (f"; median of {len(ons)} runs: {r['all_seconds']} s" if len(ons) > 1 else ''))
         print(f"layers: {r['formats']}" + (f", aggregate SQNR {r['sqnr_db']:.2f} dB" if r['sqnr_db'] is not None else ''))
         print(f"RSS: baseline {base / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB; largest tensor {L / 2**20:.1f} MiB; "
               f"(peak - baseline) / largest = {res['ratio_peak_minus_baseline_to_largest']:.2f}; "
               f"peak / largest = {peak / L:.2f}; target peak - baseline <= 2 x largest: {'met' if res['target_met'] else 'NOT met'}")
-        if a.sqnr_cost and not a.no_sqnr:
-            off = _run('cquant', src, dst, argparse.Namespace(**{**vars(a), 'no_sqnr': True}))
+        if cost_on:
+            off = _median(offs)
             res['no_sqnr'] = dict(off, throughput_gb_s=info['file_bytes'] / 1e9 / off['seconds'])
             cost = r['seconds'] / off['seconds'] - 1
+            runs = f"; median of {len(offs)} runs: {off['all_seconds']} s" if len(offs) > 1 else ''
             print(f"without SQNR: {off['seconds']:.1f} s = {res['no_sqnr']['throughput_gb_s']:.3f} GB/s (CPU time "
-                  f"{off['cpu_seconds']:.1f} s); the per-layer SQNR costs {cost * 100:+.0f}% time (target <= +25%)")
+                  f"{off['cpu_seconds']:.1f} s{runs}); "
+                  f"the per-layer SQNR costs {cost * 100:+.0f}% time (target <= +25%)")
         if not a.no_peer:
             k = _run('kitchen', src, peer_dst, a)
             res['kitchen'] = dict(k, throughput_gb_s=info['file_bytes'] / 1e9 / k['seconds'])
