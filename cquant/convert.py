@@ -12,6 +12,7 @@ import collections, contextlib, ctypes, dataclasses, json, math, os, sys, tempfi
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 import torch
+from .numerics import torch_threads
 from .tensor import FORMATS, QuantizedTensor, check_finite, encode_json, format_color, get_format, quantize, same_bits
 from .checkpoint import (Checkpoint, CheckpointError, StreamingWriter, TensorInfo, open_checkpoint, save_file,
                                split_key, scale_keys,
@@ -98,16 +99,12 @@ def quantize_rows(w:torch.Tensor, # float weight [N, K]
     if n <= 1:
         for i, j in blocks: yield done(lambda: part(i, j))
         return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(n, thread_name_prefix='cquant-quantize') as pool:
-            ahead = collections.deque()
-            for i, j in blocks:
-                ahead.append(pool.submit(part, i, j))
-                if len(ahead) > n: yield done(ahead.popleft().result)
-            while ahead: yield done(ahead.popleft().result)
-    finally: torch.set_num_threads(threads)
+    with torch_threads(1), ThreadPoolExecutor(n, thread_name_prefix='cquant-quantize') as pool:
+        ahead = collections.deque()
+        for i, j in blocks:
+            ahead.append(pool.submit(part, i, j))
+            if len(ahead) > n: yield done(ahead.popleft().result)
+        while ahead: yield done(ahead.popleft().result)
 
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #2a6c801d

@@ -9,6 +9,7 @@ __all__ = ['hadamard', 'rotate', 'energy_db', 'sqnr', 'rel_error', 'max_abs_erro
            'plot_grid', 'plot_error_hist']
 
 # %% ../nbs/00_numerics.ipynb #9d85b0b3
+import contextlib
 import functools
 import math
 import operator
@@ -428,3 +429,12 @@ def plot_error_hist(ref:torch.Tensor, # reference tensor
     ax.set_title(f"{label + ': ' if label else ''}SQNR {s:.2f} dB, rel. error {rel_error(ref, approx):.4f}",
                  fontsize=10)
     return fig
+
+# %% ../nbs/00_numerics.ipynb #139362a1
+@contextlib.contextmanager
+def torch_threads(n:int):
+    "Run the block with `n` torch intra-op threads (it receives the previous count), then the previous count again."
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try: yield prev
+    finally: torch.set_num_threads(prev)
