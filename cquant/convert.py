@@ -8,11 +8,10 @@ Docs: https://cquant-dev.github.io/cquant/quantize_checkpoint.html.md"""
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #02a0f22e
 from __future__ import annotations
-import collections, contextlib, ctypes, dataclasses, json, math, os, sys, tempfile, threading, time, warnings
-from concurrent.futures import ThreadPoolExecutor
+import contextlib, ctypes, dataclasses, json, math, os, sys, tempfile, threading, time, warnings
 from dataclasses import dataclass, field
 import torch
-from .numerics import torch_threads
+from .numerics import in_workers
 from .tensor import FORMATS, QuantizedTensor, check_finite, encode_json, format_color, get_format, quantize, same_bits
 from .checkpoint import (Checkpoint, CheckpointError, StreamingWriter, TensorInfo, open_checkpoint, save_file,
                                split_key, scale_keys,
@@ -88,24 +87,13 @@ def quantize_rows(w:torch.Tensor, # float weight [N, K]
     def part(i, j):
         rows, e = (w[i:j] if rowwise else w), ([] if energies is not None else None)
         return quantize(rows, fmt, name=name, energies=e, **options, **rounding), rows, e
-    def done(result):                       # a part's outcome, in order
-        try: qt, rows, e = result()
-        except ValueError:
-            check_finite(w, name)           # a non-finite value is named by its index in the whole weight
-            raise
-        if e: energies.extend(e)
-        return qt, rows
-    n = min(workers or torch.get_num_threads(), len(blocks)) if w.device.type == 'cpu' else 1
-    if n <= 1:
-        for i, j in blocks: yield done(lambda: part(i, j))
-        return
-    with torch_threads(1), ThreadPoolExecutor(n, thread_name_prefix='cquant-quantize') as pool:
-        ahead = collections.deque()
-        for i, j in blocks:
-            ahead.append(pool.submit(part, i, j))
-            if len(ahead) > n: yield done(ahead.popleft().result)
-        while ahead: yield done(ahead.popleft().result)
-
+    try:
+        for qt, rows, e in in_workers(part, blocks, workers if w.device.type == 'cpu' else 1):
+            if e: energies.extend(e)
+            yield qt, rows
+    except ValueError:
+        check_finite(w, name)           # a non-finite value is named by its index in the whole weight
+        raise
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #2a6c801d
 def _out_err(x:torch.Tensor, ref:torch.Tensor, approx:torch.Tensor) -> tuple:

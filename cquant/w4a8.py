@@ -8,12 +8,11 @@ Docs: https://cquant-dev.github.io/cquant/w4a8.html.md"""
 # %% ../nbs/07_w4a8.ipynb #839a8e3e
 from __future__ import annotations
 import dataclasses, functools, math, sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 import torch
 from .tensor import ValueRule, int8_compute
 from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, check_2d, Grid
-from .numerics import absmax, rotate, hadamard, pack_uint4, unpack_uint4, pack_6bit, unpack_6bit, unpack_nibbles, is_power_of_4, torch_threads
+from .numerics import absmax, rotate, hadamard, pack_uint4, unpack_uint4, pack_6bit, unpack_6bit, unpack_nibbles, is_power_of_4, in_workers
 from .int8 import int8_linear, _row_blocks, _rotation_blocks
 
 # %% auto #0
@@ -38,20 +37,12 @@ def w4a8_levels(bits:int=4, # 4 or 6
 # %% ../nbs/07_w4a8.ipynb #fb71efd6
 _BLOCK = 1 << 18          # elements per row block of the element-wise passes on CPU: temporaries stay in cache
 
-def _in_workers(fn, blocks:list):
-    "Run `fn(i, j)` for every row block, in `torch.get_num_threads()` worker threads with one torch thread each."
-    with torch_threads(1) as nt:          # one thread per block: no thread-team barrier per operation
-        if nt <= 1 or len(blocks) == 1:
-            for i, j in blocks: fn(i, j)
-        else:
-            with ThreadPoolExecutor(min(nt, len(blocks))) as ex:
-                for f in [ex.submit(fn, i, j) for i, j in blocks]: f.result()
-
 def _parallel_rows(fn, n_rows:int, K:int, device, block:int=_BLOCK):
-    "Run `fn(i, j)` over row blocks; on CPU in single-threaded workers (`_in_workers`)."
+    "Run `fn(i, j)` over row blocks; on CPU in single-threaded workers (`in_workers`)."
     if device.type != 'cpu':
         for i, j in _row_blocks(n_rows, K, 1 << 26): fn(i, j)
-    else: _in_workers(fn, _row_blocks(n_rows, K, block))
+    else:
+        for _ in in_workers(fn, _row_blocks(n_rows, K, block)): pass
 
 # %% ../nbs/07_w4a8.ipynb #bcf2b471
 @functools.lru_cache(maxsize=64)
@@ -165,7 +156,7 @@ def dequantize_w4a8(qdata:torch.Tensor, # int8 [N, K*bits/8] packed codes
         b = torch.empty(j - i, K, dtype=dtype)
         blk(i, j, b)
         torch.mm(b.view(-1, convrot_groupsize), H, out=wr[i:j].view(-1, convrot_groupsize))
-    _in_workers(rows, _rotation_blocks(N, K, convrot_groupsize))
+    for _ in in_workers(rows, _rotation_blocks(N, K, convrot_groupsize)): pass
     return wr
 
 # %% ../nbs/07_w4a8.ipynb #00a0859c
