@@ -48,6 +48,7 @@ from .attention_explore import *
 from .evaluate import *
 from .rounding import *
 from .calibrate import *
+from .record import *
 from .minilm import *
 
 def _enable_kernels():

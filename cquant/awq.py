@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 from .tensor import Params, Layout, Int4PackedLayout, Option, FormatSpec, ValueRule, register_format, format_error, check_2d
-from .tensor import round_stochastic, check_finite
+from .tensor import round_stochastic, check_finite, input_stats, checked_stats
 from .numerics import pack_uint4, unpack_uint4, SCALE_DTYPES
 
 # %% auto #0
@@ -148,7 +148,7 @@ def _row_block(A:int, K:int) -> int: return max(1, (1 << 22) // (A * K))   # row
 
 # %% ../nbs/07a_awq.ipynb #5d80a5ac
 def awq_search(w:torch.Tensor, # [N, K] float weight
-               x:torch.Tensor, # calibration inputs [..., K]
+               x, # calibration inputs [..., K], or their recorded statistics (`LayerStats`: mean |x| and Σxᵀx)
                group_size:int=64, # G
                alphas:tuple=AWQ_ALPHAS, # the grid of alpha in [0, 1]
               ) -> tuple: # (packed, scale, zeros, chosen alpha or None for min/max, [(alpha, output error)])
@@ -156,12 +156,13 @@ def awq_search(w:torch.Tensor, # [N, K] float weight
     N, K = w.shape
     G, Gn, A = group_size, K // group_size, len(alphas)
     dt = w.dtype if w.dtype in SCALE_DTYPES else torch.float32
-    x = x.detach().reshape(-1, K).float().to(w.device)
-    sx = activation_magnitude(x)
+    if input_stats(x): sx, gram, x = x.mean_abs().to(w.device), x.gram().float().to(w.device), None
+    else:
+        x = x.detach().reshape(-1, K).float().to(w.device)
+        sx, gram = activation_magnitude(x), (x.t() @ x if x.shape[0] > K else None)
     sx = sx.clamp_min(float(sx.max()) * 1e-6) if float(sx.max()) > 0 else torch.ones_like(sx)
     d = torch.stack([sx.pow(2 * a) for a in alphas])
     d = (d / d.mean(1, keepdim=True)).view(A, 1, Gn, G)
-    gram = x.t() @ x if x.shape[0] > K else None
     w32 = w.detach().float()
     plain = quantize_awq(w, G, clip_search=False)
     errs, S, Z = [_output_error(w32 - dequantize_awq(*plain, G).float(), x, gram)], [], []
@@ -194,8 +195,9 @@ def _calibration_rows(x, w:torch.Tensor, name:str) -> torch.Tensor:
 
 # %% ../nbs/07a_awq.ipynb #93733e2c
 def awq_calibrated(w:torch.Tensor, opts:dict, calibration, name:str='weight') -> tuple:
-    "`FormatSpec.calibrated` of awq_w4a16: (qdata, params) from `awq_search` on the layer's inputs."
-    x = _calibration_rows(calibration, w, name)
+    "`FormatSpec.calibrated` of awq_w4a16: (qdata, params) from `awq_search` on the layer's inputs (or their statistics)."
+    x = (checked_stats(calibration, w.shape[1], name) if input_stats(calibration)
+         else _calibration_rows(calibration, w, name))
     q, s, z, _, _ = awq_search(w, x, opts['group_size'])
     return q, AWQParams(tuple(w.shape), w.dtype, s, z, opts['group_size'], opts['clip_search'])
 

@@ -10,6 +10,7 @@ __all__ = ['CalibrationWarning', 'ActivationStats', 'collect_stats', 'collect_am
 
 # %% ../nbs/15_calibrate.ipynb #1535a3ca
 import math, warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 import torch
 import torch.nn as nn
@@ -54,17 +55,22 @@ class ActivationStats:
         self.amax, self.zeros, self.hist = torch.zeros(()), 0, torch.zeros(_BINS, dtype=torch.float64)
         self.channel_amax = None          # [K]: per input channel (the last dim), for smoothing
 
-    def update(self, x:torch.Tensor) -> 'ActivationStats':
-        "Add the values of `x` ([..., K]) to the statistics."
-        a = x.detach().abs().float().reshape(-1)
-        m = a.amax() if a.numel() else torch.zeros(())
+    def update(self, x:torch.Tensor, # values [..., K]
+               a:torch.Tensor|None=None, # |x| as fp32 rows [M, K], where the caller has them already
+              ) -> 'ActivationStats':
+        "Add the values of `x` to the statistics."
+        a = x.detach().abs().float().reshape(-1, x.shape[-1]) if a is None else a
+        if not a.numel(): return self
+        c = a.amax(0)
+        m = c.amax()
         if not torch.isfinite(m): raise ValueError("non-finite input (inf/NaN)")
+        c = c.cpu()
         self.amax = torch.maximum(self.amax, m.cpu())
-        c = a.reshape(-1, x.shape[-1]).amax(0).cpu() if a.numel() else None
-        if c is not None: self.channel_amax = c if self.channel_amax is None else torch.maximum(self.channel_amax, c)
-        nz = a[a > 0]
-        self.zeros += a.numel() - nz.numel()
-        self.hist += torch.histc(torch.log2(nz).clamp(_LO, _HI - 1e-3), _BINS, _LO, _HI).double().cpu()
+        self.channel_amax = c if self.channel_amax is None else torch.maximum(self.channel_amax, c)
+        zeros = int((a == 0).sum())
+        h = torch.histc(torch.log2(a).clamp_(_LO, _HI - 1e-3), _BINS, _LO, _HI).double().cpu()
+        h[0] -= zeros                                       # log2(0) = -inf was clamped into the first bin
+        self.zeros += zeros; self.hist += h
         return self
 
     @property
@@ -368,10 +374,15 @@ def calibrate_layer(fmt, # the layer's format
         scale, _ = search_input_scale(fmt, weight, inputs, [safe, scale], margin)
     return weight, {'input_scale': scale}
 
+# %% ../nbs/15_calibrate.ipynb #79ba9bf7
+def is_recorded(c) -> bool:
+    "Whether `c` is recorded statistics of a model's layers (`cq.record_calibration`'s `CalibrationStats`)."
+    return isinstance(c, Mapping) and callable(getattr(c, 'matched', None)) and callable(getattr(c, 'view', None))
+
 # %% ../nbs/15_calibrate.ipynb #14d7f96c
 class Calibration:
     "Representative activations for `quantize_model` / `quantize_checkpoint`, and how to turn them into scales."
-    def __init__(self, data, # {layer: inputs [..., K]}, or (with a model) an iterable of batches
+    def __init__(self, data, # {layer: inputs [..., K]}, recorded statistics (`CalibrationStats`), or (with a model) batches
                  method:str='amax', percentile:float=99.99, pow2:bool=False, # the clip (see `calibrate`)
                  smoothing:bool=True, # NVFP4: search pre_quant_scale
                  search:bool=True, # FP8/NVFP4: the clip scale only where it beats the safe one by 0.5 dB (`calibrate_layer`)
@@ -384,13 +395,20 @@ class Calibration:
         self.method, self.percentile, self.pow2 = method, percentile, pow2
         self.max_rows, self.gptq_rows = max_rows, gptq_rows
         self.smoothing, self.search = smoothing, search
-        given = isinstance(data, dict)
+        self.recorded = data if is_recorded(data) else None
+        given = isinstance(data, dict) or self.recorded is not None
         if sequential and given:
             raise ValueError("Calibration: sequential=True re-runs the model before each GPTQ layer, so it needs "
-                             "batches for the model, not {layer: inputs}")
+                             "batches for the model, not {layer: inputs} or recorded statistics")
         self.sequential = bool(sequential)
         self.batches = None if given else list(data)          # kept: every `prepare` runs them again
-        self.inputs, self.stats = (dict(data) if given else None), None
+        self.inputs, self.stats = (dict(data) if isinstance(data, dict) else None), None
+        if self.recorded is not None: self._use(self.recorded)
+
+    def _use(self, rec):
+        "Take the layers' rows and clip statistics from recorded statistics `rec` (read layer by layer)."
+        self.recorded = rec
+        self.inputs, self.stats = rec.view('rows'), rec.view('act')
 
     @classmethod
     def of(cls, c) -> 'Calibration|None':
@@ -400,9 +418,10 @@ class Calibration:
     def prepare(self, model:nn.Module|None=None, plan:dict|None=None, gptq=()) -> 'Calibration':
         """Run the batches through `model` (float) for the layers of `plan` ({layer: format}) whose format takes an
         input_scale, keeping inputs where a search needs them (and for the `gptq` layers)."""
-        if self.batches is None: return self                  # given {layer: inputs}
+        if self.batches is None: return self                  # given {layer: inputs} or statistics
         if model is None:
-            raise ValueError("Calibration: batches need the model (a checkpoint conversion takes {layer: inputs})")
+            raise ValueError("Calibration: batches need the model (a checkpoint conversion takes {layer: inputs} or "
+                             "recorded statistics)")
         want = {k for k, f in (plan or {}).items() if input_scale_rule(f) is not None} if plan is not None else None
         self.stats = collect_stats(model, self.batches, want)
         gptq = set(gptq)
@@ -412,8 +431,14 @@ class Calibration:
         self.inputs = {k: v if k in gptq else spaced_rows(v, self.max_rows) for k, v in x.items()}
         return self
 
+    def for_layers(self, shapes:dict, where:str='') -> 'Calibration':
+        "Recorded statistics matched to the layers {name: weight shape} of a checkpoint (`CalibrationStats.matched`)."
+        if self.recorded is not None: self._use(self.recorded.matched(shapes, where))
+        return self
+
     def layer(self, name:str, fmt, weight:torch.Tensor) -> tuple:
         "`calibrate_layer` for layer `name`: (weight to quantize, activation tensors); no data for it: (weight, {})."
+        if input_scale_rule(fmt) is None: return weight, {}
         x, st = (self.inputs or {}).get(name), (self.stats or {}).get(name)
         if x is None and st is None: return weight, {}
         if x is not None: x = spaced_rows(x, self.max_rows)     # the same rows with or without GPTQ's extra ones
@@ -423,6 +448,16 @@ class Calibration:
         "The kept inputs of layer `name` (or `x`) as its stored weight sees them (times its pre_quant_scale when smoothed), or None."
         x, p = (self.inputs or {}).get(name) if x is None else x, (extras or {}).get('pre_quant_scale')
         return x if x is None or p is None else x * p.to(x)
+
+    def selection_data(self):
+        "What measured selection ranks layers by: the recorded statistics (their Hessians), else the kept inputs."
+        return self.recorded if self.recorded is not None else self.inputs
+
+    def layer_data(self, name:str, extras:dict|None=None, x:torch.Tensor|None=None):
+        "What the data-aware encoders (GPTQ, AWQ, SVDQuant) get for layer `name`: its recorded statistics, else its inputs."
+        if x is not None or self.recorded is None or name not in self.recorded: return self.layer_inputs(name, extras, x)
+        s, p = self.recorded[name], (extras or {}).get('pre_quant_scale')
+        return s if p is None else s.scaled(p)
 
     def current_inputs(self, model:nn.Module, name:str) -> torch.Tensor|None:
         "With `sequential`: layer `name`'s inputs in `model` as it is now (earlier layers quantized); else None."
@@ -463,7 +498,7 @@ def gptq_layers(roundings:dict, calibration, caller:str) -> set:
 def quantize_model(model:nn.Module, # a float model, quantized in place
                    plan, # {module name: format | (format, options) | comfy_quant dict | Decision | None}
                    stochastic_rounding:int=0, # default seed for every module (0: round to nearest)
-                   calibration=None, # a `Calibration`, batches for `model`, or {layer: inputs}
+                   calibration=None, # a `Calibration`, batches for `model`, {layer: inputs}, or recorded statistics
                   ) -> nn.Module:
     "Quantize the modules `plan` names (nn.Linear, nn.Embedding, QuantMoEExperts), swapping in quantized versions."
     key = lambda k: k[:-len('.weight')] if k.endswith('.weight') else k
@@ -490,6 +525,6 @@ def quantize_model(model:nn.Module, # a float model, quantized in place
             if w is not w0: q.weight = nn.Parameter(w, requires_grad=False)     # smoothed: W / pre_quant_scale
         opts.setdefault('stochastic_rounding', stochastic_rounding)
         q.quantize_(fmt, full_precision_matrix_mult=fpmm, **opts, 
-                   **rounding_kwargs(mod, roundings[mod], calibration and calibration.layer_inputs(mod, extras, seen), fmt))
+                   **rounding_kwargs(mod, roundings[mod], calibration and calibration.layer_data(mod, extras, seen), fmt))
         for k, t in extras.items(): setattr(q, k, t.to(q.weight.device))
     return model

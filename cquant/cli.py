@@ -18,6 +18,7 @@ from .formats import FORMATS
 from .checkpoint import (format_inspect, inspect_checkpoint, load_file, open_checkpoint, text_table, _fmt_bytes,
                                INDEX_SUFFIX, parse_size)
 from .calibrate import Calibration
+from .record import open_calibration, RECORD_RECIPE
 from .policy import MODES, PRESETS, SELECTIONS, Policy, PolicyWarning, layer_source
 from .convert import (check_outputs, convert_checkpoint, demo, plan_table, preset_name, quantize_checkpoint,
                             report_error, save_plot)
@@ -163,7 +164,7 @@ def cmd_quantize(args) -> int:
         check_outputs('', {'SRC': src}, {'DST': None if args.shard_size else out, '--report': args.report, '--plot': args.plot})
     cal = None
     if args.calibration:
-        cal = Calibration(load_file(args.calibration), smoothing=not args.no_smoothing)
+        cal = Calibration(open_calibration(args.calibration), smoothing=not args.no_smoothing)
     reps = []
     for src, out in zip(srcs, outs):
         reps.append(quantize_checkpoint(src, out, policy_from_args(args), progress=not args.quiet, report=args.report,
@@ -184,7 +185,8 @@ def _size_arg(s:str) -> int:
 
 def add_quantize_parser(subparsers):
     "Add `cquant quantize SRC... DST ...`."
-    p = subparsers.add_parser('quantize', help='quantize a float safetensors checkpoint (streaming, atomic, with a per-layer report)')
+    p = subparsers.add_parser('quantize', help='quantize a float safetensors checkpoint (streaming, atomic, with a per-layer report)',
+                              epilog=RECORD_RECIPE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('src', nargs='+', help='float (or fp8) .safetensors checkpoint, a sharded folder or its index; '
                    'several, or a quoted glob, for a batch into the folder DST')
     p.add_argument('dst', help='output .safetensors (replaced only on success; never the source), or a folder (batch, --shard-size)')
@@ -196,7 +198,8 @@ def add_quantize_parser(subparsers):
     p.add_argument('--report', metavar='FILE', help='also save the per-layer report as JSON')
     p.add_argument('--plot', metavar='PNG', help='also save the per-layer SQNR plot')
     p.add_argument('--no-sqnr', action='store_true', help='skip the per-layer SQNR (about 3x faster on CPU: no dequantize)')
-    p.add_argument('--calibration', metavar='SAFETENSORS', help='layer inputs {layer name: [rows, K]} (as collect_inputs returns, '
+    p.add_argument('--calibration', metavar='FILE', help='statistics recorded from the model (cq.record_calibration(...).save(FILE): '
+                   'a file or a sharded folder; see the recipe below), or layer inputs {layer name: [rows, K]} (as collect_inputs returns, '
                    'saved with cq.save_file): measured selection, --rounding gptq, and input_scale / pre_quant_scale for FP8 and NVFP4 layers')
     p.add_argument('--no-smoothing', action='store_true', help='with --calibration: no NVFP4 pre_quant_scale search')
     p.add_argument('--device', default='cpu', help="where the weights are quantized: cpu (default) or cuda (GPTQ and MSE searches)")

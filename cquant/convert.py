@@ -21,6 +21,7 @@ from ._version import __version__
 from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, Plan, layer_source
 from .models import dit_state_dict
 from .calibrate import Calibration, gptq_layers, rounding_kwargs
+from .record import open_calibration
 from .rounding import GPTQWarning
 from .minilm import minilm_path, fetch_minilm
 
@@ -472,7 +473,7 @@ def _quantize_layer(w:StreamingWriter, ck:Checkpoint, key:str, m:str, d, weight:
     wt, extras = weight, {}
     if cal is not None: wt, extras = cal.layer(m, d.format, wt)
     x = None if cal is None else cal.layer_inputs(m, extras)
-    rk = rounding_kwargs(m, d.rounding, x, d.format)
+    rk = rounding_kwargs(m, d.rounding, None if cal is None else cal.layer_data(m, extras), d.format)
     wt = wt.to(device)
     with warnings.catch_warnings(record=True) as caught:       # a GPTQ that fell back to MSE is reported as MSE
         warnings.simplefilter('always', GPTQWarning)
@@ -607,7 +608,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                         progress:bool=True, # tqdm bar on stderr (bytes and tensors)
                         report=None, # path: also save the report as JSON there
                         *, plan:Plan|None=None, # a plan already made for this file (skips planning)
-                        calibration=None, # {layer: inputs} or a `Calibration`: measured selection, activation scales
+                        calibration=None, # recorded statistics (or their file), {layer: inputs} or a `Calibration`
                         measure:bool=True, # compute per-layer SQNR (one dequantize per weight)
                         metadata:dict|None=None, # extra header metadata (strings)
                         requantize:bool=False, # allow quantizing layers the source already stores quantized
@@ -622,12 +623,13 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
     check_outputs('quantize_checkpoint', _source_names(src), {'destination': None if shard_size else dst, 'report': report, 'hash file': sums})
     t0 = time.time()
     device = check_device(device, 'quantize_checkpoint')
-    cal = Calibration.of(calibration)
-    if cal is not None: cal.prepare()               # a file conversion has no model: the inputs must be given per layer
+    cal = Calibration.of(open_calibration(calibration) if isinstance(calibration, (str, os.PathLike)) else calibration)
+    if cal is not None: cal.prepare()               # a file conversion has no model: inputs or statistics per layer
     with malloc_arenas(1), open_checkpoint(src) as ck:     # one arena: the job's threads share freed heap memory
         ck.modules()                                # the rule load_file applies (stray scales, shapes): refuse before writing
-        if plan is None: plan = policy.plan(ck, None if cal is None else cal.inputs)
         layers, groups = layer_source(ck), ck.groups()
+        if cal is not None: cal.for_layers({m: i.shape for m, i in layers.infos.items()}, src)
+        if plan is None: plan = policy.plan(ck, None if cal is None else cal.selection_data())
         if not requantize: _refuse_requantize(src, plan, layers)
         gptq_layers({m: d.rounding for m, d in plan.items() if d.format}, cal, 'quantize_checkpoint')
         meta = {**ck.metadata, **(metadata or {}), 'cquant_policy': policy.to_json(), 'cquant_recipe': policy.to_recipe(),

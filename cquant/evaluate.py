@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/evaluate.html.md"""
 
 # %% ../nbs/22_evaluate.ipynb #c1d7e7dc
 from __future__ import annotations
-import copy, os, math
+import copy, os, math, warnings
 from dataclasses import replace
 from dataclasses import dataclass
 from typing import Callable
@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 from .numerics import sqnr
 from .checkpoint import load_file, markdown_table
-from .modules import QuantLinear, load_quantized_model, quantized_names, submodule, swap_module
+from .modules import (QuantLinear, LoadKeysError, LoadKeysWarning, load_quantized_model, quantized_names, submodule,
+                            swap_module)
 from .models import dit_model, dit_batches
 from .minilm import MiniLM, minilm_model, SENTENCES, sentence_batches
 from .calibrate import quantize_model
@@ -806,10 +807,16 @@ def _module_bytes(sd:dict, names) -> int:
 
 # %% ../nbs/22_evaluate.ipynb #7f933531
 def _quantized(workload:Workload, what, calibrate:bool) -> tuple:
-    "(quantized model, label) for a Policy, a plan or a quantized safetensors path."
+    "(quantized model, label) for a Policy, a plan or a quantized safetensors path (keys the model lacks are ignored)."
     model = workload.model()
     if isinstance(what, (str, os.PathLike)):
-        return load_quantized_model(model, load_file(os.fspath(what))), os.path.basename(os.fspath(what))
+        with warnings.catch_warnings():                 # a file may hold more than the model computes (MiniLM's pooler)
+            warnings.simplefilter('ignore', LoadKeysWarning)
+            q = load_quantized_model(model, load_file(os.fspath(what)), strict=False)
+        if q.load_result.missing_keys:
+            raise LoadKeysError(f"evaluate: {os.fspath(what)!r} lacks {len(q.load_result.missing_keys)} key(s) of "
+                                f"{type(model).__name__}, e.g. {q.load_result.missing_keys[:3]}", q.load_result)
+        return q, os.path.basename(os.fspath(what))
     if isinstance(what, Policy): what = what.plan(model, calibration=workload.calibration, outputs=workload.outputs)
     if not isinstance(what, dict):
         raise TypeError(f"evaluate: expected a Policy, a plan ({{layer: format}}) or a quantized safetensors path, "

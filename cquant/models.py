@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/models.html.md"""
 
 # %% ../nbs/13_models.ipynb #74a703ae
 from __future__ import annotations
-import math
+import math, zlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -14,7 +14,8 @@ from .attention import ComfyAttention
 from .modules import QuantMoEExperts
 
 # %% auto #0
-__all__ = ['DiT', 'dit_model', 'dit_state_dict', 'dit_batches', 'BankMoE', 'moe_dit_model']
+__all__ = ['DiT', 'dit_model', 'dit_state_dict', 'dit_batches', 'BankMoE', 'moe_dit_model', 'FluxDiT', 'flux_model',
+           'flux_batches', 'flux_layer_shapes']
 
 # %% ../nbs/13_models.ipynb #e370645e
 class _Attention(nn.Module):
@@ -208,3 +209,236 @@ def moe_dit_model(seed:int=0, # weights and outliers are drawn from this seed
     model = dit_model(seed, dtype, **{**MOE_DIT, **kw})
     model.moe = BankMoE.from_experts(model.moe)
     return model
+
+# %% ../nbs/13_models.ipynb #07d90497
+class _RMSNorm(nn.Module):
+    def __init__(self, dim, **kw):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim, **kw))
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.scale.to(x.dtype)
+
+class _QKNorm(nn.Module):
+    def __init__(self, dim, **kw):
+        super().__init__()
+        self.query_norm, self.key_norm = _RMSNorm(dim, **kw), _RMSNorm(dim, **kw)
+    def forward(self, q, k): return self.query_norm(q), self.key_norm(k)
+
+# %% ../nbs/13_models.ipynb #0f073fe4
+def _heads(qkv, heads):
+    "[B, T, 3 C] -> q, k, v as [B, heads, T, C / heads]."
+    B, T, _ = qkv.shape
+    return qkv.view(B, T, 3, heads, -1).permute(2, 0, 3, 1, 4)
+
+def _attend(q, k, v): return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+# %% ../nbs/13_models.ipynb #737f35a3
+class _FluxSelfAttn(nn.Module):
+    def __init__(self, dim, heads, qkv_bias, **kw):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias, **kw)
+        self.norm = _QKNorm(dim // heads, **kw)
+        self.proj = nn.Linear(dim, dim, **kw)
+    def qkv_heads(self, x):
+        q, k, v = _heads(self.qkv(x), self.heads)
+        return *self.norm(q, k), v
+
+# %% ../nbs/13_models.ipynb #53302b27
+class _Modulation(nn.Module):
+    def __init__(self, dim, n, **kw):
+        super().__init__()
+        self.n, self.lin = n, nn.Linear(dim, n * dim, **kw)
+    def forward(self, vec): return self.lin(F.silu(vec))[:, None].chunk(self.n, -1)
+
+def _flux_mlp(dim, hidden, **kw):
+    return nn.Sequential(nn.Linear(dim, hidden, **kw), nn.GELU(approximate='tanh'), nn.Linear(hidden, dim, **kw))
+
+def _ln(dim, **kw): return nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6, **kw)
+
+# %% ../nbs/13_models.ipynb #2bbfbbdb
+class _DoubleBlock(nn.Module):
+    def __init__(self, dim, heads, mlp, qkv_bias, **kw):
+        super().__init__()
+        for s in ('img', 'txt'):       # img_mod, img_norm1, img_attn, img_norm2, img_mlp, then the same for txt
+            setattr(self, f'{s}_mod', _Modulation(dim, 6, **kw))
+            setattr(self, f'{s}_norm1', _ln(dim, **kw))
+            setattr(self, f'{s}_attn', _FluxSelfAttn(dim, heads, qkv_bias, **kw))
+            setattr(self, f'{s}_norm2', _ln(dim, **kw))
+            setattr(self, f'{s}_mlp', _flux_mlp(dim, mlp, **kw))
+    def forward(self, img, txt, vec):
+        im, tm = self.img_mod(vec), self.txt_mod(vec)    # shift, scale, gate (attention); shift, scale, gate (MLP)
+        iq, ik, iv = self.img_attn.qkv_heads((1 + im[1]) * self.img_norm1(img) + im[0])
+        tq, tk, tv = self.txt_attn.qkv_heads((1 + tm[1]) * self.txt_norm1(txt) + tm[0])
+        a = _attend(torch.cat((tq, iq), 2), torch.cat((tk, ik), 2), torch.cat((tv, iv), 2))
+        ta, ia = a[:, :txt.shape[1]], a[:, txt.shape[1]:]
+        img = img + im[2] * self.img_attn.proj(ia)
+        img = img + im[5] * self.img_mlp((1 + im[4]) * self.img_norm2(img) + im[3])
+        txt = txt + tm[2] * self.txt_attn.proj(ta)
+        txt = txt + tm[5] * self.txt_mlp((1 + tm[4]) * self.txt_norm2(txt) + tm[3])
+        return img, txt
+
+# %% ../nbs/13_models.ipynb #99f528e2
+class _SingleBlock(nn.Module):
+    def __init__(self, dim, heads, mlp, **kw):
+        super().__init__()
+        self.heads, self.split = heads, (3 * dim, mlp)
+        self.linear1 = nn.Linear(dim, 3 * dim + mlp, **kw)
+        self.linear2 = nn.Linear(dim + mlp, dim, **kw)
+        self.norm = _QKNorm(dim // heads, **kw)
+        self.pre_norm = _ln(dim, **kw)
+        self.modulation = _Modulation(dim, 3, **kw)
+    def forward(self, x, vec):
+        shift, scale, gate = self.modulation(vec)
+        qkv, mlp = self.linear1((1 + scale) * self.pre_norm(x) + shift).split(self.split, -1)
+        q, k, v = _heads(qkv, self.heads)
+        a = _attend(*self.norm(q, k), v)
+        return x + gate * self.linear2(torch.cat((a, F.gelu(mlp, approximate='tanh')), -1))
+
+# %% ../nbs/13_models.ipynb #a916eb6b
+class _MLPEmbedder(nn.Module):
+    def __init__(self, in_dim, dim, **kw):
+        super().__init__()
+        self.in_layer, self.out_layer = nn.Linear(in_dim, dim, **kw), nn.Linear(dim, dim, **kw)
+    def forward(self, x): return self.out_layer(F.silu(self.in_layer(x)))
+
+def _sinusoid(t, dim=256, factor=1000.0):
+    "FLUX's timestep embedding of `factor * t`: [cos, sin] of 128 frequencies, in float32."
+    half = dim // 2
+    f = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    a = factor * t.float()[:, None] * f[None]
+    return torch.cat([a.cos(), a.sin()], -1)
+
+class _LastLayer(nn.Module):
+    def __init__(self, dim, out, **kw):
+        super().__init__()
+        self.norm_final = _ln(dim, **kw)
+        self.linear = nn.Linear(dim, out, **kw)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim, **kw))
+    def forward(self, x, vec):
+        shift, scale = self.adaLN_modulation(vec)[:, None].chunk(2, -1)
+        return self.linear((1 + scale) * self.norm_final(x) + shift)
+
+# %% ../nbs/13_models.ipynb #1e4ad150
+class FluxDiT(nn.Module):
+    "A FLUX.1-shaped transformer (ComfyUI's module names): embedders, double-stream and single-stream blocks, final layer."
+    def __init__(self, hidden=3072, mlp_ratio=4.0, heads=24, depth=19, single_depth=38, in_channels=64,
+                 context_in=4096, vec_in=768, guidance_embed=True, qkv_bias=True, dtype=None, device=None):
+        super().__init__()
+        if hidden % heads: raise ValueError(f"FluxDiT: hidden {hidden} is not a multiple of heads {heads}")
+        kw, mlp = dict(dtype=dtype, device=device), int(hidden * mlp_ratio)
+        self.img_in = nn.Linear(in_channels, hidden, **kw)
+        self.time_in = _MLPEmbedder(256, hidden, **kw)
+        self.vector_in = _MLPEmbedder(vec_in, hidden, **kw)
+        self.guidance_in = _MLPEmbedder(256, hidden, **kw) if guidance_embed else None
+        self.txt_in = nn.Linear(context_in, hidden, **kw)
+        self.double_blocks = nn.ModuleList(_DoubleBlock(hidden, heads, mlp, qkv_bias, **kw) for _ in range(depth))
+        self.single_blocks = nn.ModuleList(_SingleBlock(hidden, heads, mlp, **kw) for _ in range(single_depth))
+        self.final_layer = _LastLayer(hidden, in_channels, **kw)
+
+    def forward(self, img, txt, timesteps, y, guidance=None):
+        "img: [B, T, in_channels] latent patches, txt: [B, L, context_in], timesteps: [B] in [0, 1), y: [B, vec_in] -> [B, T, in_channels]."
+        img, txt = self.img_in(img), self.txt_in(txt)
+        vec = self.time_in(_sinusoid(timesteps).to(img.dtype)) + self.vector_in(y.to(img.dtype))
+        if self.guidance_in is not None and guidance is not None:
+            vec = vec + self.guidance_in(_sinusoid(guidance).to(img.dtype))
+        for b in self.double_blocks: img, txt = b(img, txt, vec)
+        x = torch.cat((txt, img), 1)
+        for b in self.single_blocks: x = b(x, vec)
+        return self.final_layer(x[:, txt.shape[1]:], vec)
+
+# %% ../nbs/13_models.ipynb #0960f3ba
+def _t4(shape, g:torch.Generator) -> torch.Tensor:
+    "Student-t samples with 4 degrees of freedom (variance 2) from generator `g`."
+    chi2 = -2 * (torch.rand(shape, generator=g) * torch.rand(shape, generator=g)).clamp_min(1e-30).log()
+    return torch.empty(shape).normal_(generator=g) / (chi2 / 4).sqrt()
+
+def _named_gen(seed:int, name:str) -> torch.Generator:
+    "A generator seeded by (seed, name): the same draws for a module whatever the rest of the model is."
+    return torch.Generator().manual_seed(zlib.crc32(f'{seed}:{name}'.encode()))   # the CPU generator keeps 32 bits
+
+# %% ../nbs/13_models.ipynb #b2b95477
+_FLUX_MOD = ('_mod.lin', 'modulation.lin', 'adaLN_modulation.1')
+
+@torch.no_grad()
+def _flux_init(model:FluxDiT, seed:int, outliers:bool):
+    hidden, done = model.img_in.out_features, set()
+    massive = torch.randperm(hidden, generator=_named_gen(seed, 'massive channels'))[:4]
+    for n, m in model.named_modules():
+        g = _named_gen(seed, n)
+        if isinstance(m, _RMSNorm):
+            m.scale.copy_(torch.exp(math.log(1.5) + 0.25 * torch.randn(m.scale.shape, generator=g))); done.add(m.scale)
+        if not isinstance(m, nn.Linear): continue
+        (N, K), mod = m.weight.shape, n.endswith(_FLUX_MOD)
+        w = torch.empty(N, K).normal_(0, (0.5 if mod else 1.0) / math.sqrt(K), generator=g)
+        b = torch.empty(N).normal_(0, 0.02, generator=g) if m.bias is not None else None
+        chunks = N // K if mod else 0                                  # 6, 3 or 2 (final layer: shift, scale)
+        for c in range(2, chunks, 3): b[c * K:(c + 1) * K] += 1.0      # gates
+        if outliers:
+            u = lambda: float(torch.rand((), generator=g))
+            if n != 'img_in' and u() < 0.5:                            # heavy input columns
+                cols = torch.randperm(K, generator=g)[:1 + int(4 * u())]
+                w[:, cols] *= math.exp(math.log(2) + u() * math.log(12))
+            if n.endswith(('attn.qkv', 'linear1')) and u() < 0.5:     # heavy-tailed q, k, v
+                w[:3 * K] = _t4((3 * K, K), g) * (w[:3 * K].std() / math.sqrt(2))
+            for c in ((0, 1, 3, 4) if chunks == 6 else (0, 1) if chunks else ()):   # activation outlier channels
+                b[c * K + massive] += (3 + 6 * u()) * torch.sign(torch.randn(len(massive), generator=g))
+        m.weight.copy_(w); done.add(m.weight)
+        if b is not None: m.bias.copy_(b); done.add(m.bias)
+    assert len(done) == len(list(model.parameters())), 'FluxDiT init: a parameter was left unset'
+
+# %% ../nbs/13_models.ipynb #23ccc5a4
+def flux_model(seed:int=0, # weights and outliers are drawn from this seed (and each module's name)
+               dtype:torch.dtype=torch.bfloat16, # parameter dtype
+               depth:int=1, # double blocks
+               single_depth:int=1, # single blocks
+               full:bool=False, # FLUX.1-dev's depth: 19 double and 38 single blocks (overrides depth, single_depth)
+               outliers:bool=True, # inject heavy columns, heavy-tailed qkv and activation outlier channels
+               **sizes, # `FluxDiT` sizes: hidden=3072, mlp_ratio=4.0, heads=24, in_channels=64, context_in=4096, vec_in=768, guidance_embed, qkv_bias
+              ) -> FluxDiT: # on the CPU, in eval mode
+    "A deterministic FLUX.1-shaped model with outliers where real DiTs have them; the global RNG is left untouched."
+    if full: depth, single_depth = 19, 38
+    with torch.device('meta'): model = FluxDiT(depth=depth, single_depth=single_depth, dtype=dtype, **sizes)
+    model.to_empty(device='cpu')
+    _flux_init(model, seed, outliers)
+    return model.eval()
+
+# %% ../nbs/13_models.ipynb #1b46523e
+def flux_batches(n:int=2, # number of batches
+                 batch:int=1, # samples per batch
+                 img_tokens:int=256, # latent patch tokens per sample (256: a 512x512 image is 1024)
+                 txt_tokens:int=64, # text tokens per sample (FLUX-dev uses 512)
+                 seed:int=1, # inputs are drawn from this seed
+                 dtype:torch.dtype=torch.bfloat16, # of img, txt and y
+                 in_channels:int=64, context_in:int=4096, vec_in:int=768, # must match the model
+                 **sizes, # other `FluxDiT` sizes, ignored (pass the model's)
+                ) -> list: # [(img, txt, timesteps, y, guidance)]
+    "Deterministic FluxDiT inputs: noisy latent patches, T5-like text features, timesteps in [0, 1), pooled vectors, guidance."
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype)
+    return [(r(batch, img_tokens, in_channels), r(batch, txt_tokens, context_in), torch.rand(batch, generator=g),
+             r(batch, vec_in), 1 + 4 * torch.rand(batch, generator=g)) for _ in range(n)]
+
+# %% ../nbs/13_models.ipynb #a61b3a56
+def flux_layer_shapes(full:bool=True, # FLUX.1-dev's 19 double and 38 single blocks (else depth, single_depth)
+                      depth:int=1, single_depth:int=1,
+                      hidden:int=3072, mlp_ratio:float=4.0, heads:int=24, in_channels:int=64, context_in:int=4096,
+                      vec_in:int=768, guidance_embed:bool=True, qkv_bias:bool=True,
+                     ) -> dict: # {linear name: (out, in)}
+    "The weight shape of every linear of `FluxDiT` at these sizes, in model order."
+    if full: depth, single_depth = 19, 38
+    h, mlp = hidden, int(hidden * mlp_ratio)
+    out = {'img_in': (h, in_channels), 'time_in.in_layer': (h, 256), 'time_in.out_layer': (h, h),
+           'vector_in.in_layer': (h, vec_in), 'vector_in.out_layer': (h, h)}
+    if guidance_embed: out |= {'guidance_in.in_layer': (h, 256), 'guidance_in.out_layer': (h, h)}
+    out['txt_in'] = (h, context_in)
+    for i in range(depth):
+        for s in ('img', 'txt'):
+            p = f'double_blocks.{i}.{s}'
+            out |= {f'{p}_mod.lin': (6 * h, h), f'{p}_attn.qkv': (3 * h, h), f'{p}_attn.proj': (h, h),
+                    f'{p}_mlp.0': (mlp, h), f'{p}_mlp.2': (h, mlp)}
+    for i in range(single_depth):
+        p = f'single_blocks.{i}'
+        out |= {f'{p}.linear1': (3 * h + mlp, h), f'{p}.linear2': (h, h + mlp), f'{p}.modulation.lin': (3 * h, h)}
+    return out | {'final_layer.linear': (in_channels, h), 'final_layer.adaLN_modulation.1': (2 * h, h)}

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .tensor import ROUNDINGS, FORMATS, FormatSpec, QuantFormatError, QuantizedTensor, get_format, quantize
+from .tensor import input_stats, checked_stats
 from .fp8 import FP8_E4M3
 from .nvfp4 import NVFP4
 from .mxfp8 import MXFP8
@@ -25,12 +26,13 @@ from .awq import AWQ_W4A16
 from .svdquant import SVDQUANT_W4A4
 from .checkpoint import Checkpoint, open_checkpoint
 from .numerics import energy_db, is_power_of_4
-from .modules import QuantLinear, is_linear, submodule, swap_module
+from .modules import QuantEmbedding, QuantLinear, is_linear, submodule, swap_module
 from .calibrate import collect_inputs
 
 # %% auto #0
-__all__ = ['PRESETS', 'MODES', 'Preset', 'PolicyWarning', 'detect_preset', 'int8_budget', 'Choice', 'with_group', 'grouped',
-           'Mode', 'Decision', 'layer_errors', 'Policy', 'measure_layers', 'greedy_order', 'plan_ratios', 'Plan']
+__all__ = ['PRESETS', 'MODES', 'EMBEDDING_NAME', 'Preset', 'PolicyWarning', 'detect_preset', 'int8_budget', 'Choice',
+           'with_group', 'grouped', 'Mode', 'embedding_table', 'Decision', 'layer_errors', 'Policy', 'measure_layers',
+           'greedy_order', 'plan_ratios', 'Plan']
 
 # %% ../nbs/16_policy.ipynb #e68726bc
 @dataclass(frozen=True)
@@ -311,18 +313,28 @@ class LayerInfo:
     shape: tuple                    # logical weight shape
     dtype: torch.dtype|None = None  # storage dtype (None: unknown, treated as float)
     kind: str = 'weight'            # 'linear' (a Linear module), 'weight' (a state-dict entry) or a module class name
+                                    # ('Embedding': an nn.Embedding, or a state-dict entry `embedding_table` recognises)
     source_format: str|None = None  # comfy_quant format of an already quantized weight
 
 # %% ../nbs/16_policy.ipynb #b08cabc0
 def ineligible(info:LayerInfo) -> str|None:
-    "Why `info` cannot be quantized (None if it can): not a Linear, not 2-D, a dim <= 1, not a float dtype."
+    "Why `info` cannot be quantized (None if it can): not 2-D, a dim <= 1, not a Linear, not a float dtype."
     s = tuple(info.shape)
-    if info.kind not in ('linear', 'weight'): return f"not a Linear ({info.kind})"
-    if len(s) != 2: return f"not a 2-D weight (shape {s})"
+    if len(s) != 2: return f"not a 2-D weight (shape {s})"     # shapes first: a file knows them as well as a model
     if min(s) <= 1: return f"a dimension <= 1 (shape {s})"
+    if info.kind not in ('linear', 'weight'): return f"not a Linear ({info.kind})"
     if info.source_format is None and info.dtype is not None and info.dtype not in FLOAT_DTYPES:
         return f"dtype {str(info.dtype).removeprefix('torch.')} is not fp32/fp16/bf16/fp8"
     return None
+
+# %% ../nbs/16_policy.ipynb #e1b2d3f4
+EMBEDDING_NAME = re.compile(r'(.*_)?(embeddings?|embed)|embed_tokens|embed_positions|wte|wpe')
+
+def embedding_table(name:str, # module name (the key without '.weight')
+                    keys=(), # the module's entries ('weight', 'bias', ...)
+                   ) -> bool:
+    "Whether state-dict module `name` is an embedding table: no `bias`, and its last name part names one."
+    return 'bias' not in keys and EMBEDDING_NAME.fullmatch(name.rsplit('.', 1)[-1]) is not None
 
 # %% ../nbs/16_policy.ipynb #894cc4c9
 class LayerSource:
@@ -360,12 +372,13 @@ def _from_checkpoint(ck:Checkpoint, close=None) -> LayerSource:
     for m in order:
         keys = groups[m]
         if 'weight' not in keys: continue
+        kind = 'Embedding' if embedding_table(m, keys) else 'weight'
         if 'comfy_quant' in keys:
             e = mods[m]
-            infos[m] = LayerInfo(m, tuple(e.shape), ck.info(keys['weight']).dtype, 'weight', e.format)
+            infos[m] = LayerInfo(m, tuple(e.shape), ck.info(keys['weight']).dtype, kind, e.format)
         else:
             i = ck.info(keys['weight'])
-            infos[m] = LayerInfo(m, tuple(i.shape), i.dtype, 'weight')
+            infos[m] = LayerInfo(m, tuple(i.shape), i.dtype, kind)
     def read(name):
         info, keys = infos[name], groups[name]
         if info.source_format is None: return ck[keys['weight']]
@@ -381,7 +394,8 @@ def _from_module(model:nn.Module) -> LayerSource:
         w = getattr(m, 'weight', None)
         if not n or not isinstance(w, torch.Tensor): continue
         src = w.format if isinstance(w, QuantizedTensor) else None
-        infos[n] = LayerInfo(n, tuple(w.shape), w.dtype, 'linear' if is_linear(m) else type(m).__name__, src)
+        kind = 'linear' if is_linear(m) else 'Embedding' if isinstance(m, (nn.Embedding, QuantEmbedding)) else type(m).__name__
+        infos[n] = LayerInfo(n, tuple(w.shape), w.dtype, kind, src)
         mods[n] = m
     def read(name):
         w = mods[name].weight.detach()
@@ -397,7 +411,8 @@ def _from_shapes(shapes:Mapping) -> LayerSource:
         k = str(k)
         if weights and not k.endswith('.weight'): continue
         name = k[:-len('.weight')] if weights else k
-        infos[name] = LayerInfo(name, tuple(int(d) for d in s), None, 'linear')
+        emb = weights and embedding_table(name, ('bias',) if name + '.bias' in keys else ())
+        infos[name] = LayerInfo(name, tuple(int(d) for d in s), None, 'Embedding' if emb else 'linear')
     return LayerSource(infos, list(infos), None, None, 'shapes')
 
 # %% ../nbs/16_policy.ipynb #e178243d
@@ -498,15 +513,28 @@ def _db(e:float) -> float:
     "A relative error energy in dB (SQNR): -10·log10(e)."
     return math.inf if e == 0 else -10 * math.log10(e) if e > 0 and math.isfinite(e) else -math.inf
 
+# %% ../nbs/16_policy.ipynb #a18fbc61
+def _hessian_errors(w:torch.Tensor, choices, s, name:str='weight') -> list:
+    "`layer_errors` from recorded statistics `s`: tr(ΔW H ΔWᵀ) / tr(W H Wᵀ), the expected output error of each choice."
+    H, ref = s.gram().float().to(w.device), w.float()
+    sig = float(((ref @ H) * ref).sum(dtype=torch.float64))
+    out = []
+    for c in choices:
+        d = quantize(w, c.format, name=name, **c.opts).dequantize(torch.float32) - ref
+        noise = float(((d @ H) * d).sum(dtype=torch.float64))
+        out.append(noise / sig if sig > 0 else (0.0 if noise == 0 else math.inf))
+    return out
+
 # %% ../nbs/16_policy.ipynb #027cf082
 @torch.no_grad()
 def layer_errors(w:torch.Tensor, # float weight [N, K] (quantized in its own dtype)
                  choices, # the `Choice`s to measure
-                 x:torch.Tensor|None=None, # optional layer inputs [..., K]: measure the output error instead
+                 x=None, # layer inputs [..., K] (the output error instead), or their statistics (its expectation)
                  name:str='weight', # for error messages
                 ) -> list: # relative error energy per choice
     "Relative error energy of each choice on `w` (weight) or on `x @ w.T` (output), with the shipped quantizers."
     ref = w.float()
+    if input_stats(x): return _hessian_errors(w, choices, checked_stats(x, w.shape[1], name), name)
     if x is not None:
         x = x.reshape(-1, x.shape[-1])
         y = x.float() @ ref.T
@@ -565,9 +593,11 @@ class Policy:
     def plan(self, layers, # {name: (out, in)}, a state dict, a Checkpoint, a safetensors path, or an nn.Module
              calibration=None, # measured selection: {name: inputs [..., K]}, or batches for an nn.Module
              outputs=None, # with batches: (model, batch) -> the output tensor compared (default: what model(*batch) returns)
+             mask=None, # with batches: mask(batch) -> bool tensor of the output positions compared (padding excluded)
             ) -> 'Plan':
         "The decision for every weight of `layers`, in model order."
         src = layer_source(layers)
+        if mask is not None: outputs = masked_outputs(outputs, mask)
         try: return _plan(self, src, calibration, layers if isinstance(layers, nn.Module) else None, outputs)
         finally:
             if src is not layers: src.close()
@@ -802,7 +832,7 @@ def _walk(chain, info:LayerInfo, name:str, mode:str, why:str|None, in_budget:boo
 def measure_layers(src, # a LayerSource (or anything `layer_source` accepts) with weights
                    names, # layers to measure
                    low:Choice, high:Choice, # the two choices the budget decides between (or None with `pairs`)
-                   calibration=None, # {name: inputs} or, with `model`, calibration batches
+                   calibration=None, # {name: inputs}, recorded statistics, or, with `model`, calibration batches
                    model:nn.Module|None=None,
                    pairs:dict|None=None, # {name: (low, high)} per layer (e.g. each with its ConvRot group)
                   ) -> dict: # {name: {'low', 'high', 'metric'}}
@@ -822,7 +852,7 @@ def measure_layers(src, # a LayerSource (or anything `layer_source` accepts) wit
     for n in names:
         x = calibration.get(n) if calibration is not None else None
         lo, hi = layer_errors(src.weight(n), pairs[n] if pairs else (low, high), x, n + '.weight')
-        out[n] = dict(low=lo, high=hi, metric='output' if x is not None else 'weight')
+        out[n] = dict(low=lo, high=hi, metric='weight' if x is None else 'output (Hessian)' if input_stats(x) else 'output')
     return out
 
 # %% ../nbs/16_policy.ipynb #a1f0c021
@@ -836,6 +866,18 @@ def _output(y) -> torch.Tensor:
 # %% ../nbs/16_policy.ipynb #a1f0c022
 def _run_batch(model, b):
     return model(*b) if isinstance(b, tuple) else model(**b) if isinstance(b, Mapping) else model(b)
+
+def masked_outputs(outputs, # (model, batch) -> tensor, or None for what the model returns
+                   mask, # mask(batch) -> bool tensor over the output's leading dims (True: compared)
+                  ):
+    "An `outputs` function that keeps only the positions `mask(batch)` marks (padded tokens left out of the SQNR)."
+    def out(m, b):
+        y, k = _output((outputs or _run_batch)(m, b)), mask(b)
+        if tuple(k.shape) != tuple(y.shape[:k.dim()]):
+            raise ValueError(f"measured selection: mask(batch) has shape {tuple(k.shape)}, which does not cover the output's "
+                             f"leading dims {tuple(y.shape)}")
+        return y[k.to(y.device).bool()]
+    return out
 
 # %% ../nbs/16_policy.ipynb #a1f0c023
 @torch.no_grad()

@@ -8,7 +8,8 @@ Docs: https://cquant-dev.github.io/cquant/rounding.html.md"""
 from __future__ import annotations
 import math, warnings
 import torch
-from .tensor import FormatSpec, Grid, QuantFormatError, register_rounding, format_error
+from .tensor import FormatSpec, Grid, QuantFormatError, register_rounding, format_error, as_fp32
+from .tensor import input_stats, input_rows, checked_stats
 
 # %% auto #0
 __all__ = ['search_scales', 'GPTQWarning', 'gptq_codes']
@@ -98,27 +99,42 @@ GPTQ_MIN_ROWS = 16        # fewer calibration rows than this: no Hessian worth t
 GPTQ_DAMP = 0.01          # dampening added to the Hessian diagonal, as a fraction of its mean
 GPTQ_BLOCK = 128          # columns per lazy batch
 
+# %% ../nbs/23_rounding.ipynb #24224292
+def basis_gram(grid:Grid, # a format's rounding, whose `inputs` is linear (a rotation, a padding)
+               G:torch.Tensor, # Σxᵀx [K, K] of the inputs x
+              ) -> torch.Tensor: # Σ inputs(x)ᵀ inputs(x) [K', K']
+    "Σxᵀx in the format's basis, from Σxᵀx itself: inputs(x) = x B gives Bᵀ (Σxᵀx) B = inputs(inputs(G)ᵀ)."
+    if grid.inputs is as_fp32: return G                     # the identity: keep the accumulator's precision
+    return grid.inputs(grid.inputs(G.float()).T.contiguous())
+
 # %% ../nbs/23_rounding.ipynb #b45cdf5d
-def gptq_hessian(x:torch.Tensor, # calibration inputs [..., K] of the layer
+def gptq_hessian(x, # calibration inputs [..., K] of the layer, or their recorded statistics (`LayerStats`)
                  grid:Grid, K:int, # the format's rounding and the weight's K
                  name:str='weight', # for messages
                 ) -> torch.Tensor|None: # H = X^T X / rows in the basis, fp64 [K', K']; None: too few rows (warned)
-    "The layer's GPTQ Hessian from its inputs, in the format's basis; clear errors for inputs that do not fit."
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise format_error('', f'calibration of {name}', 'a float tensor of layer inputs [..., K]', type(x).__name__)
-    if x.dim() == 0 or x.shape[-1] != K:
-        raise format_error('', f'calibration of {name}', f'inputs [..., {K}] (the weight has K={K})',
-                           f'shape {tuple(x.shape)}')
-    x = x.reshape(-1, K)
-    bad = ~torch.isfinite(x)
-    if bool(bad.any()):
-        raise format_error('', f'calibration of {name}', 'finite inputs', f'{int(bad.sum())} NaN/inf values')
-    if x.shape[0] < GPTQ_MIN_ROWS:
-        warnings.warn(f"{name}: {x.shape[0]} calibration rows (< {GPTQ_MIN_ROWS}) are too few for a GPTQ Hessian; "
+    "The layer's GPTQ Hessian from its inputs or their Σxᵀx, in the format's basis; clear errors for inputs that do not fit."
+    stats = input_stats(x)
+    if stats:
+        rows = checked_stats(x, K, name).count
+    else:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise format_error('', f'calibration of {name}', 'a float tensor of layer inputs [..., K] or their recorded '
+                               'statistics', type(x).__name__)
+        if x.dim() == 0 or x.shape[-1] != K:
+            raise format_error('', f'calibration of {name}', f'inputs [..., {K}] (the weight has K={K})',
+                               f'shape {tuple(x.shape)}')
+        x = x.reshape(-1, K)
+        bad = ~torch.isfinite(x)
+        if bool(bad.any()):
+            raise format_error('', f'calibration of {name}', 'finite inputs', f'{int(bad.sum())} NaN/inf values')
+        rows = x.shape[0]
+    if rows < GPTQ_MIN_ROWS:
+        warnings.warn(f"{name}: {rows} calibration rows (< {GPTQ_MIN_ROWS}) are too few for a GPTQ Hessian; "
                       "MSE rounding instead", GPTQWarning, stacklevel=4)
         return None
+    if stats: return basis_gram(grid, x.gram()).double() / rows
     xb = grid.inputs(x).double()
-    return xb.T @ xb / x.shape[0]
+    return xb.T @ xb / rows
 
 # %% ../nbs/23_rounding.ipynb #0c952db8
 def hessian_inverse(H:torch.Tensor, # fp64 [K, K] Hessian
@@ -194,7 +210,7 @@ def runtime_target(grid:Grid, # the format's rounding, with `runtime_inputs`
 # %% ../nbs/23_rounding.ipynb #5a298ba5
 def gptq_rounding(spec:FormatSpec, w:torch.Tensor, opts:dict, calibration=None, name:str='weight',
                   damp:float=GPTQ_DAMP, block:int=GPTQ_BLOCK, act_order:bool=False, activations:str='float') -> tuple:
-    """rounding='gptq': error-compensating column rounding on the layer's inputs, in the format's basis; with
+    """rounding='gptq': error-compensating column rounding on the layer's inputs (or their recorded Σxᵀx), in the format's basis; with
     `act_order`, columns of larger Hessian diagonal first where the scales are fixed (per row, per tensor);
     `activations`: 'float' (the inputs as given), or 'runtime' / 'asymmetric' / 'noise' (as its linear rounds them)."""
     if activations not in GPTQ_ACTIVATIONS:
@@ -202,10 +218,12 @@ def gptq_rounding(spec:FormatSpec, w:torch.Tensor, opts:dict, calibration=None, 
     if calibration is None:
         raise format_error('', 'calibration', "layer inputs [..., K] with rounding='gptq'", 'None')
     grid, wb, scales, _ = mse_grid(spec, w, opts)            # per-tensor scale and static per-row scales: MSE
-    H = gptq_hessian(calibration.to(w.device), grid, w.shape[1], name)
+    H = gptq_hessian(calibration if input_stats(calibration) else calibration.to(w.device), grid, w.shape[1], name)
+    H = None if H is None else H.to(w.device)
     static = grid.group is None or grid.group >= wb.shape[1]
-    if H is not None and activations != 'float' and grid.runtime_inputs is not None:
-        H, wb = runtime_target(grid, calibration.to(w.device).reshape(-1, w.shape[1]).float(), wb, H, activations, damp)
+    if H is not None and activations != 'float' and grid.runtime_inputs is not None:   # statistics: their reservoir rows
+        x = input_rows(calibration).to(w.device).reshape(-1, w.shape[1]).float()
+        H, wb = runtime_target(grid, x, wb, H, activations, damp)
         if static: scales = search_scales(grid, wb)[0]       # the row scales of the target weight
     perm = torch.argsort(torch.diag(H), descending=True, stable=True) if H is not None and static and act_order else None
     U = None if H is None else hessian_inverse(H if perm is None else H[perm][:, perm], damp, name)

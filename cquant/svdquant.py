@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 import torch
 from .tensor import Params, Layout, Int4PackedLayout, Option, FormatSpec, ValueRule, register_format, format_error, check_2d
-from .tensor import check_finite, round_stochastic
+from .tensor import check_finite, round_stochastic, input_stats, checked_stats
 from .numerics import pack_int4, unpack_int4, SCALE_DTYPES
 
 # %% auto #0
@@ -322,11 +322,12 @@ def _svdq_from_tensors(tensors, opts, shape, dtype, prefix=''):
 # %% ../nbs/07b_svdquant.ipynb #ed16a7f5
 def svdquant_calibrated(w:torch.Tensor, # [N, K] float weight
                         opts:dict, # resolved options
-                        calibration:torch.Tensor, # the layer's inputs [..., K]
+                        calibration, # the layer's inputs [..., K], or their recorded statistics (their reservoir rows)
                         name:str='weight', # the weight's name, for errors
                        ) -> tuple: # (qdata, params)
     "SVDQuant: smoothing from activation / weight channel maxima; alpha and act_unsigned chosen by the held-out error."
     prefix = name[:-len('weight')] if name.endswith('weight') else name + ' '
+    if input_stats(calibration): calibration = checked_stats(calibration, w.shape[1], name).rows
     x = _check_calibration(calibration, tuple(w.shape), prefix)
     x = x.reshape(-1, w.shape[1]).to(w.device)
     aw = w.abs().amax(0)

@@ -733,6 +733,22 @@ def round_stochastic(x:torch.Tensor, seed:int) -> torch.Tensor:
     g = torch.Generator(device=x.device).manual_seed(int(seed))
     return torch.floor(x + torch.rand(x.shape, dtype=x.dtype, device=x.device, generator=g))
 
+# %% ../nbs/01_tensor.ipynb #2b5f6da2
+def input_stats(c) -> bool:
+    "Whether calibration `c` is recorded statistics of a layer's inputs (`LayerStats`), not the inputs themselves."
+    return not isinstance(c, torch.Tensor) and callable(getattr(c, 'gram', None))
+
+def input_rows(c):
+    "The rows of calibration `c`: `c` itself, or the reservoir sample of recorded statistics."
+    return c.rows if input_stats(c) else c
+
+def checked_stats(c, K:int, name:str='weight'):
+    "Recorded statistics `c` for a weight with `K` inputs, or a clear error naming it."
+    if c.K != K: raise format_error('', f'calibration of {name}', f'statistics of inputs [..., {K}] (the weight has K={K})',
+                                    f'statistics of K={c.K}')
+    if c.count == 0: raise format_error('', f'calibration of {name}', 'statistics of at least one row', '0 rows recorded')
+    return c
+
 # %% ../nbs/01_tensor.ipynb #e0bbb99a
 def _searched(spec:FormatSpec, w, opts:dict, rounding, calibration, stochastic_rounding:int, name:str) -> tuple:
     "`quantize` with a registered rounding other than 'nearest', after checking that the request makes sense."

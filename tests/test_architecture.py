@@ -123,7 +123,7 @@ LAYERS = (
     ('checkpoint and modules', {'checkpoint', 'attention', 'modules'}),
     ('models', {'models', 'minilm'}),
     ('validation', {'validate'}),
-    ('calibration and policy', {'calibrate', 'policy', 'recipe', 'rounding'}),
+    ('calibration and policy', {'calibrate', 'record', 'policy', 'recipe', 'rounding'}),
     ('jobs', {'convert'}),
     ('cli', {'cli'}),
     ('on top', {'explore', 'quality', 'evaluate', 'attention_explore'}),
@@ -218,7 +218,7 @@ def test_the_import_checks_find_violations(tmp_path):
     assert inner == ['checkpoint.py:4: policy']
 
 
-# ---- Issue 15, third rule: `import cquant as cq` shows the public API (240: room for the second wave's contract names) ----
+# ---- Issue 15, third rule: `import cquant as cq` shows the public API (256: room for the third wave's contract names) ----
 # SPEC §2 (and the §4 names that exist so far): the contract that checks outside the project call
 SPEC_NAMES = ('FORMATS', 'quantize', 'QuantizedTensor', 'encode_json', 'decode_json', 'load_quantized', 'load_file',
               'save_file', 'quantize_checkpoint', 'Policy', 'load_quantized_model')
@@ -234,7 +234,7 @@ def test_public_api_is_small_and_complete():
     assert not [n for n in SPEC_NAMES if n not in names]
     internals = sorted(n for n in names if n.startswith(('cmd_', 'add_', 'check_')) or n.endswith('_parser'))
     assert not internals, f'CLI internals and argument checkers in cq.: {internals}'
-    assert len(names) <= 240, f'{len(names)} public names: trim the modules\' __all__ (#| exporti for helpers)'
+    assert len(names) <= 256, f'{len(names)} public names: trim the modules\' __all__ (#| exporti for helpers)'
 
 
 def test_every_public_name_is_documented():

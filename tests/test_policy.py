@@ -361,3 +361,74 @@ def test_svdquant_mode_and_rank():
         ref = torch.cat([model(*b).flatten() for b in held])
         got = {m: cq.sqnr(ref, torch.cat([q(*b).flatten() for b in held])) for m, q in qs.items()}
     assert got['svdquant'] > got['int4_full'] + 2, got        # measured +2.7 dB here, +7.1 dB on the 4-block DiT (07b)
+
+
+# --- one answer per layer: a model and its checkpoint file ---
+
+def _same(a, b) -> dict:
+    "The layers both plans hold on which (format, config, reason) differ."
+    key = lambda d: (d.format, d.config, d.reason)
+    return {n: (key(a[n]), key(b[n])) for n in a if n in b and key(a[n]) != key(b[n])}
+
+
+def test_embedding_tables_by_source():
+    "An nn.Embedding and a bias-free state-dict entry named like one are both 'not a Linear (Embedding)'; shapes come first."
+    from cquant.policy import embedding_table, ineligible
+    assert embedding_table('embeddings.word_embeddings') and embedding_table('y_embed') and embedding_table('model.embed_tokens')
+    assert not embedding_table('patch_embed', ('weight', 'bias')) and not embedding_table('t_embed.mlp.0')
+    assert not embedding_table('x_embedder') and not embedding_table('pooler.dense')
+    m = torch.nn.ModuleDict(dict(word_embeddings=torch.nn.Embedding(10, 256), norm=torch.nn.LayerNorm(256),
+                                 proj=torch.nn.Linear(256, 256)))
+    pol = Policy('int8', 'none')
+    a, b = pol.plan(m), pol.plan(m.state_dict())
+    assert _same(a, b) == {} and list(a) == list(b)
+    assert a['word_embeddings'].reason == 'not a Linear (Embedding)' and a['norm'].reason == 'not a 2-D weight (shape (256,))'
+    assert a['proj'].format == 'int8_tensorwise'
+
+
+@pytest.mark.parametrize('mode', ['int4_mixed', 'int8', 'int4_full'])
+@pytest.mark.parametrize('preset', ['auto', 'none'])
+def test_minilm_model_and_file_agree(mode, preset):
+    "Every layer MiniLM's model and its file share gets one decision; pooler.dense is only in the file and takes no budget."
+    from cquant.minilm import minilm_path
+    path = minilm_path()
+    if path is None or not os.path.exists(path): pytest.skip('MiniLM weights not available (cquant fetch-minilm)')
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', PolicyWarning)
+        pm, pf = Policy(mode, preset).plan(cq.minilm_model()), Policy(mode, preset).plan(path)
+    assert _same(pm, pf) == {}
+    assert set(pf) - set(pm) == {'pooler.dense'} and set(pm) <= set(pf)
+    assert pf['pooler.dense'].label == 'INT8'
+    for n in ('word_embeddings', 'position_embeddings', 'token_type_embeddings'):
+        assert pf['embeddings.' + n].format is None and pf['embeddings.' + n].reason == 'not a Linear (Embedding)'
+    assert (pm.budget['candidates'], pm.budget['target'], pm.selected()) == \
+           (pf.budget['candidates'], pf.budget['target'], pf.selected())
+    if mode == 'int4_mixed': assert pf.budget['candidates'] == 6 and len(pf.selected()) == 2
+
+
+def test_minilm_auto_groups_budget_differs_for_stated_reasons():
+    "With convrot_groupsize='auto' the file has one more candidate (pooler.dense) and its own (natural name) order."
+    from cquant.minilm import minilm_path
+    path = minilm_path()
+    if path is None or not os.path.exists(path): pytest.skip('MiniLM weights not available (cquant fetch-minilm)')
+    pol, model = Policy(preset='none', convrot_groupsize='auto'), cq.minilm_model()
+    pm, pf = pol.plan(model), pol.plan(path)
+    assert (pm.budget['candidates'], pf.budget['candidates']) == (36, 37)
+    assert pm.budget['target'] == pf.budget['target'] == 8
+    assert set(pm.budget['order']) == set(pf.budget['order']) - {'pooler.dense'}
+    assert _same(pol.plan(model.state_dict()), pm) == {}          # model order and the same candidates: the same plan
+
+
+def test_measured_selection_leaves_padding_out():
+    "Issue 43: with `mask`, the end-to-end ranking compares real tokens only; padded MiniLM positions moved its choice."
+    from cquant.minilm import minilm_path, sentence_batches
+    from cquant.evaluate import CALIBRATION_SENTENCES
+    if minilm_path() is None: pytest.skip('MiniLM weights not available (cquant fetch-minilm)')
+    model, batches = cq.minilm_model(), sentence_batches(CALIBRATION_SENTENCES[:40])
+    pol = Policy(mode='int4_mixed', selection='measured')
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', PolicyWarning)
+        plan = pol.plan(model, batches, mask=lambda b: b[1])
+        assert sorted(plan.budget['chosen']) == ['encoder.layer.4.output.dense', 'encoder.layer.5.output.dense']
+        with pytest.raises(ValueError, match=r"mask\(batch\) has shape \(3, \d+\), which does not cover the output's leading"):
+            pol.plan(model, batches[:1], mask=lambda b: b[1][:3])
