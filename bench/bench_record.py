@@ -7,7 +7,7 @@
 each setting in a fresh process: the forward alone, then the same forward recording every layer. It prints the
 statistics' own size, the peak RSS of recording less that of the forward alone, their ratio (target <= 1.1), the
 forward times and the overhead (target <= 50%), and the floor of that overhead: the Hessian's multiply-adds (K^2 per
-row per layer) over the forward's (K*N).
+row per layer) over the forward's (K*N), in full and on the upper blocks the recorder multiplies.
 
 `gptq` times `cq.quantize(w, 'convrot_w4a4', rounding='gptq', calibration=stats)` at FLUX-shaped layers, against its
 flop bound at this machine's measured fp32 GEMM rate: the Cholesky, inverse and Cholesky of the dampened Hessian
@@ -63,7 +63,10 @@ def memory(rows:int, batch:int):
                                                  capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
     fwd, rec = run('forward'), run('record')
     extra = rec['peak_above_base'] - fwd['peak_above_base']
+    from cquant.record import HESSIAN_BLOCK
+    upper = lambda K: (b := -(-K // HESSIAN_BLOCK)) * (b + 1) / 2 / b ** 2      # share of the blocks multiplied
     floor = (2 * 3072 ** 2 + 2 * 12288 ** 2) / (4 * 3072 * 12288)
+    floor_upper = (2 * 3072 ** 2 * upper(3072) + 2 * 12288 ** 2 * upper(12288)) / (4 * 3072 * 12288)
     print(f"recording {rows} rows (batches of {batch}) into 4 layers (K = 3072, 12288, 3072, 12288), torch threads "
           f"{torch.get_num_threads()}:")
     print(f"  statistics' own size        {rec['stats_bytes'] / 1e9:.3f} GB")
@@ -71,7 +74,7 @@ def memory(rows:int, batch:int):
           f"statistics (target <= 1.1)")
     print(f"  forward alone {fwd['seconds']:.1f} s, recording {rec['seconds']:.1f} s: overhead "
           f"{rec['seconds'] / fwd['seconds'] - 1:+.0%} (target <= +50%; the Hessian's multiply-adds alone are "
-          f"{floor:.0%} of the forward's)")
+          f"{floor:.0%} of the forward's, {floor_upper:.0%} on the blocks on and above the diagonal)")
 
 
 def gemm_rate(n:int=3072) -> float:
