@@ -1,6 +1,6 @@
 """Recorded calibration (issue 43): the recorder against the rows it saw, the file and its validation, merging (also
 across a two-process gloo group), and every data-aware method from statistics through the file and the CLI."""
-import json, os, subprocess, sys, warnings
+import os, subprocess, sys, warnings
 from pathlib import Path
 
 import pytest
