@@ -33,14 +33,23 @@ def _mirror(H:torch.Tensor, block:int=HESSIAN_BLOCK):
     for i in range(0, H.shape[0], block): H[i + block:, i:i + block] = H[i:i + block, i + block:].T
 
 # %% ../nbs/15a_record.ipynb #2b1042f1
+def _share(hessian_rows) -> float:
+    "`hessian_rows` checked: a share of the rows in (0, 1]."
+    if isinstance(hessian_rows, bool) or not isinstance(hessian_rows, (int, float)) or not 0 < hessian_rows <= 1:
+        raise ValueError(f"hessian_rows: expected the share of rows Σxᵀx sums, in (0, 1], got {hessian_rows!r}")
+    return float(hessian_rows)
+
 class LayerStats:
     "Streamed statistics of one layer's inputs x (rows [M, K]): Σxᵀx, Σ|x|, the clip statistics and a reservoir of rows."
     def __init__(self, K:int, # input features
                  rows:int=512, # reservoir rows kept
                  hessian_dtype:torch.dtype|None=torch.float32, # accumulator of Σxᵀx (None: not recorded)
-                 seed:int=0, # the reservoir's random keys
-                 device=None):
+                 seed:int=0, # the reservoir's random keys (and the Hessian's row sample)
+                 device=None,
+                 hessian_rows:float=1.0, # the share of rows Σxᵀx sums, each row drawn independently (1: every row)
+                ):
         self.K, self.capacity, self.count, self.hessian_dtype = int(K), int(rows), 0, hessian_dtype
+        self.hessian_rows, self.hessian_count = _share(hessian_rows), 0
         self.xtx = None if hessian_dtype is None else torch.zeros(K, K, dtype=hessian_dtype, device=device)
         self.abs_sum = torch.zeros(K, dtype=torch.float64, device=device)
         self.act = ActivationStats()
@@ -58,8 +67,9 @@ class LayerStats:
             self.act.update(c, a)
             self.abs_sum += a.sum(0, dtype=torch.float64)
         if self.xtx is not None:
-            _add_gram(self.xtx, x.float() if self.xtx.dtype == torch.float32 else x.to(self.xtx.dtype))
-            self._half = True
+            h = x if self.hessian_rows == 1 else x[torch.rand(x.shape[0], generator=self._gen).to(x.device) < self.hessian_rows]
+            _add_gram(self.xtx, h.float() if self.xtx.dtype == torch.float32 else h.to(self.xtx.dtype))
+            self.hessian_count += h.shape[0]; self._half = True
         self.count += x.shape[0]
         self._keep(x, torch.rand(x.shape[0], generator=self._gen, dtype=torch.float64).to(x.device))
         return self
@@ -80,7 +90,7 @@ class LayerStats:
         self.keys, self.sample = keys, rows.contiguous()
 
     def gram(self) -> torch.Tensor:
-        "Σxᵀx [K, K] (the GPTQ Hessian is this / count); read from its file on first use."
+        "Σxᵀx [K, K] over `hessian_count` rows (the GPTQ Hessian is this / hessian_count); read from its file on first use."
         if self.xtx is None and self._hessian is not None: self.xtx, self._hessian = self._hessian(), None
         if self.xtx is None: raise ValueError("these statistics were recorded without a Hessian (hessian_dtype=None)")
         if self._half: _mirror(self.xtx); self._half = False
@@ -105,7 +115,8 @@ class LayerStats:
         return torch.zeros(self.K, device=self.abs_sum.device) if c is None else c
 
     def __repr__(self):
-        return (f"LayerStats(K={self.K}, rows={self.count}, hessian={self.has_hessian and str(self.hessian_dtype)}, "
+        h = '' if self.hessian_count == self.count else f" of {self.hessian_count} rows"
+        return (f"LayerStats(K={self.K}, rows={self.count}, hessian={self.has_hessian and str(self.hessian_dtype)}{h}, "
                 f"sample={self.sample.shape[0]})")
 
 # %% ../nbs/15a_record.ipynb #48ae4ac8
@@ -115,7 +126,7 @@ def __iadd__(self:LayerStats, o:LayerStats) -> LayerStats:
     if o.K != self.K: raise ValueError(f"merge: K={o.K} into statistics of K={self.K}")
     if self.has_hessian != o.has_hessian: raise ValueError("merge: one recording has a Hessian, the other not")
     if self.has_hessian: self.xtx = self.gram() + o.gram().to(self.gram())
-    self.abs_sum += o.abs_sum.to(self.abs_sum); self.count += o.count
+    self.abs_sum += o.abs_sum.to(self.abs_sum); self.count += o.count; self.hessian_count += o.hessian_count
     a, b = self.act, o.act
     a.amax = torch.maximum(a.amax, b.amax); a.zeros += b.zeros; a.hist = a.hist + b.hist
     a.channel_amax = (b.channel_amax if a.channel_amax is None else a.channel_amax if b.channel_amax is None
@@ -129,7 +140,7 @@ def scaled(self:LayerStats, p:torch.Tensor) -> LayerStats:
     "The statistics of x * p (`p` [K]: a smoothing `pre_quant_scale` the stored weight sees); clip statistics left out."
     s = LayerStats(self.K, 0, None)
     p64 = p.double().to(self.abs_sum.device)
-    s.count, s.capacity, s.hessian_dtype = self.count, self.capacity, self.hessian_dtype
+    s.count, s.capacity, s.hessian_dtype, s.hessian_count = self.count, self.capacity, self.hessian_dtype, self.hessian_count
     s.xtx = (self.gram().double() * p64[:, None] * p64[None, :]).to(self.hessian_dtype) if self.has_hessian else None
     s.abs_sum, s.sample, s.keys = self.abs_sum * p64.abs(), self.sample * p.float().to(self.sample), self.keys
     return s
@@ -260,6 +271,7 @@ def record_calibration(model:nn.Module, # any model: its nn.Linear (and QuantLin
                        rows:int=512, # reservoir rows kept per layer (for the searches)
                        *, memory=None, # bytes (or '8GB') the statistics may hold: layers recorded in passes that fit
                        hessian_dtype=torch.float32, # the Hessian accumulator (float64 for studies; None: no Hessian)
+                       hessian_rows:float=1.0, # the share of each batch's rows Σxᵀx sums (less: a faster recording)
                        seed:int=0, # the reservoirs' random keys (give each data-parallel rank its own)
                        progress:bool=False, # a progress bar over the batches of each pass
                       ) -> 'CalibrationStats':
@@ -267,7 +279,8 @@ def record_calibration(model:nn.Module, # any model: its nn.Linear (and QuantLin
     mods, run = _observed(model, layers), run or _run_default
     memory = None if memory is None else parse_size(memory)
     idx = {n: i for i, n in enumerate(mods)}
-    make = lambda n, K, dev: LayerStats(K, rows, hessian_dtype, seed * 1_000_003 + idx[n], dev)
+    make = lambda n, K, dev: LayerStats(K, rows, hessian_dtype, seed * 1_000_003 + idx[n], dev, hessian_rows)
+    hessian_rows = _share(hessian_rows)
     counted = lambda b: None if mask is None else mask(b)
     shared, masked, stats = {}, {}, {}
     if memory is None: plan = [list(mods)]
@@ -286,7 +299,7 @@ def record_calibration(model:nn.Module, # any model: its nn.Linear (and QuantLin
                 h.batch(counted(b)); run(model, b)
                 h.learn = False                          # shared inputs are learnt on the first batch
     order = [n for n in mods if n in stats or n in shared]
-    meta = dict(model=type(model).__name__, rows=rows, hessian_dtype=_dtype_name(hessian_dtype), batches=nb,
+    meta = dict(model=type(model).__name__, rows=rows, hessian_dtype=_dtype_name(hessian_dtype), hessian_rows=hessian_rows, batches=nb,
                 passes=len(plan), not_called=[n for n in mods if n not in order], masked={n: masked.get(n, False) for n in stats})
     return CalibrationStats({n: stats[n] for n in order if n in stats}, {n: shared[n] for n in order if n in shared}, meta,
                             order)
@@ -347,7 +360,7 @@ def _header(self:CalibrationStats) -> dict:
     layers = {}
     for n in self._layers:
         s = self[n]
-        layers[n] = dict(K=s.K, count=s.count, zeros=s.act.zeros, amax=float(s.act.amax), sample=int(s.sample.shape[0]),
+        layers[n] = dict(K=s.K, count=s.count, hessian_count=s.hessian_count, zeros=s.act.zeros, amax=float(s.act.amax), sample=int(s.sample.shape[0]),
                          masked=self.meta.get('masked', {}).get(n, False))
     keep = {k: v for k, v in self.meta.items() if k not in ('layers', 'masked', 'format', 'version', 'cquant_version')}
     return dict(format='cquant-calibration', version=1, cquant_version=__version__, **keep, layers=layers,
@@ -394,6 +407,9 @@ def _check_header(ck, h:dict) -> None:
                 raise CalibrationError(where, n, f"'{key}': expected shape {' or '.join(map(str, shapes))} (K={K}), "
                                        f"found {tuple(ck.info(key).shape)}")
         if r > e['count']: raise CalibrationError(where, n, f"a reservoir of {r} rows from {e['count']} rows recorded")
+        hc = e.get('hessian_count', e['count'])
+        if not isinstance(hc, int) or not 0 <= hc <= e['count']:
+            raise CalibrationError(where, n, f"expected a Hessian row count between 0 and the {e['count']} rows recorded, found {hc!r}")
     for n, src in h.get('shared', {}).items():
         if src not in h['layers']:
             raise CalibrationError(where, n, f"shares the statistics of {src!r}, which the file does not hold")
@@ -450,6 +466,7 @@ def _read_layer(self:CalibrationStats, name:str) -> LayerStats:
         return t
     s = LayerStats(e['K'], self.meta.get('rows', e['sample']), None)
     s.count, s.abs_sum, s.sample, s.keys = e['count'], get('abs_sum').double(), get('sample').float(), get('keys').double()
+    s.hessian_count = e.get('hessian_count', e['count'])
     s.act.hist, s.act.zeros, s.act.amax = get('hist').double(), e['zeros'], torch.tensor(float(e['amax']))
     s.act.channel_amax = get('channel_amax').float()
     if bool((s.abs_sum < 0).any()) or bool((s.act.channel_amax < 0).any()) or bool((s.act.hist < 0).any()):
@@ -496,8 +513,8 @@ def all_reduce(self:CalibrationStats, group=None) -> CalibrationStats:
     for n in self._layers:
         s = self[n]
         for t in [s.abs_sum, s.act.hist] + ([s.gram()] if s.has_hessian else []): dist.all_reduce(t, group=group)
-        c = torch.tensor([s.count, s.act.zeros], dtype=torch.int64); dist.all_reduce(c, group=group)
-        s.count, s.act.zeros = int(c[0]), int(c[1])
+        c = torch.tensor([s.count, s.act.zeros, s.hessian_count], dtype=torch.int64); dist.all_reduce(c, group=group)
+        s.count, s.act.zeros, s.hessian_count = int(c[0]), int(c[1]), int(c[2])
         m = torch.cat([s.act.amax.reshape(1).float(), s.channel_amax.float()])
         dist.all_reduce(m, dist.ReduceOp.MAX, group=group)
         s.act.amax, s.act.channel_amax = m[0].clone(), m[1:].clone()

@@ -20,21 +20,29 @@ TENSOR_CLIPS = tuple(2 ** (-i / 8) for i in range(8))     # per-tensor scale fac
 
 # %% ../nbs/23_rounding.ipynb #d883c83b
 def _err(grid:Grid, cols:torch.Tensor, s) -> torch.Tensor:
-    "Squared error per row of rounding `cols` with scale `s`, in fp64."
-    return (grid.nearest(cols, s) - cols).square_().sum(-1, dtype=torch.float64)
+    "Squared error per row of rounding `cols` with scale `s`, fp32."
+    d = grid.nearest(cols, s).sub_(cols)
+    return d.mul_(d).sum(-1)
 
 # %% ../nbs/23_rounding.ipynb #fd237cf6
+SEARCH_CHUNK = 1 << 16     # values per chunk of rows searched through every clip (256 KB fp32: stays in cache)
+
 def _search_rows(grid:Grid, rows:torch.Tensor, clips) -> tuple:
-    "(scale of each row [R, 1], squared error of each row [R]) of the clip with least error, row by row."
-    one = torch.ones(rows.shape[0], 1, device=rows.device)
-    if grid.group is None: s = grid.scale(rows, one); return s, _err(grid, rows, s)
-    best_e, best_c = None, one.clone()
-    for c in clips:
-        e = _err(grid, rows, grid.scale(rows, one * c))
-        if best_e is None: best_e = e; continue
-        better = e < best_e
-        best_e = torch.where(better, e, best_e); best_c[better] = c
-    return grid.scale(rows, best_c), best_e
+    "(scale of each row [R, 1], squared error of each row [R]) of the clip with least error, a chunk of rows at a time."
+    R = rows.shape[0]
+    if grid.group is None: s = grid.scale(rows, torch.ones(R, 1, device=rows.device)); return s, _err(grid, rows, s)
+    best_e, scales = torch.empty(R, device=rows.device), []
+    step = max(1, SEARCH_CHUNK // max(rows.shape[1], 1))
+    for a in range(0, R, step):
+        x, e = rows[a:a + step], best_e[a:a + step]
+        c = torch.full((x.shape[0], 1), float(clips[0]), device=rows.device)
+        e.copy_(_err(grid, x, grid.scale(x, c)))
+        for f in clips[1:]:
+            ef = _err(grid, x, grid.scale(x, torch.full_like(c, f)))
+            better = ef < e
+            torch.where(better, ef, e, out=e); c[better] = f
+        scales.append(grid.scale(x, c))
+    return torch.cat(scales), best_e
 
 # %% ../nbs/23_rounding.ipynb #aa16d81b
 def search_scales(grid:Grid, # a format's rounding (`FormatSpec.grid`)
@@ -54,16 +62,21 @@ def search_scales(grid:Grid, # a format's rounding (`FormatSpec.grid`)
 # %% ../nbs/23_rounding.ipynb #b624cc75
 COARSE_CLIPS = CLIPS[::4]                                 # 1.0, 0.9, ..., 0.5: the per-tensor candidates' first pass
 
-def mse_grid(spec:FormatSpec, w:torch.Tensor, opts:dict, tensor_clips=TENSOR_CLIPS, clips=CLIPS) -> tuple:
-    "(grid, basis weight, scales, error) of least squared weight error over per-tensor and per-group clips."
+def tensor_grid(spec:FormatSpec, w:torch.Tensor, opts:dict, tensor_clips=TENSOR_CLIPS) -> Grid:
+    "The format's grid, at the per-tensor scale of least weight error where it has one (each with coarse row clips)."
     grid = spec.grid(w, opts, 1.0)
     if grid is None:                                      # the hook covers some variants of its format only
         given = {o.name: opts[o.name] for o in spec.options if o.name in opts and repr(opts[o.name]) != repr(o.default)}
         raise QuantFormatError(f"{spec.name} has no rounding grid for the options {given}: rounding='mse' and "
                                "'gptq' cannot encode this variant (rounding='nearest' can)")
-    if grid.tensor_scale and len(tensor_clips) > 1:       # each per-tensor candidate with coarse clips, the best refined
+    if grid.tensor_scale and len(tensor_clips) > 1:
         coarse = lambda g: float(search_scales(g, g.basis(w), COARSE_CLIPS)[1].sum())
         grid = min((spec.grid(w, opts, tc) for tc in tensor_clips), key=coarse)
+    return grid
+
+def mse_grid(spec:FormatSpec, w:torch.Tensor, opts:dict, tensor_clips=TENSOR_CLIPS, clips=CLIPS) -> tuple:
+    "(grid, basis weight, scales, error) of least squared weight error over per-tensor and per-group clips."
+    grid = tensor_grid(spec, w, opts, tensor_clips)
     wb = grid.basis(w)
     scales, err = search_scales(grid, wb, clips)
     return grid, wb, scales, float(err.sum())
@@ -105,17 +118,17 @@ def basis_gram(grid:Grid, # a format's rounding, whose `inputs` is linear (a rot
               ) -> torch.Tensor: # Σ inputs(x)ᵀ inputs(x) [K', K']
     "Σxᵀx in the format's basis, from Σxᵀx itself: inputs(x) = x B gives Bᵀ (Σxᵀx) B = inputs(inputs(G)ᵀ)."
     if grid.inputs is as_fp32: return G                     # the identity: keep the accumulator's precision
-    return grid.inputs(grid.inputs(G.float()).T.contiguous())
+    return grid.inputs(grid.inputs(G.float()).T.contiguous())   # at most two [K', K'] alive: G B is freed once transposed
 
 # %% ../nbs/23_rounding.ipynb #b45cdf5d
 def gptq_hessian(x, # calibration inputs [..., K] of the layer, or their recorded statistics (`LayerStats`)
                  grid:Grid, K:int, # the format's rounding and the weight's K
                  name:str='weight', # for messages
-                ) -> torch.Tensor|None: # H = X^T X / rows in the basis, fp64 [K', K']; None: too few rows (warned)
+                ) -> torch.Tensor|None: # H = X^T X / rows in the basis, fp32 [K', K']; None: too few rows (warned)
     "The layer's GPTQ Hessian from its inputs or their Σxᵀx, in the format's basis; clear errors for inputs that do not fit."
     stats = input_stats(x)
     if stats:
-        rows = checked_stats(x, K, name).count
+        rows = checked_stats(x, K, name).hessian_count       # the rows Σxᵀx sums (all, or the share recorded)
     else:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise format_error('', f'calibration of {name}', 'a float tensor of layer inputs [..., K] or their recorded '
@@ -132,61 +145,73 @@ def gptq_hessian(x, # calibration inputs [..., K] of the layer, or their recorde
         warnings.warn(f"{name}: {rows} calibration rows (< {GPTQ_MIN_ROWS}) are too few for a GPTQ Hessian; "
                       "MSE rounding instead", GPTQWarning, stacklevel=4)
         return None
-    if stats: return basis_gram(grid, x.gram()).double() / rows
+    if stats:                                   # Σxᵀx in the accumulator's precision, then fp32: as from the rows
+        G = x.gram()
+        H = basis_gram(grid, G).float()
+        return (H.clone() if H is G else H).div_(rows)      # the statistics keep their Σxᵀx
     xb = grid.inputs(x).double()
-    return xb.T @ xb / rows
+    return (xb.T @ xb).float().div_(rows)
 
 # %% ../nbs/23_rounding.ipynb #0c952db8
-def hessian_inverse(H:torch.Tensor, # fp64 [K, K] Hessian
-                    damp:float=GPTQ_DAMP, # dampening, a fraction of the mean diagonal
-                    name:str='weight',
-                   ) -> torch.Tensor|None: # the upper Cholesky factor of (H + λI)^-1, or None (warned)
-    "Dampen and invert the Hessian (dead inputs get a unit diagonal); dampening x10 up to 3 times if it is singular."
-    H = H.clone()
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
-    mean = float(torch.diag(H).mean())
-    for d in (damp, damp * 10, damp * 100, damp * 1000):
-        L, info = torch.linalg.cholesky_ex(H + d * mean * torch.eye(H.shape[0], dtype=H.dtype, device=H.device))
+def hessian_factor(H:torch.Tensor, # [K, K] Hessian (overwritten: its memory holds the factorisation)
+                   damp:float=GPTQ_DAMP, # dampening, a fraction of the mean diagonal
+                   name:str='weight',
+                   rows:int=512, # rows per block of the final reversal
+                  ) -> torch.Tensor|None: # Rᵀ, lower triangular with R Rᵀ = H + λI, fp32; or None (warned)
+    "Dampen the Hessian (dead inputs get a unit diagonal) and factor it as R Rᵀ (R upper); dampening x10 up to 3 times if it is singular."
+    K = H.shape[0]
+    H = H.float()                               # (a copy where it is not fp32)
+    J = H.flip(0, 1)                            # J H J = Uᵀ U (U upper) gives H = R Rᵀ with Rᵀ = J U J lower
+    d = J.diagonal()
+    d[d == 0] = 1.0
+    mean, added = float(d.mean()), 0.0
+    info = torch.zeros((), dtype=torch.int32, device=H.device)
+    for f in (damp, damp * 10, damp * 100, damp * 1000):
+        d += f * mean - added; added = f * mean
+        torch.linalg.cholesky_ex(J, out=(H.T, info))    # L = Uᵀ column-major in H's memory: H holds U (LAPACK's own layout, no copy)
         if int(info) == 0:
-            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
-            if int(info) == 0: return U
+            for a in range(0, K, rows): b = min(a + rows, K); J[a:b] = H[K - b:K - a].flip(0, 1)
+            return J
     warnings.warn(f"{name}: the GPTQ Hessian stays singular with dampening up to {damp * 1000:g}; MSE rounding instead",
                   GPTQWarning, stacklevel=4)
     return None
 
 # %% ../nbs/23_rounding.ipynb #91bceb85
 def gptq_codes(grid:Grid, # the format's rounding
-               wb:torch.Tensor, # weight in the basis, fp32 [N, K']
-               U:torch.Tensor, # upper Cholesky factor of the inverse Hessian (`hessian_inverse`)
+               wb:torch.Tensor, # weight in the basis, fp32 [N, K'] (its memory is reused)
+               Rt:torch.Tensor, # the Hessian's factor, transposed (`hessian_factor`: R Rᵀ = H, R upper; overwritten)
                scales:list|None=None, # fixed scale per column group; None: each group's scale searched on arrival
-               block:int=GPTQ_BLOCK, # columns per lazy batch
+               block:int=GPTQ_BLOCK, # columns per block
                clips=CLIPS, # clip factors tried where a group's scale is searched
               ) -> tuple: # (values on the grid [N, K'], [scale of each column group])
-    "GPTQ: round column by column, spreading each column's error over the columns not yet rounded (lazy batches)."
+    "GPTQ: round column by column to targets corrected for the errors of the columns before (blocks of columns)."
     N, K = wb.shape
-    W, Q, U = wb.clone(), torch.empty_like(wb), U.to(wb.dtype)
     G = grid.group or K
-    if scales is None: block = max(block // G, 1) * G       # a searched column group lies inside one batch
+    if scales is None: block = max(block // G, 1) * G       # a searched column group lies inside one block
+    Ct = Rt.div_(Rt.diagonal().clone()[:, None]).to(wb.dtype)   # Ct[k, j] = R[j, k] / R[k, k]: column k's share of error j
+    W = wb.T.contiguous()                                   # row k: column k of the weight
+    T = wb.contiguous().view(K, N).copy_(W)                 # row k: the target of column k, then its value on the grid
+    E = torch.empty(min(block, K), N, dtype=wb.dtype, device=wb.device)   # the block's errors w_k - q_k
     found, s = [], None
     for i1 in range(0, K, block):
         i2 = min(i1 + block, K)
-        W1, E1 = W[:, i1:i2].clone(), torch.zeros(N, i2 - i1, dtype=W.dtype, device=W.device)
-        for i in range(i2 - i1):
-            j = i1 + i
-            if j % G == 0:
-                if scales is not None: s = scales[j // G]
-                else:
-                    s = _search_rows(grid, W1[:, i:i + G], clips)[0]
+        for k in range(i1, i2):
+            e = E[:k - i1]                                  # the errors of this block's earlier columns
+            if k % G == 0:
+                if scales is not None: s = scales[k // G]
+                else:                                       # the group's targets given the errors so far: w_g + d C_pg C_gg⁻¹
+                    g = slice(k, k + G)
+                    tg = (T[g] - W[g]).T
+                    if k > i1: tg.addmm_(e.T, Ct[g, i1:k].T)
+                    tg = torch.linalg.solve_triangular(Ct[g, g].T, tg, upper=True, left=False, unitriangular=True)
+                    s = _search_rows(grid, tg.add_(W[g].T), clips)[0]
                     found.append(s)
-            w = W1[:, i:i + 1]
-            q = grid.nearest(w, s)
-            Q[:, j:j + 1] = q
-            e = (w - q) / U[j, j]
-            W1[:, i:] -= e * U[j:j + 1, j:i2]
-            E1[:, i:i + 1] = e
-        W[:, i2:] -= E1 @ U[i1:i2, i2:]
-    return Q, (scales if scales is not None else found)
+            t = T[k]
+            if k > i1: t.addmv_(e.T, Ct[k, i1:k])
+            t.copy_(grid.nearest(t[:, None], s)[:, 0])
+            torch.sub(W[k], t, out=E[k - i1])
+        if i2 < K: T[i2:].addmm_(Ct[i2:, i1:i2], E[:i2 - i1])   # the block's errors reach every later column
+    return W.view(N, K).copy_(T.T), (scales if scales is not None else found)
 
 # %% ../nbs/23_rounding.ipynb #3eadf132
 GPTQ_ACTIVATIONS = ('float', 'runtime', 'asymmetric', 'noise')   # the inputs GPTQ's objective uses, see `gptq_rounding`
@@ -217,22 +242,23 @@ def gptq_rounding(spec:FormatSpec, w:torch.Tensor, opts:dict, calibration=None, 
         raise format_error('', 'gptq activations', f"one of {GPTQ_ACTIVATIONS}", repr(activations))
     if calibration is None:
         raise format_error('', 'calibration', "layer inputs [..., K] with rounding='gptq'", 'None')
-    grid, wb, scales, _ = mse_grid(spec, w, opts)            # per-tensor scale and static per-row scales: MSE
+    grid = tensor_grid(spec, w, opts)                        # the per-tensor scale of least weight error
+    static = grid.group is None or grid.group >= w.shape[1]  # per-row scales: MSE first; block scales: searched on arrival
     H = gptq_hessian(calibration if input_stats(calibration) else calibration.to(w.device), grid, w.shape[1], name)
-    H = None if H is None else H.to(w.device)
-    static = grid.group is None or grid.group >= wb.shape[1]
+    H, wb = None if H is None else H.to(w.device), None
     if H is not None and activations != 'float' and grid.runtime_inputs is not None:   # statistics: their reservoir rows
         x = input_rows(calibration).to(w.device).reshape(-1, w.shape[1]).float()
-        H, wb = runtime_target(grid, x, wb, H, activations, damp)
-        if static: scales = search_scales(grid, wb)[0]       # the row scales of the target weight
+        H, wb = runtime_target(grid, x, grid.basis(w), H, activations, damp)
     perm = torch.argsort(torch.diag(H), descending=True, stable=True) if H is not None and static and act_order else None
-    U = None if H is None else hessian_inverse(H if perm is None else H[perm][:, perm], damp, name)
-    if U is None: return _no_worse(spec, w, opts, *grid.pack(wb, scales))
-    if perm is None:
-        Q, scales = gptq_codes(grid, wb, U, scales if static else None, block)
-        return grid.pack(Q, scales)
-    Q, _ = gptq_codes(grid, wb[:, perm], U, scales, block)
-    return grid.pack(Q[:, torch.argsort(perm)], scales)
+    Rt = None if H is None else hessian_factor(H if perm is None else H[perm][:, perm], damp, name)
+    del H                                                    # (its memory held the factorisation)
+    if wb is None: wb = grid.basis(w)
+    if wb.data_ptr() == w.data_ptr(): wb = wb.clone()        # GPTQ works in the weight's memory
+    scales = search_scales(grid, wb)[0] if static or Rt is None else None
+    if Rt is None: return _no_worse(spec, w, opts, *grid.pack(wb, scales))
+    Q, scales = gptq_codes(grid, wb if perm is None else wb[:, perm], Rt, scales, block)
+    del wb, Rt                                               # (gptq_codes worked in their memory)
+    return grid.pack(Q if perm is None else Q[:, torch.argsort(perm)], scales)
 
 register_rounding('gptq', gptq_rounding)
 
