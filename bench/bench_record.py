@@ -2,6 +2,8 @@
 
     python bench/bench_record.py memory [--rows 100000] [--batch 4096] [--hessian-rows 1.0]   # memory and overhead of recording
     python bench/bench_record.py gptq [--layers proj,mlp2,linear2]      # GPTQ from statistics at FLUX-shaped layers
+    python bench/bench_record.py share [--shares 1,0.5,0.25]            # what a Hessian on a share of the rows costs GPTQ
+    python bench/bench_record.py flux [--n 16] [--tokens 256]           # the FLUX-shaped DiT: GPTQ from rows vs statistics
 
 `memory` runs a model of four linears at FLUX's widths (3072 -> 12288 -> 3072, twice: inputs of K = 3072 and 12288),
 each setting in a fresh process: the forward alone, then the same forward recording every layer. It prints the
@@ -15,6 +17,14 @@ flop bound at this machine's measured fp32 GEMM rate: the Hessian rotated into t
 products, 4 K^2 g flops for rotation group g), its Cholesky factorisation (K^3 / 3) and the column sweep's error
 updates (N K^2 between blocks, N K B inside blocks of B = 128 columns). The MSE search of the row scales (21 clips,
 elementwise) is not in the bound. Peak memory is reported in Hessians (K^2 fp32).
+
+`share` records MiniLM with `hessian_rows` at each share (calibrated on 600 of the calibration sentences), quantizes
+its real checkpoint `int4_full` with GPTQ from the saved file, and prints the SQNR gain over round-to-nearest held out
+on EVAL_SENTENCES and on the other 135 calibration sentences; then the same for the DiT from the statistics.
+
+`flux` quantizes the FLUX-shaped DiT of `cq.flux_model` (one double and one single block at FLUX's widths, bf16)
+`int4_full` with GPTQ, calibrated from the rows (the row path) and from recorded statistics (all rows, a quarter),
+and prints the held-out output SQNR of each against round-to-nearest.
 """
 import argparse, json, os, re, subprocess, sys, time
 import torch
@@ -125,14 +135,79 @@ def gptq(layers):
               f"{r['peak_above_base'] / (K * K * 4):.1f} Hessians (target <= 3)")
 
 
+def share(shares):
+    "int4_full GPTQ from statistics whose Hessian sums a share of the rows: held-out SQNR gain over nearest."
+    import tempfile, warnings
+    from dataclasses import replace
+    import cquant as cq
+    from cquant.evaluate import Workload, CALIBRATION_SENTENCES, minilm_workload, dit_workload, evaluate
+    warnings.simplefilter('ignore')
+    split, tmp = 600, tempfile.mkdtemp()
+    A = minilm_workload(calibration=CALIBRATION_SENTENCES[:split])           # held out: EVAL_SENTENCES
+    B = replace(A, evaluation=cq.sentence_batches(CALIBRATION_SENTENCES[split:], 8), embed=None)   # and the other 135
+    def quantized(rounding, calibration=None):
+        out = os.path.join(tmp, f'{rounding}-{len(os.listdir(tmp))}.safetensors')
+        cq.quantize_checkpoint(cq.minilm_path(), out, cq.Policy(mode='int4_full', rounding=rounding), progress=False,
+                               measure=False, calibration=calibration)
+        return out
+    near = quantized('nearest')
+    na, nb = evaluate(A, near)['sqnr_db'], evaluate(B, near)['sqnr_db']
+    print(f"MiniLM int4_full, calibrated on {split} sentences, GPTQ from the recorded file; held out on EVAL_SENTENCES (A) "
+          f"and the other {len(CALIBRATION_SENTENCES) - split} calibration sentences (B); nearest {na:.2f} / {nb:.2f} dB:")
+    model = cq.minilm_model()
+    for p in shares:
+        st = cq.record_calibration(model, A.calibration, mask=lambda b: b[1], hessian_rows=p)
+        f = quantized('gptq', st.save(os.path.join(tmp, f'cal-{p}.safetensors')))
+        a, b = evaluate(A, f)['sqnr_db'], evaluate(B, f)['sqnr_db']
+        print(f"  hessian_rows={p:<5g} {st[next(iter(st))].hessian_count:6d} of {st[next(iter(st))].count} rows: "
+              f"A {a:.2f} dB ({a - na:+.2f}), B {b:.2f} dB ({b - nb:+.2f})")
+    wl = dit_workload(n=32)
+    pol, dn = cq.Policy(mode='int4_full', rounding='gptq'), evaluate(dit_workload(n=32), cq.Policy(mode='int4_full'))['sqnr_db']
+    print(f"DiT int4_full ({len(wl.calibration)} calibration batches), held out; nearest {dn:.2f} dB:")
+    for p in shares:
+        st = cq.record_calibration(wl.model(), wl.calibration, hessian_rows=p)
+        d = evaluate(replace(wl, calibration=st), pol, calibrate=True)['sqnr_db']
+        print(f"  hessian_rows={p:<5g}: {d:.2f} dB ({d - dn:+.2f})")
+
+
+def flux(n:int, tokens:int):
+    "The FLUX-shaped DiT (one double and one single block at FLUX's widths): GPTQ from rows against from statistics."
+    import warnings
+    from dataclasses import replace
+    import cquant as cq
+    from cquant.evaluate import Workload, evaluate
+    warnings.simplefilter('ignore')
+    mk = lambda k, seed: cq.flux_batches(k, img_tokens=tokens, seed=seed)
+    wl = Workload('flux', lambda: cq.flux_model(0), mk(n, 1), mk(4, 2), lambda m, b: m(*b))
+    pol = cq.Policy(mode='int4_full', rounding='gptq')
+    near = evaluate(wl, cq.Policy(mode='int4_full'))['sqnr_db']
+    print(f"FLUX-shaped DiT (1 double + 1 single block, hidden 3072), int4_full, {n} calibration batches of "
+          f"{tokens} + 64 tokens, held out on 4 others; nearest {near:.2f} dB:")
+    t = time.perf_counter(); r = evaluate(wl, pol, calibrate=True)['sqnr_db']
+    print(f"  GPTQ from rows (Calibration(batches), up to 8192 rows a layer): {r:.2f} dB ({r - near:+.2f}), "
+          f"{time.perf_counter() - t:.0f} s")
+    for p in (1.0, 0.25):
+        t = time.perf_counter(); st = cq.record_calibration(wl.model(), wl.calibration, hessian_rows=p)
+        tr = time.perf_counter() - t; t = time.perf_counter()
+        s = evaluate(replace(wl, calibration=st), pol, calibrate=True)['sqnr_db']
+        print(f"  GPTQ from statistics, hessian_rows={p:g}: {s:.2f} dB ({s - near:+.2f}); recording {tr:.0f} s, "
+              f"quantize and evaluate {time.perf_counter() - t:.0f} s")
+
+
 if __name__ == '__main__':
     if sys.argv[1:2] == ['_child']: child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])); sys.exit()
     if sys.argv[1:2] == ['_gptq']: gptq_child(sys.argv[2]); sys.exit()
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('what', choices=('memory', 'gptq'))
+    p.add_argument('what', choices=('memory', 'gptq', 'share', 'flux'))
     p.add_argument('--rows', type=int, default=100_000)
     p.add_argument('--batch', type=int, default=4096)
     p.add_argument('--layers', default='proj,mlp2,linear2')
     p.add_argument('--hessian-rows', type=float, default=1.0)
+    p.add_argument('--shares', default='1,0.5,0.25')
+    p.add_argument('--n', type=int, default=16)
+    p.add_argument('--tokens', type=int, default=256)
     a = p.parse_args()
-    memory(a.rows, a.batch, a.hessian_rows) if a.what == 'memory' else gptq(a.layers.split(','))
+    if a.what == 'memory': memory(a.rows, a.batch, a.hessian_rows)
+    elif a.what == 'gptq': gptq(a.layers.split(','))
+    elif a.what == 'share': share([float(v) for v in a.shares.split(',')])
+    else: flux(a.n, a.tokens)

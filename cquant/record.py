@@ -583,7 +583,8 @@ pipeline step calls the transformer, so every timestep is recorded.
     pipe = FluxPipeline.from_pretrained("black-forest-labs/FLUX.1-dev", torch_dtype=torch.bfloat16).to("cuda")
     prompts = ["a lighthouse at dusk, oil painting", ...]           # a few hundred, varied
     run = lambda transformer, prompt: pipe(prompt, num_inference_steps=28, height=1024, width=1024)
-    stats = cq.record_calibration(pipe.transformer, prompts, run=run, memory="40GB")   # passes that fit
+    stats = cq.record_calibration(pipe.transformer, prompts, run=run, memory="40GB",   # passes that fit
+                                  hessian_rows=0.25)   # Σxᵀx on a quarter of the tokens: plenty, 3-4x faster
     stats.save("flux1-dev.calibration", shard_size="5GB")
 
   ComfyUI (inside its Python, e.g. a script run with ComfyUI's folder on sys.path):
@@ -591,7 +592,7 @@ pipeline step calls the transformer, so every timestep is recorded.
     model = comfy.sd.load_diffusion_model("models/diffusion_models/flux1-dev.safetensors")
     dm = model.model.diffusion_model            # its ops.Linear layers are recorded
     jobs = [...]                                # callables that each run one comfy.sample.sample(model, ...)
-    stats = cq.record_calibration(dm, jobs, run=lambda dm, job: job(), memory="40GB")
+    stats = cq.record_calibration(dm, jobs, run=lambda dm, job: job(), memory="40GB", hessian_rows=0.25)
     stats.save("flux1-dev.calibration", shard_size="5GB")
 
 Then: cquant quantize flux1-dev.safetensors flux1-dev-int4.safetensors --rounding gptq --calibration flux1-dev.calibration

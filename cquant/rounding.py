@@ -48,7 +48,7 @@ def _search_rows(grid:Grid, rows:torch.Tensor, clips) -> tuple:
 def search_scales(grid:Grid, # a format's rounding (`FormatSpec.grid`)
                   wb:torch.Tensor, # the weight in the grid's basis, fp32 [N, K']
                   clips=CLIPS, # clip factors tried per row of each column group
-                 ) -> tuple: # ([scale of each column group], squared error per row [N], fp64)
+                 ) -> tuple: # ([scale of each column group], squared error per row [N], fp32)
     "Per row and column group, the clipped scale of least squared weight error (clip 1 = absmax)."
     N, K = wb.shape
     G = grid.group or K
