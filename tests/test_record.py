@@ -179,14 +179,14 @@ def test_hessian_rows_share_through_the_file(tiny, tmp_path):
         assert torch.equal(p.act.hist, f.act.hist) and torch.equal(p.abs_sum, f.abs_sum)   # the rest sees every row
         Hf, Hp = f.gram() / f.count, p.gram() / p.hessian_count                     # the same Hessian, estimated
         assert float((Hp - Hf).norm() / Hf.norm()) < 0.15                    # measured 0.081 (q), 0.034 (up)
-    w = torch.randn(96, 64)
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
         warnings.simplefilter('error')                                   # enough rows: no fallback warning
-        q = cq.quantize(w, 'int8_tensorwise', per_row=True, rounding='gptq', calibration=back['q'])
+        q = cq.quantize(w, 'convrot_w4a4', convrot_groupsize=64, rounding='gptq', calibration=back['q'])
     x = rows_of(tiny, b, 'q', True).float()
-    near = cq.quantize(w, 'int8_tensorwise', per_row=True)
+    near = cq.quantize(w, 'convrot_w4a4', convrot_groupsize=64)
     err = lambda t: float((x @ (t.dequantize(torch.float32) - w).T).square().sum())
-    assert err(q) < err(near)
+    assert err(q) < 0.8 * err(near)                                      # measured 0.60
     merged = cq.record_calibration(tiny, b[:4], run=run, mask=mask, hessian_rows=0.5)
     other = cq.record_calibration(tiny, b[4:], run=run, mask=mask, hessian_rows=0.5, seed=1)
     before = merged['q'].hessian_count
