@@ -159,10 +159,11 @@ def share(shares):
         st = cq.record_calibration(model, A.calibration, mask=lambda b: b[1], hessian_rows=p)
         f = quantized('gptq', st.save(os.path.join(tmp, f'cal-{p}.safetensors')))
         a, b = evaluate(A, f)['sqnr_db'], evaluate(B, f)['sqnr_db']
-        print(f"  hessian_rows={p:<5g} {st[next(iter(st))].hessian_count:6d} of {st[next(iter(st))].count} rows: "
+        first = st[next(iter(st))]
+        print(f"  hessian_rows={p:<5g} {first.hessian_count:6d} of {first.count} rows: "
               f"A {a:.2f} dB ({a - na:+.2f}), B {b:.2f} dB ({b - nb:+.2f})")
     wl = dit_workload(n=32)
-    pol, dn = cq.Policy(mode='int4_full', rounding='gptq'), evaluate(dit_workload(n=32), cq.Policy(mode='int4_full'))['sqnr_db']
+    pol, dn = cq.Policy(mode='int4_full', rounding='gptq'), evaluate(wl, cq.Policy(mode='int4_full'))['sqnr_db']
     print(f"DiT int4_full ({len(wl.calibration)} calibration batches), held out; nearest {dn:.2f} dB:")
     for p in shares:
         st = cq.record_calibration(wl.model(), wl.calibration, hessian_rows=p)

@@ -279,8 +279,8 @@ def record_calibration(model:nn.Module, # any model: its nn.Linear (and QuantLin
     mods, run = _observed(model, layers), run or _run_default
     memory = None if memory is None else parse_size(memory)
     idx = {n: i for i, n in enumerate(mods)}
+    hessian_rows = _share(hessian_rows)                 # refused before any batch runs
     make = lambda n, K, dev: LayerStats(K, rows, hessian_dtype, seed * 1_000_003 + idx[n], dev, hessian_rows)
-    hessian_rows = _share(hessian_rows)
     counted = lambda b: None if mask is None else mask(b)
     shared, masked, stats = {}, {}, {}
     if memory is None: plan = [list(mods)]
