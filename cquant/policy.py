@@ -514,14 +514,17 @@ def _db(e:float) -> float:
     return math.inf if e == 0 else -10 * math.log10(e) if e > 0 and math.isfinite(e) else -math.inf
 
 # %% ../nbs/16_policy.ipynb #a18fbc61
-def _hessian_errors(w:torch.Tensor, choices, s, name:str='weight') -> list:
-    "`layer_errors` from recorded statistics `s`: tr(ΔW H ΔWᵀ) / tr(W H Wᵀ), the expected output error of each choice."
+def _hessian_errors(w:torch.Tensor, choices, s, name:str='weight', sensitivity=None) -> list:
+    """`layer_errors` from recorded statistics `s`: tr(ΔW H ΔWᵀ) / tr(W H Wᵀ), the expected output error of each choice;
+    with the layer's `sensitivity`, the relative error of the model's output it causes (`Sensitivity.error`)."""
     H, ref = s.gram().float().to(w.device), w.float()
     sig = float(((ref @ H) * ref).sum(dtype=torch.float64))
     out = []
     for c in choices:
         d = quantize(w, c.format, name=name, **c.opts).dequantize(torch.float32) - ref
-        noise = float(((d @ H) * d).sum(dtype=torch.float64))
+        per_channel = ((d @ H) * d).sum(1, dtype=torch.float64)
+        if sensitivity is not None: out.append(sensitivity.error(per_channel / max(s.hessian_count, 1))); continue
+        noise = float(per_channel.sum())
         out.append(noise / sig if sig > 0 else (0.0 if noise == 0 else math.inf))
     return out
 
@@ -531,10 +534,11 @@ def layer_errors(w:torch.Tensor, # float weight [N, K] (quantized in its own dty
                  choices, # the `Choice`s to measure
                  x=None, # layer inputs [..., K] (the output error instead), or their statistics (its expectation)
                  name:str='weight', # for error messages
+                 sensitivity=None, # with statistics: the layer's recorded `Sensitivity` (the model output's error instead)
                 ) -> list: # relative error energy per choice
     "Relative error energy of each choice on `w` (weight) or on `x @ w.T` (output), with the shipped quantizers."
     ref = w.float()
-    if input_stats(x): return _hessian_errors(w, choices, checked_stats(x, w.shape[1], name), name)
+    if input_stats(x): return _hessian_errors(w, choices, checked_stats(x, w.shape[1], name), name, sensitivity)
     if x is not None:
         x = x.reshape(-1, x.shape[-1])
         y = x.float() @ ref.T
@@ -829,6 +833,17 @@ def _walk(chain, info:LayerInfo, name:str, mode:str, why:str|None, in_budget:boo
     return _float(f"{mode}: no format fits: {first}", 'no_fit', info.shape)
 
 # %% ../nbs/16_policy.ipynb #1edc7215
+def _sensitivities(calibration, names) -> dict:
+    "{layer: its recorded output sensitivity} where every one of `names` has one, else {} (with a warning where some do)."
+    get = getattr(calibration, 'sensitivity', None)
+    if not callable(get): return {}
+    sens = {n: get(n) for n in names}
+    have = [n for n, s in sens.items() if s is not None]
+    if have and len(have) < len(names):
+        warnings.warn(f"measured selection: output sensitivity recorded for {len(have)} of the {len(names)} candidates; "
+                      "all are ranked by their own output error (Hessian) instead", PolicyWarning, stacklevel=4)
+    return sens if len(have) == len(names) else {}
+
 def measure_layers(src, # a LayerSource (or anything `layer_source` accepts) with weights
                    names, # layers to measure
                    low:Choice, high:Choice, # the two choices the budget decides between (or None with `pairs`)
@@ -848,11 +863,14 @@ def measure_layers(src, # a LayerSource (or anything `layer_source` accepts) wit
     missing = [n for n in names if calibration is not None and n not in calibration]
     if missing: warnings.warn(f"measured selection: no calibration inputs for {len(missing)} layer(s) (e.g. {missing[:3]}); "
                               "their weight error is used instead", PolicyWarning, stacklevel=3)
+    sens = _sensitivities(calibration, names)
     out = {}
     for n in names:
         x = calibration.get(n) if calibration is not None else None
-        lo, hi = layer_errors(src.weight(n), pairs[n] if pairs else (low, high), x, n + '.weight')
-        out[n] = dict(low=lo, high=hi, metric='weight' if x is None else 'output (Hessian)' if input_stats(x) else 'output')
+        lo, hi = layer_errors(src.weight(n), pairs[n] if pairs else (low, high), x, n + '.weight', sens.get(n))
+        metric = ('weight' if x is None else 'output' if not input_stats(x) else
+                  'model output (Hessian, sensitivity)' if n in sens else 'output (Hessian)')
+        out[n] = dict(low=lo, high=hi, metric=metric)
     return out
 
 # %% ../nbs/16_policy.ipynb #a1f0c021

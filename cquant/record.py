@@ -17,7 +17,7 @@ from .checkpoint import StreamingWriter, ShardedWriter, open_checkpoint, parse_s
 from .modules import QuantLinear, is_linear
 
 # %% auto #0
-__all__ = ['LayerStats', 'stats_bytes', 'file_bytes', 'record_calibration', 'CalibrationError', 'CalibrationStats',
+__all__ = ['LayerStats', 'Sensitivity', 'stats_bytes', 'file_bytes', 'record_calibration', 'CalibrationError', 'CalibrationStats',
            'load_calibration', 'open_calibration']
 
 # %% ../nbs/15a_record.ipynb #d84345ed
@@ -145,6 +145,32 @@ def scaled(self:LayerStats, p:torch.Tensor) -> LayerStats:
     s.abs_sum, s.sample, s.keys = self.abs_sum * p64.abs(), self.sample * p.float().to(self.sample), self.keys
     return s
 
+# %% ../nbs/15a_record.ipynb #5ed3278a
+class Sensitivity:
+    "Σ over a layer's counted output rows of g² per output channel, g = ∂⟨v, y⟩/∂(its output), v ~ N(0, I) per batch; Σ‖y‖²."
+    def __init__(self, N:int, # output features
+                 device=None):
+        self.N, self.rows, self.energy = int(N), 0, 0.0
+        self.grad_sq = torch.zeros(self.N, dtype=torch.float64, device=device)
+
+    def update(self, g:torch.Tensor) -> 'Sensitivity':
+        "Add the rows of `g` ([..., N]: the gradient at the layer's output)."
+        g = g.detach().reshape(-1, self.N)
+        self.grad_sq += g.double().square().sum(0); self.rows += g.shape[0]
+        return self
+
+    def error(self, d:torch.Tensor, # [N]: mean square error per row of each output channel, diag(ΔW H ΔWᵀ) / rows
+             ) -> float:
+        "The relative error of the model's output that an output error of mean square `d` per channel causes (first order)."
+        return float((self.grad_sq * d.to(self.grad_sq)).sum()) / self.energy if self.energy > 0 else math.inf
+
+    def __iadd__(self, o:'Sensitivity') -> 'Sensitivity':
+        if o.N != self.N: raise ValueError(f"merge: output sensitivity of N={o.N} into one of N={self.N}")
+        self.grad_sq += o.grad_sq.to(self.grad_sq); self.rows += o.rows; self.energy += o.energy
+        return self
+
+    def __repr__(self): return f"Sensitivity(N={self.N}, rows={self.rows}, energy={self.energy:.4g})"
+
 # %% ../nbs/15a_record.ipynb #27f511a0
 def _f(nbytes) -> str: return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
 
@@ -199,14 +225,15 @@ def _run_default(model, b):
 
 # %% ../nbs/15a_record.ipynb #cc4e5317
 class _Hooks:
-    "Forward pre-hooks on the layers of one pass: each input's counted rows go into its `LayerStats`."
-    def __init__(self, mods:dict, stats:dict, shared:dict, masked:dict, make, learn:bool):
+    "Forward pre-hooks on the layers of one pass: each input's counted rows go into its `LayerStats` (`outs`: outputs kept)."
+    def __init__(self, mods:dict, stats:dict, shared:dict, masked:dict, make, learn:bool, outs:dict|None=None):
         self.mods, self.stats, self.shared, self.masked, self.make, self.learn = mods, stats, shared, masked, make, learn
-        self.mask, self.last = None, {}
+        self.mask, self.last, self.outs = None, {}, outs
 
     def batch(self, mask):
         "Start a batch whose counted positions are `mask` (None: all)."
         self.mask, self.last = mask, {}
+        if self.outs is not None: self.outs.clear()
 
     def _hook(self, n:str):
         def hook(mod, args):
@@ -232,8 +259,19 @@ class _Hooks:
             if before != applied: self.masked[n] = 'partly'
         return hook
 
+    def _out_hook(self, n:str):
+        "Keep the layer's output for the backward pass, made to require grad where nothing before it does."
+        def hook(mod, args, out):
+            if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+                raise TypeError(f"record_calibration: layer {n!r} returned {type(out).__name__}, expected a float tensor")
+            if not out.requires_grad: out = out.detach().requires_grad_()
+            self.outs.setdefault(n, []).append(out)
+            return out
+        return hook
+
     def __enter__(self):
         self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in self.mods.items()]
+        if self.outs is not None: self.handles += [m.register_forward_hook(self._out_hook(n)) for n, m in self.mods.items()]
         return self
 
     def __exit__(self, *a):
@@ -244,6 +282,25 @@ class _Probe:
     "A stand-in for `LayerStats` in the probe batch: K and the rows seen."
     def __init__(self, K): self.K, self.count = K, 0
     def update(self, x): self.count += x.shape[0]; return self
+
+def _backward(y, h:_Hooks, sens:dict, gen:torch.Generator) -> float:
+    "One batch's output sensitivity: g at every kept layer output for a Gaussian projection of the counted output `y`; Σ‖y‖²."
+    y = y[0] if isinstance(y, (tuple, list)) and y else y
+    if not isinstance(y, torch.Tensor) or not y.is_floating_point():
+        raise TypeError("record_calibration(sensitivity=True): run(model, batch) must return the model's output tensor "
+                        f"(or a tuple starting with it), found {type(y).__name__}")
+    yc = _rows(y, h.mask, y.shape[-1])[0]
+    if not yc.requires_grad:
+        raise RuntimeError("record_calibration(sensitivity=True): the model's output does not depend on the recorded layers "
+                           "through autograd (computed under torch.no_grad or inference_mode, as a pipeline does?); `run` "
+                           "must call the model itself and return its output")
+    kept = [(n, t) for n, ts in h.outs.items() for t in ts]
+    v = torch.randn(yc.shape, generator=gen).to(yc.device)
+    grads = torch.autograd.grad((yc.float() * v).sum(), [t for _, t in kept], allow_unused=True)
+    for (n, t), g in zip(kept, grads):
+        if n not in sens: sens[n] = Sensitivity(t.shape[-1], t.device)
+        sens[n].update(_rows(torch.zeros_like(t) if g is None else g, h.mask, t.shape[-1])[0])
+    return float(yc.detach().double().square().sum())
 
 def _batches_of(batches, passes:int):
     "A function returning the batches afresh for each pass (a callable is called; a list is reused)."
@@ -272,6 +329,7 @@ def record_calibration(model:nn.Module, # any model: its nn.Linear (and QuantLin
                        *, memory=None, # bytes (or '8GB') the statistics may hold: layers recorded in passes that fit
                        hessian_dtype=torch.float32, # the Hessian accumulator (float64 for studies; None: no Hessian)
                        hessian_rows:float=1.0, # the share of each batch's rows Σxᵀx sums (less: a faster recording)
+                       sensitivity:bool=False, # also each layer's output sensitivity (a backward pass per batch)
                        seed:int=0, # the reservoirs' random keys (give each data-parallel rank its own)
                        progress:bool=False, # a progress bar over the batches of each pass
                       ) -> 'CalibrationStats':
@@ -282,7 +340,7 @@ def record_calibration(model:nn.Module, # any model: its nn.Linear (and QuantLin
     hessian_rows = _share(hessian_rows)                 # refused before any batch runs
     make = lambda n, K, dev: LayerStats(K, rows, hessian_dtype, seed * 1_000_003 + idx[n], dev, hessian_rows)
     counted = lambda b: None if mask is None else mask(b)
-    shared, masked, stats = {}, {}, {}
+    shared, masked, stats, sens = {}, {}, {}, {}
     if memory is None: plan = [list(mods)]
     else:                                                # one probe batch: which layers run, their K, shared inputs
         probe = {}
@@ -293,16 +351,22 @@ def record_calibration(model:nn.Module, # any model: its nn.Linear (and QuantLin
     get, nb = _batches_of(batches, len(plan)), 0
     for i, group in enumerate(plan):
         active = {n: mods[n] for n in mods if n in group or shared.get(n) in group}
-        with _Hooks(active, stats, shared, masked, make, memory is None) as h:
+        gen, energy = torch.Generator().manual_seed(seed), 0.0   # every pass draws the same projections
+        with _Hooks(active, stats, shared, masked, make, memory is None, {} if sensitivity else None) as h:
             desc = 'record' if len(plan) == 1 else f'record {i + 1}/{len(plan)}'
             for nb, b in enumerate(_bar(get(), progress, desc), 1):
-                h.batch(counted(b)); run(model, b)
+                h.batch(counted(b))
+                if not sensitivity: run(model, b)
+                else:
+                    with torch.enable_grad(): energy += _backward(run(model, b), h, sens, gen)
                 h.learn = False                          # shared inputs are learnt on the first batch
+        for n in active:
+            if n in sens: sens[n].energy = energy
     order = [n for n in mods if n in stats or n in shared]
     meta = dict(model=type(model).__name__, rows=rows, hessian_dtype=_dtype_name(hessian_dtype), hessian_rows=hessian_rows, batches=nb,
                 passes=len(plan), not_called=[n for n in mods if n not in order], masked={n: masked.get(n, False) for n in stats})
     return CalibrationStats({n: stats[n] for n in order if n in stats}, {n: shared[n] for n in order if n in shared}, meta,
-                            order)
+                            order, sensitivity={n: sens[n] for n in order if n in sens})
 
 # %% ../nbs/15a_record.ipynb #64320392
 CALIBRATION_KEY = 'cquant_calibration'          # the header entry that marks a statistics file
@@ -319,8 +383,10 @@ class CalibrationStats(Mapping):
                  shared:dict|None=None, # {layer: the layer whose statistics (same input tensor) it shares}
                  meta:dict|None=None, # how they were recorded (model, rows, hessian_dtype, batches, passes, masked, ...)
                  order:list|None=None, # every layer name, in model order
-                 reader=None): # the file's `Checkpoint`: layers read on demand
+                 reader=None, # the file's `Checkpoint`: layers read on demand
+                 sensitivity:dict|None=None): # {layer: Sensitivity} (or, from a file, {layer: its header entry})
         self._layers, self.shared, self.meta, self._reader = dict(layers), dict(shared or {}), dict(meta or {}), reader
+        self._sens = dict(sensitivity or {})
         self.order = list(order) if order is not None else [*self._layers, *self.shared]
         self.where, self._file_key = ('calibration' if reader is None else reader.path), {}
 
@@ -336,10 +402,16 @@ class CalibrationStats(Mapping):
         s = self._layers[self.shared.get(n, n)]
         return s['K'] if isinstance(s, dict) else s.K
 
+    def sensitivity(self, n:str) -> Sensitivity|None:
+        "Layer `n`'s output sensitivity (None where not recorded), read from the file when asked for."
+        s = self._sens.get(n)
+        return s if s is None or isinstance(s, Sensitivity) else _read_sensitivity(self, n, s)
+
     def __repr__(self):
         return (f"CalibrationStats({len(self)} layers ({len(self.shared)} sharing an input), K in "
                 f"{sorted({self.K(n) for n in self})}, Hessian {self.meta.get('hessian_dtype')}, "
-                f"{self.meta.get('batches')} batches)")
+                f"{self.meta.get('batches')} batches" + (f", output sensitivity of {len(self._sens)}" if self._sens else '')
+                + ")")
 
 # %% ../nbs/15a_record.ipynb #405b3023
 def upper_rows(H:torch.Tensor, block:int=256):
@@ -362,9 +434,11 @@ def _header(self:CalibrationStats) -> dict:
         s = self[n]
         layers[n] = dict(K=s.K, count=s.count, hessian_count=s.hessian_count, zeros=s.act.zeros, amax=float(s.act.amax), sample=int(s.sample.shape[0]),
                          masked=self.meta.get('masked', {}).get(n, False))
-    keep = {k: v for k, v in self.meta.items() if k not in ('layers', 'masked', 'format', 'version', 'cquant_version')}
+    keep = {k: v for k, v in self.meta.items()
+            if k not in ('layers', 'masked', 'format', 'version', 'cquant_version', 'sensitivity')}
+    sens = {n: dict(N=s.N, rows=s.rows, energy=s.energy) for n in self._sens for s in [self.sensitivity(n)]}
     return dict(format='cquant-calibration', version=1, cquant_version=__version__, **keep, layers=layers,
-                shared=self.shared, order=self.order)
+                shared=self.shared, order=self.order, sensitivity=sens)
 
 @patch
 def save(self:CalibrationStats, path, # a .safetensors file, or (with shard_size) a new folder of shards
@@ -385,6 +459,7 @@ def save(self:CalibrationStats, path, # a .safetensors file, or (with shard_size
             w.add(f'{n}.abs_sum', s.abs_sum); w.add(f'{n}.hist', s.act.hist)
             w.add(f'{n}.channel_amax', s.channel_amax.float()); w.add(f'{n}.sample', s.sample.float())
             w.add(f'{n}.keys', s.keys)
+        for n in self._sens: w.add(f'{n}.output_grad_sq', self.sensitivity(n).grad_sq)
     return os.fspath(path)
 
 # %% ../nbs/15a_record.ipynb #4e716267
@@ -413,6 +488,18 @@ def _check_header(ck, h:dict) -> None:
     for n, src in h.get('shared', {}).items():
         if src not in h['layers']:
             raise CalibrationError(where, n, f"shares the statistics of {src!r}, which the file does not hold")
+    for n, e in h.get('sensitivity', {}).items():
+        if n not in h['layers'] and n not in h.get('shared', {}):
+            raise CalibrationError(where, n, "has an output sensitivity but no recorded inputs")
+        N, rows, energy = e.get('N'), e.get('rows'), e.get('energy')
+        if (not isinstance(N, int) or N <= 0 or not isinstance(rows, int) or rows < 0
+                or not isinstance(energy, (int, float)) or not math.isfinite(energy) or energy < 0):
+            raise CalibrationError(where, n, f"expected a positive N, a row count and a finite energy >= 0 for its output "
+                                   f"sensitivity, found {e}")
+        key = f'{n}.output_grad_sq'
+        if key not in ck: raise CalibrationError(where, n, f"expected the tensor '{key}', found none")
+        if tuple(ck.info(key).shape) != (N,):
+            raise CalibrationError(where, n, f"'{key}': expected shape {(N,)}, found {tuple(ck.info(key).shape)}")
 
 def load_calibration(path, # a statistics file (`CalibrationStats.save`) or its sharded folder / index
                     ) -> CalibrationStats:
@@ -430,9 +517,9 @@ def load_calibration(path, # a statistics file (`CalibrationStats.save`) or its 
         raise CalibrationError(ck.path, None, f"expected format 'cquant-calibration' version 1, found "
                                f"{h.get('format')!r} version {h.get('version')!r}")
     _check_header(ck, h)
-    meta = {k: v for k, v in h.items() if k not in ('shared', 'order')}
+    meta = {k: v for k, v in h.items() if k not in ('shared', 'order', 'sensitivity')}
     meta['masked'] = {n: e.get('masked', False) for n, e in h['layers'].items()}
-    return CalibrationStats(h['layers'], h.get('shared', {}), meta, h.get('order'), ck)
+    return CalibrationStats(h['layers'], h.get('shared', {}), meta, h.get('order'), ck, h.get('sensitivity', {}))
 
 def open_calibration(path) -> CalibrationStats|dict:
     "A calibration file: recorded statistics (`load_calibration`), or raw layer inputs {layer: [rows, K]} saved with `cq.save_file`."
@@ -457,6 +544,14 @@ def _read_hessian(self:CalibrationStats, n:str, K:int) -> torch.Tensor:
     neg = int((torch.diagonal(H) < 0).sum())
     if neg: raise CalibrationError(self.where, n, f"'{key}': expected a non-negative diagonal (Σx²), found {neg} negative entries")
     return H
+
+def _read_sensitivity(self:CalibrationStats, name:str, e:dict) -> Sensitivity:
+    "Layer `name`'s output sensitivity from the file, checked: finite, non-negative."
+    key = f'{self._file_key.get(name, name)}.output_grad_sq'
+    t = self._reader[key]; _finite(self.where, name, key, t)
+    if bool((t < 0).any()): raise CalibrationError(self.where, name, f"'{key}': expected Σg² >= 0, found negative values")
+    s = Sensitivity(e['N']); s.grad_sq, s.rows, s.energy = t.double(), e['rows'], float(e['energy'])
+    return s
 
 def _read_layer(self:CalibrationStats, name:str) -> LayerStats:
     "LayerStats of layer `name` read from the file (its Hessian when first asked for), each tensor checked."
@@ -483,10 +578,19 @@ def __iadd__(self:CalibrationStats, o:CalibrationStats) -> CalibrationStats:
         if n in self.order and self.shared.get(n) != o.shared.get(n):
             raise CalibrationError('merge', n, f"shares the input of {self.shared.get(n)!r} in one recording and of "
                                    f"{o.shared.get(n)!r} in the other")
+    if self._reader is not None:                         # read from a file: everything in memory before the merge
+        for n in self._layers:
+            s = self[n]
+            if s.has_hessian: s.gram()
+            self._layers[n] = s
+        self._sens = {n: self.sensitivity(n) for n in self._sens}
     for n in o._layers:
         if n in self._layers:
             mine = self[n]; mine += o[n]; self._layers[n] = mine
         else: self._layers[n] = o[n]
+    for n in o._sens:
+        if n in self._sens: self._sens[n] += o.sensitivity(n)
+        else: self._sens[n] = o.sensitivity(n)
     self._reader, self.where = None, 'calibration'
     for n in o.order:
         if n not in self.order: self.order.append(n)
@@ -504,11 +608,11 @@ def all_reduce(self:CalibrationStats, group=None) -> CalibrationStats:
     import torch.distributed as dist
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, ([(n, self.K(n), self[n].has_hessian) for n in self._layers], self.shared,
-                                   self.meta.get('batches', 0)), group=group)
-    if any(e[:2] != every[0][:2] for e in every):
-        r = next(i for i, e in enumerate(every) if e[:2] != every[0][:2])
-        raise CalibrationError('all_reduce', None, f"rank {r} recorded other layers than rank 0 (names, K, Hessian or "
-                               "shared inputs differ): every rank must record the same layers of the same model")
+                                   sorted(self._sens), self.meta.get('batches', 0)), group=group)
+    if any(e[:3] != every[0][:3] for e in every):
+        r = next(i for i, e in enumerate(every) if e[:3] != every[0][:3])
+        raise CalibrationError('all_reduce', None, f"rank {r} recorded other layers than rank 0 (names, K, Hessian, "
+                               "shared inputs or output sensitivity differ): every rank must record the same layers of the same model")
     layers = {}
     for n in self._layers:
         s = self[n]
@@ -523,8 +627,13 @@ def all_reduce(self:CalibrationStats, group=None) -> CalibrationStats:
         s.sample, s.keys = s.sample[:0], s.keys[:0]
         for r, k in kept: s._keep(r.to(s.sample), k.to(s.keys))
         layers[n] = s
-    self._layers, self._reader, self.where = layers, None, 'calibration'
-    self.meta['batches'] = sum(e[2] for e in every)
+    sens = {n: self.sensitivity(n) for n in self._sens}
+    for s in sens.values():
+        t = torch.cat([s.grad_sq, torch.tensor([s.rows, s.energy], dtype=torch.float64, device=s.grad_sq.device)])
+        dist.all_reduce(t, group=group)
+        s.grad_sq, s.rows, s.energy = t[:-2].clone(), int(t[-2]), float(t[-1])
+    self._layers, self._sens, self._reader, self.where = layers, sens, None, 'calibration'
+    self.meta['batches'] = sum(e[3] for e in every)
     return self
 
 # %% ../nbs/15a_record.ipynb #bc2f9f17
@@ -535,8 +644,8 @@ def _renamed(self:CalibrationStats, prefix:str) -> CalibrationStats:
     for k in ('layers', 'masked'):
         if k in meta: meta[k] = {p(n): v for n, v in meta[k].items()}
     out = CalibrationStats({p(n): s for n, s in self._layers.items()}, {p(n): p(s) for n, s in self.shared.items()},
-                           meta, [p(n) for n in self.order], self._reader)
-    out._file_key = {p(n): self._file_key.get(n, n) for n in self._layers}
+                           meta, [p(n) for n in self.order], self._reader, {p(n): s for n, s in self._sens.items()})
+    out._file_key = {p(n): self._file_key.get(n, n) for n in [*self._layers, *self._sens]}
     return out
 
 @patch
@@ -558,6 +667,11 @@ def matched(self:CalibrationStats, shapes:dict, # {layer name: weight shape} of 
         if shp[-1] != self.K(n):
             raise CalibrationError(where, n, f"recorded with K={self.K(n)} inputs, but the weight {prefix + n!r} "
                                    f"{shp} has K={shp[-1]}")
+        s = self._sens.get(n)
+        N = s['N'] if isinstance(s, dict) else getattr(s, 'N', shp[0])
+        if N != shp[0]:
+            raise CalibrationError(where, n, f"output sensitivity recorded for N={N} outputs, but the weight "
+                                   f"{prefix + n!r} {shp} has N={shp[0]}")
     return _renamed(self, prefix)
 
 class _View(Mapping):
@@ -586,6 +700,16 @@ pipeline step calls the transformer, so every timestep is recorded.
     stats = cq.record_calibration(pipe.transformer, prompts, run=run, memory="40GB",   # passes that fit
                                   hessian_rows=0.25)   # Σxᵀx on a quarter of the tokens: plenty, 3-4x faster
     stats.save("flux1-dev.calibration", shard_size="5GB")
+    # int4_mixed with --selection measured also wants each layer's output sensitivity (sensitivity=True): a backward
+    # pass per call, which a pipeline (run under torch.no_grad) cannot give. Keep the transformer's calls instead and
+    # record those (each call's activations are held for its backward pass: 1 image at a time):
+    calls = []
+    keep = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: calls.append((a, kw)), with_kwargs=True)
+    for p in prompts: pipe(p, num_inference_steps=28, height=1024, width=1024)
+    keep.remove()
+    call = lambda transformer, c: transformer(*c[0], **{**c[1], "return_dict": False})[0]
+    stats = cq.record_calibration(pipe.transformer, calls, run=call, memory="40GB", hessian_rows=0.25,
+                                  sensitivity=True)
 
   ComfyUI (inside its Python, e.g. a script run with ComfyUI's folder on sys.path):
     import comfy.sd, comfy.sample, cquant as cq
@@ -594,6 +718,8 @@ pipeline step calls the transformer, so every timestep is recorded.
     jobs = [...]                                # callables that each run one comfy.sample.sample(model, ...)
     stats = cq.record_calibration(dm, jobs, run=lambda dm, job: job(), memory="40GB", hessian_rows=0.25)
     stats.save("flux1-dev.calibration", shard_size="5GB")
+    # for sensitivity=True, keep dm's calls (dm.register_forward_pre_hook(..., with_kwargs=True), as above) and
+    # record them with run=lambda dm, c: dm(*c[0], **c[1]).
 
 Then: cquant quantize flux1-dev.safetensors flux1-dev-int4.safetensors --rounding gptq --calibration flux1-dev.calibration
 The statistics' layer names may lack the checkpoint's prefix (model.diffusion_model.): it is found; a layer the

@@ -260,7 +260,28 @@ def test_quantize_checkpoint_and_cli_take_a_recorded_file(tmp_path):
     assert r.returncode != 0 and "recorded with K=128 inputs, but the weight" in r.stderr, r.stderr
     assert not (tmp_path / 'x.safetensors').exists()
     r = subprocess.run([sys.executable, '-m', 'cquant.cli', 'quantize', '--help'], capture_output=True, text=True, cwd=ROOT)
-    assert 'cq.record_calibration(pipe.transformer' in r.stdout and 'untested' in r.stdout
+    assert 'cq.record_calibration(pipe.transformer' in r.stdout and 'untested' in r.stdout and 'sensitivity=True' in r.stdout
+
+
+def test_measured_selection_from_a_file_with_sensitivity(tmp_path):
+    "int4_mixed measured selection through the CLI from a file with output sensitivity: the API's plan, its reasons."
+    model = dit_model(0, depth=2)
+    cal = cq.record_calibration(model, dit_batches(4, seed=1), sensitivity=True).save(tmp_path / 'dit.calibration.safetensors')
+    src = tmp_path / 'dit.safetensors'
+    save_file({k: v.to(torch.bfloat16) for k, v in dit_state_dict(0, depth=2).items()}, src)
+    pol = cq.Policy(mode='int4_mixed', selection='measured', int4_mixed_ratio=0.5, keep_float=('moe.',))
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', PolicyWarning)
+        plan = pol.plan(src, cq.load_calibration(cal))
+    chosen = plan.selected()
+    assert 0 < len(chosen) < plan.budget['candidates']
+    assert all('model output (Hessian, sensitivity) SQNR' in plan[n].reason for n in plan.budget['order'])
+    r = subprocess.run([sys.executable, '-m', 'cquant.cli', 'quantize', str(src), str(tmp_path / 'out.safetensors'),
+                        '--mode', 'int4_mixed', '--selection', 'measured', '--ratio', '0.5', '--keep-float', 'moe.',
+                        '--calibration', cal, '--quiet', '--json'], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr
+    with cq.open_checkpoint(tmp_path / 'out.safetensors') as ck: fmts = {m: i.format for m, i in ck.modules().items()}
+    assert {n: fmts.get(n) for n in plan.budget['order']} == {n: plan[n].format for n in plan.budget['order']}
 
 
 WORKER = r'''
@@ -274,7 +295,7 @@ torch.manual_seed(0)
 model = Tiny().eval()
 b = tiny_batches(6)
 st = cq.record_calibration(model, b[rank::2], run=lambda m, bt: m(bt[0]), mask=lambda bt: bt[1], rows=8, seed=rank,
-                           hessian_dtype=torch.float64)
+                           hessian_dtype=torch.float64, sensitivity=True)
 st.all_reduce()
 if rank == 0: st.save(sys.argv[3])
 dist.destroy_process_group()
@@ -304,3 +325,12 @@ def test_all_reduce_in_a_two_process_gloo_group(tmp_path):
         assert red[n].rows.shape == one[n].rows.shape == (8, one.K(n))
         ks = red[n].keys
         assert bool((ks[1:] >= ks[:-1]).all())               # the smallest keys of both ranks, in order
+    run, mask = lambda m, bt: m(bt[0]), lambda bt: bt[1]
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    halves = [cq.record_calibration(model, tiny_batches(6)[r::2], run=run, mask=mask, rows=8, seed=r,
+                                    sensitivity=True) for r in (0, 1)]     # each rank's own projections
+    for n in one:
+        s, a, b = red.sensitivity(n), halves[0].sensitivity(n), halves[1].sensitivity(n)
+        torch.testing.assert_close(s.grad_sq, a.grad_sq + b.grad_sq, rtol=1e-12, atol=0)
+        assert s.rows == a.rows + b.rows and abs(s.energy - (a.energy + b.energy)) <= 1e-9 * s.energy
