@@ -4,6 +4,7 @@
     python bench/bench_record.py gptq [--layers proj,mlp2,linear2]      # GPTQ from statistics at FLUX-shaped layers
     python bench/bench_record.py share [--shares 1,0.5,0.25]            # what a Hessian on a share of the rows costs GPTQ
     python bench/bench_record.py flux [--n 16] [--tokens 256]           # the FLUX-shaped DiT: GPTQ from rows vs statistics
+    python bench/bench_record.py select                                 # measured selection from a file, held out twice
 
 `memory` runs a model of four linears at FLUX's widths (3072 -> 12288 -> 3072, twice: inputs of K = 3072 and 12288),
 each setting in a fresh process: the forward alone, then the same forward recording every layer. It prints the
@@ -25,6 +26,11 @@ on EVAL_SENTENCES and on the other 135 calibration sentences; then the same for 
 `flux` quantizes the FLUX-shaped DiT of `cq.flux_model` (one double and one single block at FLUX's widths, bf16)
 `int4_full` with GPTQ, calibrated from the rows (the row path) and from recorded statistics (all rows, a quarter),
 and prints the held-out output SQNR of each against round-to-nearest.
+
+`select` records MiniLM on 600 of the calibration sentences (with and without `sensitivity=True`), runs
+`cquant quantize --mode int4_mixed --selection measured --calibration FILE` at ratios 0.2 and 0.5, and prints each
+file's held-out hidden-state SQNR against the best and the median of every subset of the budget's candidates, on
+EVAL_SENTENCES (A) and on the other 135 calibration sentences (B); and the time of the recordings.
 """
 import argparse, json, os, re, subprocess, sys, time
 import torch
@@ -195,11 +201,49 @@ def flux(n:int, tokens:int):
               f"quantize and evaluate {time.perf_counter() - t:.0f} s")
 
 
+def select():
+    "int4_mixed measured selection through the CLI from recorded files, against every subset, held out on two sets."
+    import tempfile, warnings
+    from dataclasses import replace
+    from itertools import combinations
+    import cquant as cq
+    from cquant.evaluate import CALIBRATION_SENTENCES, minilm_workload, evaluate, subset_scores
+    warnings.simplefilter('ignore')
+    split, tmp = 600, tempfile.mkdtemp()
+    A = minilm_workload(calibration=CALIBRATION_SENTENCES[:split])
+    B = replace(A, evaluation=cq.sentence_batches(CALIBRATION_SENTENCES[split:], 8), embed=None)
+    model, files = cq.minilm_model(), {}
+    for sens in (False, True):
+        t = time.perf_counter()
+        st = cq.record_calibration(model, A.calibration, mask=lambda b: b[1], sensitivity=sens)
+        print(f"recording {split} sentences, sensitivity={sens}: {time.perf_counter() - t:.1f} s")
+        files[sens] = st.save(os.path.join(tmp, f'cal-{sens}.safetensors'))
+    pol = cq.Policy(mode='int4_mixed', selection='measured')
+    cands = sorted(replace(pol, int4_mixed_ratio=1.0).plan(model).budget['chosen'])
+    short = lambda s: '+'.join(c.split('.')[2] for c in sorted(s))
+    for ratio in (0.2, 0.5):
+        p = replace(pol, int4_mixed_ratio=ratio)
+        subsets = list(combinations(cands, p.plan(model).budget['target']))
+        scores = {w: dict(zip(subsets, subset_scores(wl, p, subsets))) for w, wl in (('A', A), ('B', B))}
+        print(f"ratio {ratio}: " + '; '.join(f"{w} best {short(max(sc, key=sc.get))} {max(sc.values()):.2f} dB, "
+                                              f"median {sorted(sc.values())[len(sc) // 2]:.2f}" for w, sc in scores.items()))
+        for sens, f in files.items():
+            out = os.path.join(tmp, f'q-{ratio}-{sens}.safetensors')
+            subprocess.run([sys.executable, '-m', 'cquant.cli', 'quantize', cq.minilm_path(), out, '--mode', 'int4_mixed',
+                            '--selection', 'measured', '--ratio', str(ratio), '--calibration', f, '--quiet'], check=True,
+                           capture_output=True)
+            with cq.open_checkpoint(out) as ck:
+                kept = {n for n in cands if ck.modules()[n].format != 'convrot_w4a4'}
+            db = {w: evaluate(wl, out)['sqnr_db'] for w, wl in (('A', A), ('B', B))}
+            line = '; '.join(f"{w} {v:.2f} dB ({v - max(scores[w].values()):+.2f})" for w, v in db.items())
+            print(f"  {'Hessian and sensitivity' if sens else 'Hessian alone':24s} keeps {short(kept)}: {line}")
+
+
 if __name__ == '__main__':
     if sys.argv[1:2] == ['_child']: child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])); sys.exit()
     if sys.argv[1:2] == ['_gptq']: gptq_child(sys.argv[2]); sys.exit()
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('what', choices=('memory', 'gptq', 'share', 'flux'))
+    p.add_argument('what', choices=('memory', 'gptq', 'share', 'flux', 'select'))
     p.add_argument('--rows', type=int, default=100_000)
     p.add_argument('--batch', type=int, default=4096)
     p.add_argument('--layers', default='proj,mlp2,linear2')
@@ -211,4 +255,5 @@ if __name__ == '__main__':
     if a.what == 'memory': memory(a.rows, a.batch, a.hessian_rows)
     elif a.what == 'gptq': gptq(a.layers.split(','))
     elif a.what == 'share': share([float(v) for v in a.shares.split(',')])
+    elif a.what == 'select': select()
     else: flux(a.n, a.tokens)

@@ -21,7 +21,7 @@ from ._version import __version__
 from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, Plan, layer_source
 from .models import dit_state_dict
 from .calibrate import Calibration, gptq_layers, rounding_kwargs
-from .record import open_calibration
+from .record import TokenCounts, open_calibration
 from .rounding import GPTQWarning
 from .minilm import minilm_path, fetch_minilm
 
@@ -97,8 +97,10 @@ def quantize_rows(w:torch.Tensor, # float weight [N, K]
         raise
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #2a6c801d
-def _out_err(x:torch.Tensor, ref:torch.Tensor, approx:torch.Tensor) -> tuple:
-    "(Σy², Σ(y - ŷ)²) in fp64 of the layer outputs y = x @ ref.T and ŷ = x @ approx.T (weight error only)."
+def _out_err(x, ref:torch.Tensor, approx:torch.Tensor, start:int=0) -> tuple:
+    """(Σy², Σ(y - ŷ)²) in fp64 of the layer outputs y = x @ ref.T and ŷ = x @ approx.T (weight error only); of an
+    embedding's recorded lookups where `x` is its `TokenCounts` (`ref` its rows start..)."""
+    if isinstance(x, TokenCounts): return x.error(ref, approx, start)
     x = x.reshape(-1, x.shape[-1]).to(device=ref.device, dtype=torch.float32)
     y = x @ ref.float().T
     return float(y.double().square().sum()), float((y - x @ approx.float().T).double().square().sum())
@@ -108,7 +110,7 @@ def _write_quantized(writer:StreamingWriter, w:torch.Tensor, key:str, prefix:str
                      measure:bool=True, rounding:dict|None=None, x:torch.Tensor|None=None) -> dict:
     """Quantize `w` (with `rounding`'s keywords), stream its tensors and comfy_quant under `prefix`; returns config,
     bytes, weight error sums and, with inputs `x`, output error sums."""
-    stream, bufs, config, sig, noise, mx, out = None, {}, None, 0.0, 0.0, 0.0, [0.0, 0.0]
+    stream, bufs, config, sig, noise, mx, out, row = None, {}, None, 0.0, 0.0, 0.0, [0.0, 0.0], 0
     how = _rowwise(fmt, options) or {}
     energies = [] if measure and x is None else None       # filled where the encoder measures its own error
     for qt, part in quantize_rows(w, fmt, options, key, rounding=rounding, energies=energies):
@@ -124,9 +126,10 @@ def _write_quantized(writer:StreamingWriter, w:torch.Tensor, key:str, prefix:str
             else:              # dequantize (also where a rotation overflowed and rows were re-encoded)
                 dq = qt.dequantize(torch.float32)
                 s, n, m = _err(part, dq)
-                if x is not None: out = [a + b for a, b in zip(out, _out_err(x, part, dq))]
+                if x is not None: out = [a + b for a, b in zip(out, _out_err(x, part, dq, row))]
             sig, noise, mx = sig + s, noise + n, None if m is None or mx is None else max(mx, m)
             if energies: energies.clear()
+        row += part.shape[0]
         del qt, tensors
     stream.close()
     nbytes = writer.entry(prefix + 'weight').nbytes
@@ -472,7 +475,7 @@ def _quantize_layer(w:StreamingWriter, ck:Checkpoint, key:str, m:str, d, weight:
     prefix, info = m + '.' if m else '', ck.info(key)
     wt, extras = weight, {}
     if cal is not None: wt, extras = cal.layer(m, d.format, wt)
-    x = None if cal is None else cal.layer_inputs(m, extras)
+    x = None if cal is None else cal.layer_inputs(m, extras) if m not in cal.tables else cal.tables[m]
     rk = rounding_kwargs(m, d.rounding, None if cal is None else cal.layer_data(m, extras), d.format)
     wt = wt.to(device)
     with warnings.catch_warnings(record=True) as caught:       # a GPTQ that fell back to MSE is reported as MSE

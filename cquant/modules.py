@@ -399,11 +399,23 @@ def _save_to_state_dict(self:QuantMoEExperts, destination, prefix, keep_vars):
     destination[prefix + 'comfy_quant'] = encode_json(self.quant_config)
 
 # %% ../nbs/12_modules.ipynb #a317de5b
+def _expert_options(options:dict, data, name:str) -> dict:
+    "`quantize` keywords of one expert: its calibration; an expert no calibration row reached rounds without it (MSE for GPTQ)."
+    if isinstance(data, dict): return {**options, **data}
+    if getattr(data, 'count', None) == 0:
+        if options.get('rounding') == 'gptq':
+            warnings.warn(f"{name}: no calibration row was routed to this expert; MSE rounding instead of GPTQ", stacklevel=4)
+            return {**options, 'rounding': 'mse'}
+        return options
+    return options if data is None else {**options, 'calibration': data}
+
 @patch
 def quantize_(self:QuantMoEExperts, fmt, *, stochastic_rounding:int=0, full_precision_matrix_mult:bool=False,
               shared_scale:bool=False, # one scale for the whole bank (FP8, tensor-wise INT8) instead of one per expert
+              calibration=None, # the bank's inputs (or statistics), or a list of E: each expert's (its routed rows)
               **options):
-    "Quantize the float bank in place: per expert, or (flattened banks, `shared_scale`) as one `[E*N, K]` tensor."
+    """Quantize the float bank in place: per expert, or (flattened banks, `shared_scale`) as one `[E*N, K]` tensor. With
+    per-expert `calibration` every expert is quantized on its own data (a flat bank's rows, independent, stack the same)."""
     if self.experts is not None: raise ValueError(f"{self.key or 'QuantMoEExperts'}: the bank is already quantized "
                                                   f"({self.format})")
     spec, W, name = get_format(fmt, caller='QuantMoEExperts.quantize_'), self.weight.detach(), self.key or 'weight'
@@ -412,12 +424,20 @@ def quantize_(self:QuantMoEExperts, fmt, *, stochastic_rounding:int=0, full_prec
     if shared_scale and (not spec.row_gather or flat):
         raise format_error('', f'{name} option shared_scale',
                            f'a tensor-wise format of {flagged_formats("row_gather")}', f'{spec.name} {options}')
-    if flat or shared_scale:     # rows quantize independently: the bank as one [E*N, K] tensor (one codebook, one shared scale)
-        qt = quantize(W.reshape(E * N, K), spec, stochastic_rounding=stochastic_rounding, name=name, **options)
+    per = calibration if isinstance(calibration, (list, tuple)) else None
+    if per is not None and len(per) != E:
+        raise format_error('', f'{name} calibration', f'one entry per expert ({E})', f'a list of {len(per)}')
+    if per is not None and shared_scale:
+        raise format_error('', f'{name} option shared_scale', 'one bank-wide scale, which per-expert calibration cannot '
+                           'give (each expert is quantized on its own rows)', 'shared_scale=True with a list of calibrations')
+    data = {} if calibration is None else {'calibration': calibration}
+    if (flat or shared_scale) and per is None:   # rows quantize independently: one [E*N, K] tensor (one codebook, one shared scale)
+        qt = quantize(W.reshape(E * N, K), spec, stochastic_rounding=stochastic_rounding, name=name, **options, **data)
         experts, _, shared = split_bank(qt.state_dict(''), qt.config, E, (N, K), W.dtype)
     else:
         experts = [quantize(W[e], spec, stochastic_rounding=stochastic_rounding + e if stochastic_rounding else 0,
-                            name=f'{name}[{e}]', **options) for e in range(E)]
+                            name=f'{name}[{e}]', **_expert_options(options, data if per is None else per[e], f'{name}[{e}]'))
+                   for e in range(E)]
         shared = set()
     self.weight, self.experts, self._flat, self._shared = None, experts, flat, shared
     self._fpmm_config, self._explicit = bool(full_precision_matrix_mult), ()

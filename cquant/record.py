@@ -6,19 +6,19 @@ Docs: https://cquant-dev.github.io/cquant/record.html.md"""
 
 # %% ../nbs/15a_record.ipynb #ffa9d349
 from __future__ import annotations
-import fnmatch, json, math, os, weakref
+import fnmatch, json, math, os, re, weakref
 from collections.abc import Mapping
 import torch
 import torch.nn as nn
 from fastcore.basics import patch
 from ._version import __version__
-from .calibrate import ActivationStats, _BINS
+from .calibrate import ActivationStats, _BINS, expert_key
 from .checkpoint import StreamingWriter, ShardedWriter, open_checkpoint, parse_size, load_file
-from .modules import QuantLinear, is_linear
+from .modules import QuantEmbedding, QuantLinear, QuantMoEExperts, is_linear
 
 # %% auto #0
-__all__ = ['LayerStats', 'Sensitivity', 'stats_bytes', 'file_bytes', 'record_calibration', 'CalibrationError', 'CalibrationStats',
-           'load_calibration', 'open_calibration']
+__all__ = ['LayerStats', 'Sensitivity', 'TokenCounts', 'stats_bytes', 'file_bytes', 'record_calibration', 'CalibrationError',
+           'CalibrationStats', 'load_calibration', 'open_calibration']
 
 # %% ../nbs/15a_record.ipynb #d84345ed
 HESSIAN_BLOCK = 1024     # columns per block of Σxᵀx: only the blocks on and above the diagonal are multiplied
@@ -146,30 +146,73 @@ def scaled(self:LayerStats, p:torch.Tensor) -> LayerStats:
     return s
 
 # %% ../nbs/15a_record.ipynb #5ed3278a
-class Sensitivity:
+class _Sums:
+    "Per-layer statistics that merge by addition: a 1-D tensor `values` over the weight's N rows, and the scalars `SCALARS`."
+    SUFFIX, DTYPE, SCALARS, WHAT = None, torch.float64, (), ''
+    def __init__(self, N:int, device=None):
+        self.N, self.values = int(N), torch.zeros(int(N), dtype=self.DTYPE, device=device)
+        for s in self.SCALARS: setattr(self, s, 0)
+
+    def __iadd__(self, o:'_Sums') -> '_Sums':
+        if type(o) is not type(self) or o.N != self.N:
+            raise ValueError(f"merge: {type(o).__name__} of N={o.N} into {type(self).__name__} of N={self.N}")
+        self.values += o.values.to(self.values)
+        for s in self.SCALARS: setattr(self, s, getattr(self, s) + getattr(o, s))
+        return self
+
+    def entry(self) -> dict:
+        "Its header entry: N and the scalars."
+        return dict(N=self.N, **{s: getattr(self, s) for s in self.SCALARS})
+
+    @classmethod
+    def read(cls, values:torch.Tensor, e:dict) -> '_Sums':
+        s = cls(e['N']); s.values = values.to(cls.DTYPE)
+        for k in cls.SCALARS: setattr(s, k, e[k])
+        return s
+
+    def __repr__(self): return f"{type(self).__name__}(N={self.N}, " + ', '.join(f"{s}={getattr(self, s):.4g}" for s in self.SCALARS) + ")"
+
+class Sensitivity(_Sums):
     "Σ over a layer's counted output rows of g² per output channel, g = ∂⟨v, y⟩/∂(its output), v ~ N(0, I) per batch; Σ‖y‖²."
-    def __init__(self, N:int, # output features
-                 device=None):
-        self.N, self.rows, self.energy = int(N), 0, 0.0
-        self.grad_sq = torch.zeros(self.N, dtype=torch.float64, device=device)
+    SUFFIX, SCALARS, WHAT = 'output_grad_sq', ('rows', 'energy'), 'output sensitivity'
+    @property
+    def grad_sq(self) -> torch.Tensor: return self.values
 
     def update(self, g:torch.Tensor) -> 'Sensitivity':
         "Add the rows of `g` ([..., N]: the gradient at the layer's output)."
         g = g.detach().reshape(-1, self.N)
-        self.grad_sq += g.double().square().sum(0); self.rows += g.shape[0]
+        self.values += g.double().square().sum(0); self.rows += g.shape[0]
         return self
 
     def error(self, d:torch.Tensor, # [N]: mean square error per row of each output channel, diag(ΔW H ΔWᵀ) / rows
              ) -> float:
         "The relative error of the model's output that an output error of mean square `d` per channel causes (first order)."
-        return float((self.grad_sq * d.to(self.grad_sq)).sum()) / self.energy if self.energy > 0 else math.inf
+        return float((self.values * d.to(self.values)).sum()) / self.energy if self.energy > 0 else math.inf
 
-    def __iadd__(self, o:'Sensitivity') -> 'Sensitivity':
-        if o.N != self.N: raise ValueError(f"merge: output sensitivity of N={o.N} into one of N={self.N}")
-        self.grad_sq += o.grad_sq.to(self.grad_sq); self.rows += o.rows; self.energy += o.energy
+# %% ../nbs/15a_record.ipynb #199b32ab
+class TokenCounts(_Sums):
+    "How often each row of an embedding table was looked up: its Hessian, diag(counts), the inputs being one-hot."
+    SUFFIX, DTYPE, SCALARS, WHAT = 'token_count', torch.int64, ('count',), 'token counts'
+    @property
+    def counts(self) -> torch.Tensor: return self.values
+
+    def update(self, ids:torch.Tensor) -> 'TokenCounts':
+        "Add the lookups `ids` (any shape)."
+        ids = ids.detach().reshape(-1).long()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.N):
+            raise ValueError(f"token ids in [0, {self.N}) expected, found {int(ids.min())}..{int(ids.max())}")
+        self.values += torch.bincount(ids.to(self.values.device), minlength=self.N); self.count += ids.numel()
         return self
 
-    def __repr__(self): return f"Sensitivity(N={self.N}, rows={self.rows}, energy={self.energy:.4g})"
+    def error(self, w:torch.Tensor, # rows start.. of the float table [rows, dim]
+              approx:torch.Tensor, # their quantized values
+              start:int=0, # the first row's index
+             ) -> tuple: # (Σ c_t ‖E_t‖², Σ c_t ‖ΔE_t‖²) in fp64
+        "The lookups' signal and error energies: each row's weighed by how often it was looked up."
+        c = self.values[start:start + w.shape[0]].to(w.device, torch.float64)
+        return float((w.double().square().sum(1) * c).sum()), float(((approx.double() - w.double()).square().sum(1) * c).sum())
+
+_SUMS = {'sensitivity': Sensitivity, 'tokens': TokenCounts}     # the header key and class of each kind
 
 # %% ../nbs/15a_record.ipynb #27f511a0
 def _f(nbytes) -> str: return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
@@ -201,9 +244,12 @@ def _passes(layers:list, need, memory:int|None) -> list:
     return out
 
 # %% ../nbs/15a_record.ipynb #0bbb0cd7
+_TABLES = (nn.Embedding, QuantEmbedding)                       # recorded as token counts
+_RECORDED = (QuantLinear, QuantMoEExperts, *_TABLES)            # besides `is_linear` modules
+
 def _observed(model:nn.Module, layers=None) -> dict:
-    "{name: module} of the linears of `model` to record: all, or those `layers` names (exact names or fnmatch globs)."
-    mods = {n: m for n, m in model.named_modules() if n and (is_linear(m) or isinstance(m, QuantLinear))}
+    "{name: module} of the linears, MoE banks and embeddings of `model` to record: all, or those `layers` (names or globs)."
+    mods = {n: m for n, m in model.named_modules() if n and (is_linear(m) or isinstance(m, _RECORDED))}
     if layers is None: return mods
     pats = [layers] if isinstance(layers, str) else list(layers)
     hit = lambda n, p: n == p or fnmatch.fnmatchcase(n, p)
@@ -212,6 +258,16 @@ def _observed(model:nn.Module, layers=None) -> dict:
         raise KeyError(f"record_calibration: layers {unmatched[:3]} match no linear of {type(model).__name__} "
                        f"(it has {len(mods)}, e.g. {list(mods)[:3]})")
     return {n: m for n, m in mods.items() if any(hit(n, p) for p in pats)}
+
+def _keys(mods:dict) -> dict:
+    "{module: the names its input statistics go under}: a linear's own, a bank's one per expert, an embedding none."
+    return {n: [expert_key(n, e) for e in range(m.num_experts)] if isinstance(m, QuantMoEExperts) else
+            [] if isinstance(m, _TABLES) else [n] for n, m in mods.items()}
+
+def _split_expert(n:str) -> tuple:
+    "(bank, e) of an expert's name `bank[e]`, else (n, None)."
+    m = re.fullmatch(r'(.*)\[(\d+)\]', n)
+    return (m.group(1), int(m.group(2))) if m else (n, None)
 
 def _rows(x:torch.Tensor, m, K:int) -> tuple:
     "(rows of `x` [M, K] that count, whether the mask applied): `m` applies where it covers x's leading dims."
@@ -226,9 +282,11 @@ def _run_default(model, b):
 # %% ../nbs/15a_record.ipynb #cc4e5317
 class _Hooks:
     "Forward pre-hooks on the layers of one pass: each input's counted rows go into its `LayerStats` (`outs`: outputs kept)."
-    def __init__(self, mods:dict, stats:dict, shared:dict, masked:dict, make, learn:bool, outs:dict|None=None):
+    def __init__(self, mods:dict, stats:dict, shared:dict, masked:dict, make, learn:bool, outs:dict|None=None,
+                 group:set|None=None, # the names this pass records (a bank's experts may fall in several passes)
+                 tokens:dict|None=None): # {embedding: TokenCounts}, where this pass counts lookups
         self.mods, self.stats, self.shared, self.masked, self.make, self.learn = mods, stats, shared, masked, make, learn
-        self.mask, self.last, self.outs = None, {}, outs
+        self.mask, self.last, self.outs, self.group, self.tokens = None, {}, outs, group, tokens
 
     def batch(self, mask):
         "Start a batch whose counted positions are `mask` (None: all)."
@@ -251,12 +309,43 @@ class _Hooks:
                 src = next((o for o, r in self.last.items() if r() is x), None)
                 if src is not None: self.shared[n] = src; return
             self.last[n] = weakref.ref(x)
-            rows, applied = _rows(x, self.mask, x.shape[-1])
-            if n not in self.stats: self.stats[n] = self.make(n, x.shape[-1], x.device)
-            try: self.stats[n].update(rows)
-            except ValueError as e: raise ValueError(f"record_calibration: layer {n!r} received a {e}") from None
-            before = self.masked.setdefault(n, applied)
-            if before != applied: self.masked[n] = 'partly'
+            self._add(n, *_rows(x, self.mask, x.shape[-1]), x.shape[-1], x.device)
+        return hook
+
+    def _add(self, n:str, rows:torch.Tensor, applied:bool, K:int, device):
+        "Fold `rows` into the statistics of `n`."
+        if self.group is not None and n not in self.group: return
+        if n not in self.stats: self.stats[n] = self.make(n, K, device)
+        try: self.stats[n].update(rows)
+        except ValueError as e: raise ValueError(f"record_calibration: layer {n!r} received a {e}") from None
+        before = self.masked.setdefault(n, applied)
+        if before != applied: self.masked[n] = 'partly'
+
+    def _bank_hook(self, n:str):
+        "An MoE bank: each expert's rows (routed by `expert_ids`, or slice e of an [E, ..., K] input) into its own statistics."
+        def hook(mod, args, kwargs):
+            x = args[0] if args else kwargs.get('x')
+            ids = args[1] if len(args) > 1 else kwargs.get('expert_ids')
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                raise TypeError(f"record_calibration: MoE bank {n!r} was called with {type(x).__name__}, expected a float tensor")
+            K = x.shape[-1]
+            if ids is None: parts = [_rows(x[e], self.mask, K) for e in range(mod.num_experts)]
+            else:
+                rows, applied = _rows(x, self.mask, K)
+                which = _rows(ids.reshape(*x.shape[:-1], 1).to(x.device), self.mask, 1)[0].reshape(-1)
+                parts = [(rows[which == e], applied) for e in range(mod.num_experts)]
+            for e, (rows, applied) in enumerate(parts): self._add(expert_key(n, e), rows, applied, K, x.device)
+        return hook
+
+    def _lookup_hook(self, n:str):
+        "An embedding table: the ids it looks up, counted where the mask covers them."
+        def hook(mod, args):
+            ids = args[0] if args else None
+            if not isinstance(ids, torch.Tensor) or ids.is_floating_point():
+                raise TypeError(f"record_calibration: embedding {n!r} was called with {type(ids).__name__}, expected integer ids")
+            if n not in self.tokens: self.tokens[n] = TokenCounts(mod.num_embeddings, ids.device)
+            try: self.tokens[n].update(_rows(ids[..., None], self.mask, 1)[0])
+            except ValueError as e: raise ValueError(f"record_calibration: embedding {n!r}: {e}") from None
         return hook
 
     def _out_hook(self, n:str):
@@ -270,8 +359,15 @@ class _Hooks:
         return hook
 
     def __enter__(self):
-        self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in self.mods.items()]
-        if self.outs is not None: self.handles += [m.register_forward_hook(self._out_hook(n)) for n, m in self.mods.items()]
+        linears = {n: m for n, m in self.mods.items() if not isinstance(m, (QuantMoEExperts, *_TABLES))}
+        self.handles = [m.register_forward_pre_hook(self._hook(n)) for n, m in linears.items()]
+        self.handles += [m.register_forward_pre_hook(self._bank_hook(n), with_kwargs=True) for n, m in self.mods.items()
+                         if isinstance(m, QuantMoEExperts)]
+        if self.tokens is not None:
+            self.handles += [m.register_forward_pre_hook(self._lookup_hook(n)) for n, m in self.mods.items()
+                             if isinstance(m, _TABLES)]
+        if self.outs is not None:                        # output sensitivity: of the linears
+            self.handles += [m.register_forward_hook(self._out_hook(n)) for n, m in linears.items()]
         return self
 
     def __exit__(self, *a):
@@ -336,23 +432,27 @@ def record_calibration(model:nn.Module, # any model: its nn.Linear (and QuantLin
     "Per-layer statistics of the inputs `model` sees over `batches`, streamed: Σxᵀx, channel sums and maxima, a reservoir."
     mods, run = _observed(model, layers), run or _run_default
     memory = None if memory is None else parse_size(memory)
-    idx = {n: i for i, n in enumerate(mods)}
+    keys = _keys(mods)
+    names = [k for ks in keys.values() for k in ks]
+    idx = {n: i for i, n in enumerate(names)}
     hessian_rows = _share(hessian_rows)                 # refused before any batch runs
     make = lambda n, K, dev: LayerStats(K, rows, hessian_dtype, seed * 1_000_003 + idx[n], dev, hessian_rows)
     counted = lambda b: None if mask is None else mask(b)
-    shared, masked, stats, sens = {}, {}, {}, {}
-    if memory is None: plan = [list(mods)]
+    shared, masked, stats, sens, tokens = {}, {}, {}, {}, {}
+    if memory is None: plan = [names]
     else:                                                # one probe batch: which layers run, their K, shared inputs
         probe = {}
         with _Hooks(mods, probe, shared, {}, lambda n, K, dev: _Probe(K), True) as h:
             b = next(iter(_batches_of(batches, 2)()))
             h.batch(counted(b)); run(model, b)
-        plan = _passes([n for n in mods if n in probe], lambda n: stats_bytes(probe[n].K, rows, hessian_dtype), memory)
+        plan = _passes([n for n in names if n in probe], lambda n: stats_bytes(probe[n].K, rows, hessian_dtype), memory)
     get, nb = _batches_of(batches, len(plan)), 0
     for i, group in enumerate(plan):
-        active = {n: mods[n] for n in mods if n in group or shared.get(n) in group}
+        group = set(group)
+        active = {n: m for n, m in mods.items()            # embeddings: their lookups counted in the first pass
+                  if any(k in group or shared.get(k) in group for k in keys[n]) or i == 0 and isinstance(m, _TABLES)}
         gen, energy = torch.Generator().manual_seed(seed), 0.0   # every pass draws the same projections
-        with _Hooks(active, stats, shared, masked, make, memory is None, {} if sensitivity else None) as h:
+        with _Hooks(active, stats, shared, masked, make, memory is None, {} if sensitivity else None, group, tokens) as h:
             desc = 'record' if len(plan) == 1 else f'record {i + 1}/{len(plan)}'
             for nb, b in enumerate(_bar(get(), progress, desc), 1):
                 h.batch(counted(b))
@@ -362,11 +462,12 @@ def record_calibration(model:nn.Module, # any model: its nn.Linear (and QuantLin
                 h.learn = False                          # shared inputs are learnt on the first batch
         for n in active:
             if n in sens: sens[n].energy = energy
-    order = [n for n in mods if n in stats or n in shared]
+    order = [n for n in names if n in stats or n in shared]
     meta = dict(model=type(model).__name__, rows=rows, hessian_dtype=_dtype_name(hessian_dtype), hessian_rows=hessian_rows, batches=nb,
-                passes=len(plan), not_called=[n for n in mods if n not in order], masked={n: masked.get(n, False) for n in stats})
+                passes=len(plan), not_called=[n for n in names if n not in order], masked={n: masked.get(n, False) for n in stats})
     return CalibrationStats({n: stats[n] for n in order if n in stats}, {n: shared[n] for n in order if n in shared}, meta,
-                            order, sensitivity={n: sens[n] for n in order if n in sens})
+                            order, sums=dict(sensitivity={n: sens[n] for n in order if n in sens},
+                                             tokens={n: tokens[n] for n in mods if n in tokens}))
 
 # %% ../nbs/15a_record.ipynb #64320392
 CALIBRATION_KEY = 'cquant_calibration'          # the header entry that marks a statistics file
@@ -384,9 +485,9 @@ class CalibrationStats(Mapping):
                  meta:dict|None=None, # how they were recorded (model, rows, hessian_dtype, batches, passes, masked, ...)
                  order:list|None=None, # every layer name, in model order
                  reader=None, # the file's `Checkpoint`: layers read on demand
-                 sensitivity:dict|None=None): # {layer: Sensitivity} (or, from a file, {layer: its header entry})
+                 sums:dict|None=None): # {kind of `_SUMS`: {layer: its statistics (or, from a file, its header entry)}}
         self._layers, self.shared, self.meta, self._reader = dict(layers), dict(shared or {}), dict(meta or {}), reader
-        self._sens = dict(sensitivity or {})
+        self._sums = {k: dict((sums or {}).get(k, {})) for k in _SUMS}
         self.order = list(order) if order is not None else [*self._layers, *self.shared]
         self.where, self._file_key = ('calibration' if reader is None else reader.path), {}
 
@@ -402,15 +503,24 @@ class CalibrationStats(Mapping):
         s = self._layers[self.shared.get(n, n)]
         return s['K'] if isinstance(s, dict) else s.K
 
+    def _sum(self, kind:str, n:str):
+        s = self._sums[kind].get(n)
+        return s if s is None or isinstance(s, _Sums) else _read_sums(self, kind, n, s)
     def sensitivity(self, n:str) -> Sensitivity|None:
         "Layer `n`'s output sensitivity (None where not recorded), read from the file when asked for."
-        s = self._sens.get(n)
-        return s if s is None or isinstance(s, Sensitivity) else _read_sensitivity(self, n, s)
+        return self._sum('sensitivity', n)
+    def tokens(self, n:str) -> TokenCounts|None:
+        "Embedding `n`'s token counts (None where not recorded), read from the file when asked for."
+        return self._sum('tokens', n)
+    @property
+    def tables(self) -> list:
+        "The embeddings whose token counts were recorded."
+        return list(self._sums['tokens'])
 
     def __repr__(self):
         return (f"CalibrationStats({len(self)} layers ({len(self.shared)} sharing an input), K in "
                 f"{sorted({self.K(n) for n in self})}, Hessian {self.meta.get('hessian_dtype')}, "
-                f"{self.meta.get('batches')} batches" + (f", output sensitivity of {len(self._sens)}" if self._sens else '')
+                f"{self.meta.get('batches')} batches" + ''.join(f", {c.WHAT} of {len(self._sums[k])}" for k, c in _SUMS.items() if self._sums[k])
                 + ")")
 
 # %% ../nbs/15a_record.ipynb #405b3023
@@ -435,10 +545,10 @@ def _header(self:CalibrationStats) -> dict:
         layers[n] = dict(K=s.K, count=s.count, hessian_count=s.hessian_count, zeros=s.act.zeros, amax=float(s.act.amax), sample=int(s.sample.shape[0]),
                          masked=self.meta.get('masked', {}).get(n, False))
     keep = {k: v for k, v in self.meta.items()
-            if k not in ('layers', 'masked', 'format', 'version', 'cquant_version', 'sensitivity')}
-    sens = {n: dict(N=s.N, rows=s.rows, energy=s.energy) for n in self._sens for s in [self.sensitivity(n)]}
+            if k not in ('layers', 'masked', 'format', 'version', 'cquant_version', *_SUMS)}
+    sums = {k: {n: self._sum(k, n).entry() for n in d} for k, d in self._sums.items()}
     return dict(format='cquant-calibration', version=1, cquant_version=__version__, **keep, layers=layers,
-                shared=self.shared, order=self.order, sensitivity=sens)
+                shared=self.shared, order=self.order, **sums)
 
 @patch
 def save(self:CalibrationStats, path, # a .safetensors file, or (with shard_size) a new folder of shards
@@ -459,7 +569,8 @@ def save(self:CalibrationStats, path, # a .safetensors file, or (with shard_size
             w.add(f'{n}.abs_sum', s.abs_sum); w.add(f'{n}.hist', s.act.hist)
             w.add(f'{n}.channel_amax', s.channel_amax.float()); w.add(f'{n}.sample', s.sample.float())
             w.add(f'{n}.keys', s.keys)
-        for n in self._sens: w.add(f'{n}.output_grad_sq', self.sensitivity(n).grad_sq)
+        for k, d in self._sums.items():
+            for n in d: w.add(f'{n}.{_SUMS[k].SUFFIX}', self._sum(k, n).values)
     return os.fspath(path)
 
 # %% ../nbs/15a_record.ipynb #4e716267
@@ -488,18 +599,17 @@ def _check_header(ck, h:dict) -> None:
     for n, src in h.get('shared', {}).items():
         if src not in h['layers']:
             raise CalibrationError(where, n, f"shares the statistics of {src!r}, which the file does not hold")
-    for n, e in h.get('sensitivity', {}).items():
-        if n not in h['layers'] and n not in h.get('shared', {}):
-            raise CalibrationError(where, n, "has an output sensitivity but no recorded inputs")
-        N, rows, energy = e.get('N'), e.get('rows'), e.get('energy')
-        if (not isinstance(N, int) or N <= 0 or not isinstance(rows, int) or rows < 0
-                or not isinstance(energy, (int, float)) or not math.isfinite(energy) or energy < 0):
-            raise CalibrationError(where, n, f"expected a positive N, a row count and a finite energy >= 0 for its output "
-                                   f"sensitivity, found {e}")
-        key = f'{n}.output_grad_sq'
-        if key not in ck: raise CalibrationError(where, n, f"expected the tensor '{key}', found none")
-        if tuple(ck.info(key).shape) != (N,):
-            raise CalibrationError(where, n, f"'{key}': expected shape {(N,)}, found {tuple(ck.info(key).shape)}")
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    for k, cls in _SUMS.items():
+        for n, e in h.get(k, {}).items():
+            N = e.get('N')
+            if not isinstance(N, int) or N <= 0 or not all(number(e.get(s)) for s in cls.SCALARS):
+                raise CalibrationError(where, n, f"expected a positive N and finite {' and '.join(cls.SCALARS)} >= 0 for "
+                                       f"its {cls.WHAT}, found {e}")
+            key = f'{n}.{cls.SUFFIX}'
+            if key not in ck: raise CalibrationError(where, n, f"expected the tensor '{key}', found none")
+            if tuple(ck.info(key).shape) != (N,):
+                raise CalibrationError(where, n, f"'{key}': expected shape {(N,)}, found {tuple(ck.info(key).shape)}")
 
 def load_calibration(path, # a statistics file (`CalibrationStats.save`) or its sharded folder / index
                     ) -> CalibrationStats:
@@ -517,9 +627,9 @@ def load_calibration(path, # a statistics file (`CalibrationStats.save`) or its 
         raise CalibrationError(ck.path, None, f"expected format 'cquant-calibration' version 1, found "
                                f"{h.get('format')!r} version {h.get('version')!r}")
     _check_header(ck, h)
-    meta = {k: v for k, v in h.items() if k not in ('shared', 'order', 'sensitivity')}
+    meta = {k: v for k, v in h.items() if k not in ('shared', 'order', *_SUMS)}
     meta['masked'] = {n: e.get('masked', False) for n, e in h['layers'].items()}
-    return CalibrationStats(h['layers'], h.get('shared', {}), meta, h.get('order'), ck, h.get('sensitivity', {}))
+    return CalibrationStats(h['layers'], h.get('shared', {}), meta, h.get('order'), ck, {k: h.get(k, {}) for k in _SUMS})
 
 def open_calibration(path) -> CalibrationStats|dict:
     "A calibration file: recorded statistics (`load_calibration`), or raw layer inputs {layer: [rows, K]} saved with `cq.save_file`."
@@ -545,13 +655,13 @@ def _read_hessian(self:CalibrationStats, n:str, K:int) -> torch.Tensor:
     if neg: raise CalibrationError(self.where, n, f"'{key}': expected a non-negative diagonal (Σx²), found {neg} negative entries")
     return H
 
-def _read_sensitivity(self:CalibrationStats, name:str, e:dict) -> Sensitivity:
-    "Layer `name`'s output sensitivity from the file, checked: finite, non-negative."
-    key = f'{self._file_key.get(name, name)}.output_grad_sq'
+def _read_sums(self:CalibrationStats, kind:str, name:str, e:dict) -> _Sums:
+    "Layer `name`'s statistics of `kind` (`_SUMS`) from the file, checked: finite, non-negative."
+    cls = _SUMS[kind]
+    key = f'{self._file_key.get(name, name)}.{cls.SUFFIX}'
     t = self._reader[key]; _finite(self.where, name, key, t)
-    if bool((t < 0).any()): raise CalibrationError(self.where, name, f"'{key}': expected Σg² >= 0, found negative values")
-    s = Sensitivity(e['N']); s.grad_sq, s.rows, s.energy = t.double(), e['rows'], float(e['energy'])
-    return s
+    if bool((t < 0).any()): raise CalibrationError(self.where, name, f"'{key}': expected non-negative {cls.WHAT}, found negative values")
+    return cls.read(t, e)
 
 def _read_layer(self:CalibrationStats, name:str) -> LayerStats:
     "LayerStats of layer `name` read from the file (its Hessian when first asked for), each tensor checked."
@@ -583,14 +693,15 @@ def __iadd__(self:CalibrationStats, o:CalibrationStats) -> CalibrationStats:
             s = self[n]
             if s.has_hessian: s.gram()
             self._layers[n] = s
-        self._sens = {n: self.sensitivity(n) for n in self._sens}
+        self._sums = {k: {n: self._sum(k, n) for n in d} for k, d in self._sums.items()}
     for n in o._layers:
         if n in self._layers:
             mine = self[n]; mine += o[n]; self._layers[n] = mine
         else: self._layers[n] = o[n]
-    for n in o._sens:
-        if n in self._sens: self._sens[n] += o.sensitivity(n)
-        else: self._sens[n] = o.sensitivity(n)
+    for k, d in o._sums.items():
+        for n in d:
+            if n in self._sums[k]: self._sums[k][n] += o._sum(k, n)
+            else: self._sums[k][n] = o._sum(k, n)
     self._reader, self.where = None, 'calibration'
     for n in o.order:
         if n not in self.order: self.order.append(n)
@@ -608,11 +719,11 @@ def all_reduce(self:CalibrationStats, group=None) -> CalibrationStats:
     import torch.distributed as dist
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, ([(n, self.K(n), self[n].has_hessian) for n in self._layers], self.shared,
-                                   sorted(self._sens), self.meta.get('batches', 0)), group=group)
+                                   {k: sorted(d) for k, d in self._sums.items()}, self.meta.get('batches', 0)), group=group)
     if any(e[:3] != every[0][:3] for e in every):
         r = next(i for i, e in enumerate(every) if e[:3] != every[0][:3])
         raise CalibrationError('all_reduce', None, f"rank {r} recorded other layers than rank 0 (names, K, Hessian, "
-                               "shared inputs or output sensitivity differ): every rank must record the same layers of the same model")
+                               "shared inputs, output sensitivity or embeddings differ): every rank must record the same layers of the same model")
     layers = {}
     for n in self._layers:
         s = self[n]
@@ -627,12 +738,14 @@ def all_reduce(self:CalibrationStats, group=None) -> CalibrationStats:
         s.sample, s.keys = s.sample[:0], s.keys[:0]
         for r, k in kept: s._keep(r.to(s.sample), k.to(s.keys))
         layers[n] = s
-    sens = {n: self.sensitivity(n) for n in self._sens}
-    for s in sens.values():
-        t = torch.cat([s.grad_sq, torch.tensor([s.rows, s.energy], dtype=torch.float64, device=s.grad_sq.device)])
+    sums = {k: {n: self._sum(k, n) for n in d} for k, d in self._sums.items()}
+    for s in (s for d in sums.values() for s in d.values()):      # values and scalars summed as fp64 (counts < 2⁵³)
+        c = [getattr(s, a) for a in s.SCALARS]
+        t = torch.cat([s.values.double(), torch.tensor(c, dtype=torch.float64, device=s.values.device)])
         dist.all_reduce(t, group=group)
-        s.grad_sq, s.rows, s.energy = t[:-2].clone(), int(t[-2]), float(t[-1])
-    self._layers, self._sens, self._reader, self.where = layers, sens, None, 'calibration'
+        s.values = t[:s.N].to(s.DTYPE)
+        for a, v, r in zip(s.SCALARS, c, t[s.N:].tolist()): setattr(s, a, type(v)(r))
+    self._layers, self._sums, self._reader, self.where = layers, sums, None, 'calibration'
     self.meta['batches'] = sum(e[3] for e in every)
     return self
 
@@ -644,8 +757,9 @@ def _renamed(self:CalibrationStats, prefix:str) -> CalibrationStats:
     for k in ('layers', 'masked'):
         if k in meta: meta[k] = {p(n): v for n, v in meta[k].items()}
     out = CalibrationStats({p(n): s for n, s in self._layers.items()}, {p(n): p(s) for n, s in self.shared.items()},
-                           meta, [p(n) for n in self.order], self._reader, {p(n): s for n, s in self._sens.items()})
-    out._file_key = {p(n): self._file_key.get(n, n) for n in [*self._layers, *self._sens]}
+                           meta, [p(n) for n in self.order], self._reader,
+                           {k: {p(n): s for n, s in d.items()} for k, d in self._sums.items()})
+    out._file_key = {p(n): self._file_key.get(n, n) for n in [*self._layers, *(n for d in self._sums.values() for n in d)]}
     return out
 
 @patch
@@ -654,24 +768,30 @@ def matched(self:CalibrationStats, shapes:dict, # {layer name: weight shape} of 
            ) -> CalibrationStats:
     "These statistics under the checkpoint's layer names (a prefix such as 'model.diffusion_model.' found), each K checked."
     names, where = list(self), where or self.where
+    tables = [n for n in self._sums['tokens'] if n not in names]  # embeddings: their token counts alone
+    mod = {n: _split_expert(n)[0] for n in names + tables}        # an expert's statistics belong to its bank
     ends = lambda s, n: s.endswith(n) and (len(s) == len(n) or s[-len(n) - 1] == '.')
-    cands = {''} | {s[:len(s) - len(n)] for n in names for s in shapes if ends(s, n)}
-    prefix = max(sorted(cands), key=lambda c: sum(c + n in shapes for n in names))    # the prefix that names the most
-    missing = [n for n in names if prefix + n not in shapes]
+    cands = {''} | {s[:len(s) - len(m)] for m in set(mod.values()) for s in shapes if ends(s, m)}
+    prefix = max(sorted(cands), key=lambda c: sum(c + mod[n] in shapes for n in names))    # the prefix that names the most
+    missing = [n for n in mod if prefix + mod[n] not in shapes]
     if missing:
         raise CalibrationError(where, missing[0], f"recorded, but {where} has no layer {prefix + missing[0]!r} "
                                f"({len(missing)} of the {len(names)} recorded layers are missing; its layers are e.g. "
                                f"{list(shapes)[:3]}): statistics of another model?")
     for n in names:
-        shp = tuple(shapes[prefix + n])
+        shp, (bank, e) = tuple(shapes[prefix + mod[n]]), _split_expert(n)
+        if e is not None and (len(shp) != 3 or e >= shp[0]):
+            raise CalibrationError(where, n, f"recorded for expert {e} of an MoE bank, but {prefix + bank!r} has shape {shp} "
+                                   f"(expected [E > {e}, N, K])")
         if shp[-1] != self.K(n):
             raise CalibrationError(where, n, f"recorded with K={self.K(n)} inputs, but the weight {prefix + n!r} "
                                    f"{shp} has K={shp[-1]}")
-        s = self._sens.get(n)
-        N = s['N'] if isinstance(s, dict) else getattr(s, 'N', shp[0])
-        if N != shp[0]:
-            raise CalibrationError(where, n, f"output sensitivity recorded for N={N} outputs, but the weight "
-                                   f"{prefix + n!r} {shp} has N={shp[0]}")
+    for k, d in self._sums.items():
+        for n, s in d.items():
+            N, shp = s['N'] if isinstance(s, dict) else s.N, tuple(shapes[prefix + mod[n]])
+            if N != shp[0]:
+                raise CalibrationError(where, n, f"{_SUMS[k].WHAT} recorded for N={N} rows, but the weight {prefix + n!r} "
+                                       f"{shp} has {shp[0]}")
     return _renamed(self, prefix)
 
 class _View(Mapping):

@@ -334,3 +334,19 @@ def test_all_reduce_in_a_two_process_gloo_group(tmp_path):
         s, a, b = red.sensitivity(n), halves[0].sensitivity(n), halves[1].sensitivity(n)
         torch.testing.assert_close(s.grad_sq, a.grad_sq + b.grad_sq, rtol=1e-12, atol=0)
         assert s.rows == a.rows + b.rows and abs(s.energy - (a.energy + b.energy)) <= 1e-9 * s.energy
+
+
+def test_moe_bank_experts_split_over_passes():
+    "A bank's experts planned into several passes record what one pass records; each expert only its routed rows."
+    from cquant.models import MOE_DIT, moe_dit_model
+    from cquant.record import stats_bytes
+    model, b = moe_dit_model(0), dit_batches(6, seed=1, classes=MOE_DIT['classes'])
+    one = cq.record_calibration(model, b, layers='moe.*', hessian_dtype=torch.float64)
+    several = cq.record_calibration(model, b, layers='moe.*', hessian_dtype=torch.float64, memory=2 * stats_bytes(256, 512, torch.float64))
+    assert several.meta['passes'] >= 4 and list(several) == list(one)
+    for n in one:
+        assert several[n].count == one[n].count
+        torch.testing.assert_close(several[n].gram(), one[n].gram(), rtol=1e-12, atol=0)
+    assert sum(one[cq.expert_key('moe.down', e)].count for e in range(4)) == one['moe.gate'].count
+    with pytest.raises(TypeError, match="MoE bank 'moe.up' was called with int"):
+        cq.record_calibration(model, [5], run=lambda m, x: m.moe.up(x, torch.zeros(1, dtype=torch.long)), layers='moe.up')
