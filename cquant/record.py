@@ -1,4 +1,4 @@
-"""Statistics of every layer's inputs, recorded once from a model you already have in Python and saved to a file: the Hessian Σxᵀx for GPTQ, channel magnitudes for AWQ and smoothing, the clip statistic for `input_scale`, a reservoir of rows for the searches; in bounded memory, data-parallel, and read back one layer at a time.
+"""Statistics of every layer's inputs, recorded once from a model you already have in Python and saved to a file: the Hessian Σxᵀx for GPTQ, channel magnitudes for AWQ and smoothing, the clip statistic for `input_scale`, a reservoir of rows for the searches; per MoE expert its routed rows, per embedding its token counts, per layer (optionally) how much of its error reaches the model's output; in bounded memory, data-parallel, and read back one layer at a time.
 
 Docs: https://cquant-dev.github.io/cquant/record.html.md"""
 
