@@ -17,7 +17,9 @@ rows the Hessian sums (`--hessian-rows`, `record_calibration(hessian_rows=)`).
 flop bound at this machine's measured fp32 GEMM rate: the Hessian rotated into the format's basis (two block-Hadamard
 products, 4 K^2 g flops for rotation group g), its Cholesky factorisation (K^3 / 3) and the column sweep's error
 updates (N K^2 between blocks, N K B inside blocks of B = 128 columns). The MSE search of the row scales (21 clips,
-elementwise) is not in the bound. Peak memory is reported in Hessians (K^2 fp32).
+elementwise) is not in the bound. Peak memory is reported in Hessians (K^2 fp32), the child run with
+MALLOC_MMAP_THRESHOLD_=131072 so that freed blocks leave the RSS (without it glibc keeps them for reuse, and the peak
+RSS depends on what the process freed before).
 
 `share` records MiniLM with `hessian_rows` at each share (calibrated on 600 of the calibration sentences), quantizes
 its real checkpoint `int4_full` with GPTQ from the saved file, and prints the SQNR gain over round-to-nearest held out
@@ -117,11 +119,14 @@ def gemm_rate(n:int=3072, reps:int=7) -> float:
 def gptq_child(name:str):
     "One layer's GPTQ from statistics in this process: JSON with its time and peak memory above the start."
     import cquant as cq
+    from cquant.convert import trim_heap
     N, K = SHAPES[name]
     torch.manual_seed(0)
     w = torch.randn(N, K) / K ** 0.5
     s = cq.LayerStats(K, 0)
     for _ in range(2): s.update(torch.randn(2 * K, K) * torch.linspace(0.2, 2, K))
+    s.gram()
+    trim_heap()                      # the inputs' freed rows returned to the system: every later allocation is counted
     reset_peak(); base = rss_now()
     t = time.perf_counter()
     cq.quantize(w, 'convrot_w4a4', rounding='gptq', calibration=s)
@@ -133,8 +138,9 @@ def gptq(layers):
     print(f"fp32 GEMM rate {rate / 1e9:.0f} GFLOP/s at {torch.get_num_threads()} threads; GPTQ (convrot_w4a4) from statistics:")
     for name in layers:
         N, K = SHAPES[name]
+        env = {**os.environ, 'MALLOC_MMAP_THRESHOLD_': '131072'}   # large blocks mmapped: freed memory leaves the RSS
         r = json.loads(subprocess.run([sys.executable, __file__, '_gptq', name], capture_output=True, text=True,
-                                      check=True).stdout.strip().splitlines()[-1])
+                                      check=True, env=env).stdout.strip().splitlines()[-1])
         flops = 4 * K ** 2 * 256 + K ** 3 / 3 + N * K ** 2 + N * K * 128
         print(f"  {name:8s} {N}x{K}: {r['seconds']:.2f} s, bound {flops / rate:.2f} s ({flops:.2e} flops): "
               f"{r['seconds'] / (flops / rate):.1f}x (target <= 3x); peak above the start "
