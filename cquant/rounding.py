@@ -12,7 +12,7 @@ from .tensor import FormatSpec, Grid, QuantFormatError, register_rounding, forma
 from .tensor import input_stats, input_rows, checked_stats
 
 # %% auto #0
-__all__ = ['search_scales', 'GPTQWarning', 'gptq_codes']
+__all__ = ['search_scales', 'GPTQWarning', 'sweep_block', 'factor_panels', 'gptq_codes']
 
 # %% ../nbs/23_rounding.ipynb #f3cc8f05
 CLIPS = tuple(1 - i / 40 for i in range(21))              # per-row / per-block clip factors tried: 1.0 down to 0.5
@@ -177,40 +177,55 @@ def hessian_factor(H:torch.Tensor, # [K, K] Hessian (overwritten: its memory hol
     return None
 
 # %% ../nbs/23_rounding.ipynb #91bceb85
+def sweep_block(grid:Grid, K:int, block:int, searched:bool) -> int:
+    "Columns per block of GPTQ's sweep: `block`, or (scales searched on arrival) whole column groups."
+    G = grid.group or K
+    return max(block // G, 1) * G if searched else block
+
+def factor_panels(Rt:torch.Tensor, # `hessian_factor`'s Rᵀ [K, K] (R Rᵀ = H, R upper)
+                  block:int, # columns per block of the sweep (`sweep_block`)
+                 ) -> list: # [C[i:, i:i + block] for each block start i], fp32
+    "C[k, j] = R[j, k] / R[k, k] in column panels: every value the sweep reads, about half of Rᵀ."
+    d = Rt.diagonal()
+    return [(Rt[i:, i:i + block] / d[i:, None]).float() for i in range(0, Rt.shape[0], block)]
+
 def gptq_codes(grid:Grid, # the format's rounding
                wb:torch.Tensor, # weight in the basis, fp32 [N, K'] (its memory is reused)
-               Rt:torch.Tensor, # the Hessian's factor, transposed (`hessian_factor`: R Rᵀ = H, R upper; overwritten)
+               Rt, # the Hessian's factor Rᵀ (`hessian_factor`: R Rᵀ = H, R upper), or its `factor_panels` (used up)
                scales:list|None=None, # fixed scale per column group; None: each group's scale searched on arrival
                block:int=GPTQ_BLOCK, # columns per block
                clips=CLIPS, # clip factors tried where a group's scale is searched
               ) -> tuple: # (values on the grid [N, K'], [scale of each column group])
     "GPTQ: round column by column to targets corrected for the errors of the columns before (blocks of columns)."
     N, K = wb.shape
-    G = grid.group or K
-    if scales is None: block = max(block // G, 1) * G       # a searched column group lies inside one block
-    Ct = Rt.div_(Rt.diagonal().clone()[:, None]).to(wb.dtype)   # Ct[k, j] = R[j, k] / R[k, k]: column k's share of error j
+    G, block = grid.group or K, sweep_block(grid, K, block, scales is None)
+    panels = factor_panels(Rt, block) if isinstance(Rt, torch.Tensor) else Rt   # C[k, j]: column k's share of error j
+    if len(panels) != -(-K // block) or panels[0].shape != (K, min(block, K)):
+        raise ValueError(f"gptq_codes: factor panels of {len(panels)} blocks, the first {tuple(panels[0].shape)}, for K={K} "
+                         f"in blocks of {block}")
     W = wb.T.contiguous()                                   # row k: column k of the weight
     T = wb.contiguous().view(K, N).copy_(W)                 # row k: the target of column k, then its value on the grid
     E = torch.empty(min(block, K), N, dtype=wb.dtype, device=wb.device)   # the block's errors w_k - q_k
     found, s = [], None
-    for i1 in range(0, K, block):
-        i2 = min(i1 + block, K)
+    for b, i1 in enumerate(range(0, K, block)):
+        i2, C = min(i1 + block, K), panels[b]               # C[r, c] = C[i1 + r, i1 + c]
+        panels[b] = None                                    # freed once this block is done
         for k in range(i1, i2):
             e = E[:k - i1]                                  # the errors of this block's earlier columns
             if k % G == 0:
                 if scales is not None: s = scales[k // G]
                 else:                                       # the group's targets given the errors so far: w_g + d C_pg C_gg⁻¹
-                    g = slice(k, k + G)
+                    g, r = slice(k, k + G), slice(k - i1, k - i1 + G)
                     tg = (T[g] - W[g]).T
-                    if k > i1: tg.addmm_(e.T, Ct[g, i1:k].T)
-                    tg = torch.linalg.solve_triangular(Ct[g, g].T, tg, upper=True, left=False, unitriangular=True)
+                    if k > i1: tg.addmm_(e.T, C[r, :k - i1].T)
+                    tg = torch.linalg.solve_triangular(C[r, r].T, tg, upper=True, left=False, unitriangular=True)
                     s = _search_rows(grid, tg.add_(W[g].T), clips)[0]
                     found.append(s)
             t = T[k]
-            if k > i1: t.addmv_(e.T, Ct[k, i1:k])
+            if k > i1: t.addmv_(e.T, C[k - i1, :k - i1])
             t.copy_(grid.nearest(t[:, None], s)[:, 0])
             torch.sub(W[k], t, out=E[k - i1])
-        if i2 < K: T[i2:].addmm_(Ct[i2:, i1:i2], E[:i2 - i1])   # the block's errors reach every later column
+        if i2 < K: T[i2:].addmm_(C[i2 - i1:], E[:i2 - i1])     # the block's errors reach every later column
     return W.view(N, K).copy_(T.T), (scales if scales is not None else found)
 
 # %% ../nbs/23_rounding.ipynb #3eadf132
@@ -252,6 +267,8 @@ def gptq_rounding(spec:FormatSpec, w:torch.Tensor, opts:dict, calibration=None, 
     perm = torch.argsort(torch.diag(H), descending=True, stable=True) if H is not None and static and act_order else None
     Rt = None if H is None else hessian_factor(H if perm is None else H[perm][:, perm], damp, name)
     del H                                                    # (its memory held the factorisation)
+    if Rt is not None:                                       # half of Rᵀ kept, freed before the weight's copies exist
+        Rt = factor_panels(Rt, sweep_block(grid, Rt.shape[0], block, not static))
     if wb is None: wb = grid.basis(w)
     if wb.data_ptr() == w.data_ptr(): wb = wb.clone()        # GPTQ works in the weight's memory
     scales = search_scales(grid, wb)[0] if static or Rt is None else None
