@@ -12,7 +12,7 @@ from .tensor import FormatSpec, Grid, QuantFormatError, register_rounding, forma
 from .tensor import input_stats, input_rows, checked_stats
 
 # %% auto #0
-__all__ = ['search_scales', 'GPTQWarning', 'sweep_block', 'factor_panels', 'gptq_codes']
+__all__ = ['search_scales', 'GPTQWarning', 'gptq_codes']
 
 # %% ../nbs/23_rounding.ipynb #f3cc8f05
 CLIPS = tuple(1 - i / 40 for i in range(21))              # per-row / per-block clip factors tried: 1.0 down to 0.5
@@ -176,7 +176,7 @@ def hessian_factor(H:torch.Tensor, # [K, K] Hessian (overwritten: its memory hol
                   GPTQWarning, stacklevel=4)
     return None
 
-# %% ../nbs/23_rounding.ipynb #91bceb85
+# %% ../nbs/23_rounding.ipynb #25092bbb
 def sweep_block(grid:Grid, K:int, block:int, searched:bool) -> int:
     "Columns per block of GPTQ's sweep: `block`, or (scales searched on arrival) whole column groups."
     G = grid.group or K
@@ -189,6 +189,8 @@ def factor_panels(Rt:torch.Tensor, # `hessian_factor`'s Rᵀ [K, K] (R Rᵀ = H,
     d = Rt.diagonal()
     return [(Rt[i:, i:i + block] / d[i:, None]).float() for i in range(0, Rt.shape[0], block)]
 
+
+# %% ../nbs/23_rounding.ipynb #91bceb85
 def gptq_codes(grid:Grid, # the format's rounding
                wb:torch.Tensor, # weight in the basis, fp32 [N, K'] (its memory is reused)
                Rt, # the Hessian's factor Rᵀ (`hessian_factor`: R Rᵀ = H, R upper), or its `factor_panels` (used up)
