@@ -9,7 +9,7 @@ __all__ = ['CalibrationWarning', 'ActivationStats', 'collect_stats', 'collect_am
            'apply_input_scales', 'search_smoothing', 'Calibration', 'quantize_model']
 
 # %% ../nbs/15_calibrate.ipynb #1535a3ca
-import math, warnings
+import math, re, warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 import torch
@@ -171,6 +171,11 @@ def expert_key(bank:str, e:int) -> str:
 
 
 # %% ../nbs/15_calibrate.ipynb #a49c909c
+def split_expert_key(n:str) -> tuple:
+    "(bank, e) of an expert's name `expert_key(bank, e)`, else (n, None)."
+    m = re.fullmatch(r'(.*)\[(\d+)\]', n)
+    return (m.group(1), int(m.group(2))) if m else (n, None)
+
 def bank_call(args:tuple, kwargs:dict) -> tuple:
     "(x, expert_ids or None) of a `QuantMoEExperts` call."
     return (args[0] if args else kwargs.get('x')), (args[1] if len(args) > 1 else kwargs.get('expert_ids'))
@@ -453,7 +458,7 @@ class Calibration:
         rows = {k for k, f in (plan or {}).items() if self.search and input_scale_rule(f) is not None or
                 self.smoothing and get_format(f).smoothing} | gptq
         x = collect_inputs(model, self.batches, rows, self.gptq_rows) if rows else {}   # a GPTQ bank: per expert
-        self.inputs = {k: v if k in gptq or k.rpartition('[')[0] in gptq else spaced_rows(v, self.max_rows) for k, v in x.items()}
+        self.inputs = {k: v if k in gptq or split_expert_key(k)[0] in gptq else spaced_rows(v, self.max_rows) for k, v in x.items()}
         return self
 
     def for_layers(self, shapes:dict, where:str='') -> 'Calibration':

@@ -401,7 +401,6 @@ def _save_to_state_dict(self:QuantMoEExperts, destination, prefix, keep_vars):
 # %% ../nbs/12_modules.ipynb #a317de5b
 def _expert_options(options:dict, data, name:str) -> dict:
     "`quantize` keywords of one expert: its calibration; an expert no calibration row reached rounds without it (MSE for GPTQ)."
-    if isinstance(data, dict): return {**options, **data}
     if getattr(data, 'count', None) == 0:
         if options.get('rounding') == 'gptq':
             warnings.warn(f"{name}: no calibration row was routed to this expert; MSE rounding instead of GPTQ", stacklevel=4)
@@ -430,13 +429,13 @@ def quantize_(self:QuantMoEExperts, fmt, *, stochastic_rounding:int=0, full_prec
     if per is not None and shared_scale:
         raise format_error('', f'{name} option shared_scale', 'one bank-wide scale, which per-expert calibration cannot '
                            'give (each expert is quantized on its own rows)', 'shared_scale=True with a list of calibrations')
-    data = {} if calibration is None else {'calibration': calibration}
     if (flat or shared_scale) and per is None:   # rows quantize independently: one [E*N, K] tensor (one codebook, one shared scale)
-        qt = quantize(W.reshape(E * N, K), spec, stochastic_rounding=stochastic_rounding, name=name, **options, **data)
+        qt = quantize(W.reshape(E * N, K), spec, stochastic_rounding=stochastic_rounding, name=name,
+                      **_expert_options(options, calibration, name))
         experts, _, shared = split_bank(qt.state_dict(''), qt.config, E, (N, K), W.dtype)
     else:
         experts = [quantize(W[e], spec, stochastic_rounding=stochastic_rounding + e if stochastic_rounding else 0,
-                            name=f'{name}[{e}]', **_expert_options(options, data if per is None else per[e], f'{name}[{e}]'))
+                            name=f'{name}[{e}]', **_expert_options(options, calibration if per is None else per[e], f'{name}[{e}]'))
                    for e in range(E)]
         shared = set()
     self.weight, self.experts, self._flat, self._shared = None, experts, flat, shared

@@ -518,7 +518,7 @@ def _hessian_errors(w:torch.Tensor, choices, s, name:str='weight', sensitivity=N
     """`layer_errors` from recorded statistics `s`: tr(ΔW H ΔWᵀ) / tr(W H Wᵀ), the expected output error of each choice;
     with the layer's `sensitivity`, the relative error of the model's output it causes (`Sensitivity.error`)."""
     H, ref = s.gram().float().to(w.device), w.float()
-    sig = float(((ref @ H) * ref).sum(dtype=torch.float64))
+    sig = None if sensitivity is not None else float(((ref @ H) * ref).sum(dtype=torch.float64))
     out = []
     for c in choices:
         d = quantize(w, c.format, name=name, **c.opts).dequantize(torch.float32) - ref

@@ -6,13 +6,13 @@ Docs: https://cquant-dev.github.io/cquant/record.html.md"""
 
 # %% ../nbs/15a_record.ipynb #ffa9d349
 from __future__ import annotations
-import fnmatch, json, math, os, re, weakref
+import fnmatch, json, math, os, weakref
 from collections.abc import Mapping
 import torch
 import torch.nn as nn
 from fastcore.basics import patch
 from ._version import __version__
-from .calibrate import ActivationStats, _BINS, expert_key
+from .calibrate import ActivationStats, _BINS, bank_call, expert_key, split_expert_key, split_experts
 from .checkpoint import StreamingWriter, ShardedWriter, open_checkpoint, parse_size, load_file
 from .modules import QuantEmbedding, QuantLinear, QuantMoEExperts, is_linear
 
@@ -264,11 +264,6 @@ def _keys(mods:dict) -> dict:
     return {n: [expert_key(n, e) for e in range(m.num_experts)] if isinstance(m, QuantMoEExperts) else
             [] if isinstance(m, _TABLES) else [n] for n, m in mods.items()}
 
-def _split_expert(n:str) -> tuple:
-    "(bank, e) of an expert's name `bank[e]`, else (n, None)."
-    m = re.fullmatch(r'(.*)\[(\d+)\]', n)
-    return (m.group(1), int(m.group(2))) if m else (n, None)
-
 def _rows(x:torch.Tensor, m, K:int) -> tuple:
     "(rows of `x` [M, K] that count, whether the mask applied): `m` applies where it covers x's leading dims."
     lead = x.shape[:-1]
@@ -324,16 +319,15 @@ class _Hooks:
     def _bank_hook(self, n:str):
         "An MoE bank: each expert's rows (routed by `expert_ids`, or slice e of an [E, ..., K] input) into its own statistics."
         def hook(mod, args, kwargs):
-            x = args[0] if args else kwargs.get('x')
-            ids = args[1] if len(args) > 1 else kwargs.get('expert_ids')
+            x, ids = bank_call(args, kwargs)
             if not isinstance(x, torch.Tensor) or not x.is_floating_point():
                 raise TypeError(f"record_calibration: MoE bank {n!r} was called with {type(x).__name__}, expected a float tensor")
-            K = x.shape[-1]
-            if ids is None: parts = [_rows(x[e], self.mask, K) for e in range(mod.num_experts)]
-            else:
+            K, E = x.shape[-1], mod.num_experts
+            if ids is None: parts = [_rows(x[e], self.mask, K) for e in range(E)]
+            else:                                        # the mask over x's rows, then each expert's share of them
                 rows, applied = _rows(x, self.mask, K)
-                which = _rows(ids.reshape(*x.shape[:-1], 1).to(x.device), self.mask, 1)[0].reshape(-1)
-                parts = [(rows[which == e], applied) for e in range(mod.num_experts)]
+                which = _rows(ids.reshape(*x.shape[:-1], 1).to(x.device), self.mask, 1)[0]
+                parts = [(r, applied) for r in split_experts(rows, which, E)]
             for e, (rows, applied) in enumerate(parts): self._add(expert_key(n, e), rows, applied, K, x.device)
         return hook
 
@@ -769,7 +763,7 @@ def matched(self:CalibrationStats, shapes:dict, # {layer name: weight shape} of 
     "These statistics under the checkpoint's layer names (a prefix such as 'model.diffusion_model.' found), each K checked."
     names, where = list(self), where or self.where
     tables = [n for n in self._sums['tokens'] if n not in names]  # embeddings: their token counts alone
-    mod = {n: _split_expert(n)[0] for n in names + tables}        # an expert's statistics belong to its bank
+    mod = {n: split_expert_key(n)[0] for n in names + tables}        # an expert's statistics belong to its bank
     ends = lambda s, n: s.endswith(n) and (len(s) == len(n) or s[-len(n) - 1] == '.')
     cands = {''} | {s[:len(s) - len(m)] for m in set(mod.values()) for s in shapes if ends(s, m)}
     prefix = max(sorted(cands), key=lambda c: sum(c + mod[n] in shapes for n in names))    # the prefix that names the most
@@ -779,7 +773,7 @@ def matched(self:CalibrationStats, shapes:dict, # {layer name: weight shape} of 
                                f"({len(missing)} of the {len(names)} recorded layers are missing; its layers are e.g. "
                                f"{list(shapes)[:3]}): statistics of another model?")
     for n in names:
-        shp, (bank, e) = tuple(shapes[prefix + mod[n]]), _split_expert(n)
+        shp, (bank, e) = tuple(shapes[prefix + mod[n]]), split_expert_key(n)
         if e is not None and (len(shp) != 3 or e >= shp[0]):
             raise CalibrationError(where, n, f"recorded for expert {e} of an MoE bank, but {prefix + bank!r} has shape {shp} "
                                    f"(expected [E > {e}, N, K])")
