@@ -25,23 +25,21 @@ def _err(grid:Grid, cols:torch.Tensor, s) -> torch.Tensor:
     return d.mul_(d).sum(-1)
 
 # %% ../nbs/23_rounding.ipynb #fd237cf6
-SEARCH_CHUNK = 1 << 16     # values per chunk of rows searched through every clip (256 KB fp32: stays in cache)
+SEARCH_CHUNK = 1 << 19     # values per chunk searched: rows x clips (2 MB fp32, about the L2 caches)
 
 def _search_rows(grid:Grid, rows:torch.Tensor, clips) -> tuple:
-    "(scale of each row [R, 1], squared error of each row [R]) of the clip with least error, a chunk of rows at a time."
-    R = rows.shape[0]
+    "(scale of each row [R, 1], squared error of each row [R]) of the clip with least error (the first of equals)."
+    R, n = rows.shape[0], len(clips)
     if grid.group is None: s = grid.scale(rows, torch.ones(R, 1, device=rows.device)); return s, _err(grid, rows, s)
+    table = torch.tensor(clips, dtype=torch.float32, device=rows.device)
     best_e, scales = torch.empty(R, device=rows.device), []
-    step = max(1, SEARCH_CHUNK // max(rows.shape[1], 1))
+    step = max(1, SEARCH_CHUNK // max(n * rows.shape[1], 1))
     for a in range(0, R, step):
-        x, e = rows[a:a + step], best_e[a:a + step]
-        c = torch.full((x.shape[0], 1), float(clips[0]), device=rows.device)
-        e.copy_(_err(grid, x, grid.scale(x, c)))
-        for f in clips[1:]:
-            ef = _err(grid, x, grid.scale(x, torch.full_like(c, f)))
-            better = ef < e
-            torch.where(better, ef, e, out=e); c[better] = f
-        scales.append(grid.scale(x, c))
+        x = rows[a:a + step]
+        xs = x.repeat(n, 1)                              # every clip of every row at once: [clip, row] flattened
+        e, best = _err(grid, xs, grid.scale(xs, table.repeat_interleave(len(x))[:, None])).view(n, -1).min(0)
+        best_e[a:a + step] = e
+        scales.append(grid.scale(x, table[best][:, None]))
     return torch.cat(scales), best_e
 
 # %% ../nbs/23_rounding.ipynb #aa16d81b
@@ -111,6 +109,7 @@ class GPTQWarning(UserWarning):
 GPTQ_MIN_ROWS = 16        # fewer calibration rows than this: no Hessian worth the name, MSE rounding instead
 GPTQ_DAMP = 0.01          # dampening added to the Hessian diagonal, as a fraction of its mean
 GPTQ_BLOCK = 128          # columns per lazy batch
+GPTQ_SUB = 16             # columns per sub-block inside it (their in-block updates as one product)
 
 # %% ../nbs/23_rounding.ipynb #24224292
 def basis_gram(grid:Grid, # a format's rounding, whose `inputs` is linear (a rotation, a padding)
@@ -209,24 +208,28 @@ def gptq_codes(grid:Grid, # the format's rounding
     T = wb.contiguous().view(K, N).copy_(W)                 # row k: the target of column k, then its value on the grid
     E = torch.empty(min(block, K), N, dtype=wb.dtype, device=wb.device)   # the block's errors w_k - q_k
     found, s = [], None
+    sub = sweep_block(grid, K, GPTQ_SUB, scales is None)    # columns whose in-block updates go as one product
     for b, i1 in enumerate(range(0, K, block)):
         i2, C = min(i1 + block, K), panels[b]               # C[r, c] = C[i1 + r, i1 + c]
         panels[b] = None                                    # freed once this block is done
-        for k in range(i1, i2):
-            e = E[:k - i1]                                  # the errors of this block's earlier columns
-            if k % G == 0:
-                if scales is not None: s = scales[k // G]
-                else:                                       # the group's targets given the errors so far: w_g + d C_pg C_gg⁻¹
-                    g, r = slice(k, k + G), slice(k - i1, k - i1 + G)
-                    tg = (T[g] - W[g]).T
-                    if k > i1: tg.addmm_(e.T, C[r, :k - i1].T)
-                    tg = torch.linalg.solve_triangular(C[r, r].T, tg, upper=True, left=False, unitriangular=True)
-                    s = _search_rows(grid, tg.add_(W[g].T), clips)[0]
-                    found.append(s)
-            t = T[k]
-            if k > i1: t.addmv_(e.T, C[k - i1, :k - i1])
-            t.copy_(grid.nearest(t[:, None], s)[:, 0])
-            torch.sub(W[k], t, out=E[k - i1])
+        for j1 in range(i1, i2, sub):
+            j2 = min(j1 + sub, i2)
+            if j1 > i1: T[j1:j2].addmm_(C[j1 - i1:j2 - i1, :j1 - i1], E[:j1 - i1])   # the block's earlier sub-blocks
+            for k in range(j1, j2):
+                e = E[j1 - i1:k - i1]                       # the errors of this sub-block's earlier columns
+                if k % G == 0:
+                    if scales is not None: s = scales[k // G]
+                    else:                                   # the group's targets given the errors so far: w_g + d C_pg C_gg⁻¹
+                        g, r = slice(k, k + G), slice(k - i1, k - i1 + G)
+                        tg = (T[g] - W[g]).T
+                        if k > j1: tg.addmm_(e.T, C[r, j1 - i1:k - i1].T)
+                        tg = torch.linalg.solve_triangular(C[r, r].T, tg, upper=True, left=False, unitriangular=True)
+                        s = _search_rows(grid, tg.add_(W[g].T), clips)[0]
+                        found.append(s)
+                t = T[k]
+                if k > j1: t.addmv_(e.T, C[k - i1, j1 - i1:k - i1])
+                t.copy_(grid.nearest(t[:, None], s)[:, 0])
+                torch.sub(W[k], t, out=E[k - i1])
         if i2 < K: T[i2:].addmm_(C[i2 - i1:], E[:i2 - i1])     # the block's errors reach every later column
     return W.view(N, K).copy_(T.T), (scales if scales is not None else found)
 
