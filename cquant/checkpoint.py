@@ -18,13 +18,13 @@ from .comfy import expert_tensors, file_value, split_bank
 
 # %% auto #0
 __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'INDEX_SUFFIX', 'LEGACY_QMETA', 'LEGACY_MARKER', 'ATTENTION_KEY',
-           'ATTENTION_METHODS', 'HOLD_MAX', 'PROVENANCE_KEYS', 'CheckpointError', 'CheckpointWarning', 'TensorInfo',
-           'read_header', 'shard_index', 'convert_legacy', 'file_state', 'Checkpoint', 'open_checkpoint',
-           'AttentionChoice', 'attention_entries', 'encode_attention', 'decode_attention', 'select_attention',
-           'attention_available', 'sol_applicable', 'split_key', 'group_modules', 'scale_keys', 'shapes_of',
-           'ModuleEntry', 'stale_temp_files', 'temp_file', 'DiskFullError', 'save_file', 'comfy_unread', 'load_file',
-           'StreamingWriter', 'ShardedWriter', 'sha256_file', 'write_sha256', 'provenance', 'inspect_checkpoint',
-           'size_ratio', 'text_table', 'format_inspect']
+           'ATTENTION_METHODS', 'PROVENANCE_KEYS', 'CheckpointError', 'CheckpointWarning', 'TensorInfo', 'read_header',
+           'shard_index', 'convert_legacy', 'file_state', 'Checkpoint', 'open_checkpoint', 'AttentionChoice',
+           'attention_entries', 'encode_attention', 'decode_attention', 'select_attention', 'attention_available',
+           'sol_applicable', 'split_key', 'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'stale_temp_files',
+           'temp_file', 'DiskFullError', 'save_file', 'comfy_unread', 'load_file', 'StreamingWriter', 'ShardedWriter',
+           'sha256_file', 'write_sha256', 'provenance', 'inspect_checkpoint', 'size_ratio', 'text_table',
+           'format_inspect']
 
 # %% ../nbs/11_checkpoint.ipynb #5a7c0e11
 from .tensor import check_stray_scales
@@ -795,7 +795,7 @@ def _check_build(ck:Checkpoint, e:ModuleEntry, metas:dict, build=None):
         try:
             if build is not None: out = build({s: stages[i](s) for s in metas})
             else: out = load_quantized({e.prefix + s: stages[i](s) for s in metas}, e.prefix, e.shape, torch.bfloat16, e.config)
-            if i: _NEEDS_VALUES[e.spec.layout] = i
+            if i: _NEEDS_VALUES[e.spec.layout] = min(i, 1)   # the real weight: this module's data (a 0 scale), not its layout's
             return out
         except (NotImplementedError, RuntimeError) as err:   # a data-dependent check cannot run on meta tensors
             if i == len(stages) - 1 or isinstance(err, RuntimeError) and 'meta' not in str(err).lower(): raise
@@ -1028,9 +1028,10 @@ class _RowStream:
         self.w._entries[self.name] = TensorInfo(self.name, self.dtype, (self.rows,) + self.tail, self.w._pos - self.start, (self.start, self.w._pos))
         self.w._open = None
 
-# %% ../nbs/11_checkpoint.ipynb #d46abf5b
+# %% ../nbs/11_checkpoint.ipynb #b6d5d41c
 HOLD_MAX = 1 << 20     # tensors up to this size whose byte count is not a multiple of 8 wait in memory for the end
 
+# %% ../nbs/11_checkpoint.ipynb #d46abf5b
 class StreamingWriter:
     "Write a safetensors file tensor by tensor, straight into its final place (memory: one tensor; disk: the output once), atomically."
     def __init__(self, path, # destination file

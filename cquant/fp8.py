@@ -176,7 +176,8 @@ _SCALE_OPTION = Option('scale', None, (float, int, torch.Tensor, type(None)),
                        doc='per-tensor scale; None = max|w| / fp8 max (kitchen\'s absmax)', stored=False)
 
 # rows decode from their own storage and the one scale (embeddings); ComfyUI: NVIDIA Ada+ with torch >= 2.3
-_FP8_FACTS = dict(value_rules={'weight_scale': ValueRule('the one scale multiplies every stored value')},
+_FP8_FACTS = dict(value_rules={'weight_scale': ValueRule('the one scale multiplies every stored value', zero_codes=True)},
+                  zero_weight_key='weight_scale',
                   row_gather=True, embedding=True, kitchen_layout='TensorCoreFP8Layout',
                   native_compute=nvidia_compute(FP8Layout.MIN_SM_VERSION, (2, 3)),
                   comfy_since='2026-08')   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot

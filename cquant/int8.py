@@ -371,7 +371,7 @@ INT8_TENSORWISE = register_format(FormatSpec(
              Option('convrot_groupsize', 256, int, 'ConvRot group: a power of 4 dividing K',
                     write=lambda o: bool(o['convrot']))),
     quantize_input=False, extra_keys=(), aliases=('int8', 'int8_convrot', 'w8a8'),
-    value_rules={'weight_scale': ValueRule('the tensor or row scale multiplies the int8 values')},
+    value_rules={'weight_scale': ValueRule('the tensor or row scale multiplies the int8 values', zero_codes=True)},
     doc='Symmetric absmax INT8, tensor-wise or per-row scale, optional ConvRot; per-token INT8 activations in the linear.',
     row_gather=True, embedding=True, grid=int8_grid, row_independent=int8_per_row, flat_banks=_int8_flat_banks,
     flags_nonfinite=True, measures_error=_int8_measures_error,

@@ -276,6 +276,7 @@ def nvfp4_grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
 NVFP4 = register_format(FormatSpec(
     'nvfp4', NVFP4Layout, torch.uint8, keys=('weight_scale', 'weight_scale_2'),
     extra_keys=('input_scale', 'pre_quant_scale'),
+    zero_weight_key='weight_scale_2',
     value_rules={'weight_scale': ValueRule('a block scale multiplies its 16 values (an all-zero block has 0)', zero_ok=True),
                  'weight_scale_2': ValueRule('the global scale multiplies every block scale (an all-zero weight has 0)',
                                              zero_ok=True)},

@@ -6,15 +6,15 @@ Docs: https://cquant-dev.github.io/cquant/tensor.html.md"""
 
 # %% ../nbs/01_tensor.ipynb #77d583af
 from __future__ import annotations
-import difflib, json, logging, math
+import difflib, json, logging, math, warnings
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 import torch
 
 # %% auto #0
-__all__ = ['FORMATS', 'QuantFormatError', 'encode_json', 'decode_json', 'unique_keys', 'Option', 'Params', 'Layout',
-           'Int4PackedLayout', 'FormatSpec', 'register_format', 'ScaleRule', 'ValueRule', 'Grid', 'get_format',
-           'QuantizedTensor', 'quantize', 'load_quantized']
+__all__ = ['FORMATS', 'QuantFormatError', 'QuantFormatWarning', 'encode_json', 'decode_json', 'unique_keys', 'Option', 'Params',
+           'Layout', 'Int4PackedLayout', 'FormatSpec', 'register_format', 'ScaleRule', 'ValueRule', 'Grid',
+           'get_format', 'QuantizedTensor', 'quantize', 'load_quantized']
 
 # %% ../nbs/01_tensor.ipynb #464385b5
 log = logging.getLogger("cquant")
@@ -22,6 +22,9 @@ log = logging.getLogger("cquant")
 # %% ../nbs/01_tensor.ipynb #f24eb055
 class QuantFormatError(ValueError):
     "A format, option, key, dtype or shape that does not fit the Comfy quantization format."
+
+class QuantFormatWarning(UserWarning):
+    "A file value cquant loads and computes exactly although writers do not normally store it (a 0 scale over all-zero codes)."
 
 # %% ../nbs/01_tensor.ipynb #0adff302
 def _where(prefix:str='', key:str='') -> str:
@@ -244,6 +247,7 @@ class FormatSpec:
     comfy_loader: bool = True           # ComfyUI's core loader registers it (False: only cquant's module layer and comfy-kitchen read it)
     comfy_since: str = ''               # the first ComfyUI loader level registering it (`cquant.validate`), or 'present in <snapshot>'
     value_rules: dict = field(default_factory=dict)  # stored scale key -> `ValueRule`: the values it may hold
+    zero_weight_key: str|None = None    # the per-tensor scale a writer sets to 0 for an all-zero weight (named in refusals)
     grid: Any = None                    # hook(w, options, tensor_clip) -> `Grid`: its rounding, for rounding='mse'/'gptq'
     calibrated: Any = None              # hook(w, options, calibration, name) -> (qdata, params): its own data-aware encoder
     flags_nonfinite: bool = False       # on CPU a non-finite weight always gives a scale `value_rules` refuse (or a ValueError
@@ -335,15 +339,16 @@ class ScaleRule:
 # %% ../nbs/01_tensor.ipynb #5fff9e6a
 @dataclass(frozen=True)
 class ValueRule:
-    "The legal values of a stored scale: finite and > 0 (>= 0 with `zero_ok`); `reason` says why."
+    "The legal values of a stored scale: finite and > 0 (>= 0 with `zero_ok`; 0 over all-zero codes with `zero_codes`); `reason` says why."
     reason: str
     zero_ok: bool = False
+    zero_codes: bool = False   # a 0 is legal where every code it multiplies (per tensor, or per row of the weight) is 0
 
     @property
     def expected(self) -> str: return f"finite and {'>= 0' if self.zero_ok else '> 0'}: {self.reason}"
 
     def bad(self, v:torch.Tensor) -> torch.Tensor:
-        "Mask of the values of float tensor `v` this rule forbids."
+        "Mask of the values of float tensor `v` this rule forbids (before `zero_codes` looks at the codes)."
         return ~torch.isfinite(v) | (v < 0 if self.zero_ok else v <= 0)
 
 # %% ../nbs/01_tensor.ipynb #f982bdf3
@@ -691,12 +696,34 @@ def _found(v:torch.Tensor, bad:torch.Tensor) -> str:
     return f'{counts} of {v.numel()}, first at {at} ({v[idx].item()})'
 
 # %% ../nbs/01_tensor.ipynb #1b9ef02b
-def _check_rule(rule:ValueRule, t:torch.Tensor, prefix:str, key:str):
-    "Raise naming `prefix+key` if `t` holds a value `rule` forbids (one min/max pass when all are legal)."
+def _zeros_over_zero_codes(v:torch.Tensor, codes) -> torch.Tensor|None:
+    "Mask of the zeros of scale `v` (one per tensor, or one per row of `codes`) whose codes are all 0; None: `v` is neither."
+    if codes is None or not (v.numel() == 1 or codes.dim() and v.numel() == codes.shape[0]): return None
+    if codes.device.type == 'meta': raise NotImplementedError("a 0 scale: checking the codes under it needs the weight's data, not a meta tensor")
+    rows, z = codes.reshape(v.numel(), -1), v.reshape(-1) == 0
+    ok = torch.zeros_like(z)
+    ok[z] = ~(rows[z].float() != 0).any(1)               # a NaN code is not 0
+    return ok.reshape(v.shape)
+
+def _check_rule(rule:ValueRule, t:torch.Tensor, prefix:str, key:str, codes=None):
+    "Raise naming `prefix+key` if `t` holds a value `rule` forbids (one min/max pass when all are legal); `codes`: the weight's."
     v = t.detach().float()
     if not v.numel() or not bool(rule.bad(torch.stack(torch.aminmax(v.reshape(-1)))).any()): return  # NaN survives
     bad = rule.bad(v)
-    raise format_error(prefix, key, rule.expected, _found(v, bad))
+    ok = _zeros_over_zero_codes(v, codes) if rule.zero_codes else None
+    if ok is not None and not bool((bad & ~ok).any()):
+        warnings.warn(f"{_where(prefix, key)}: {int(ok.sum())} zero scale(s) over all-zero codes (an all-zero weight"
+                      f"{' row' if v.numel() > 1 else ''}): loaded as exact zeros", QuantFormatWarning, stacklevel=3)
+        return
+    bad = bad if ok is None else bad & ~ok
+    over = ' over codes that are not all 0 (a 0 scale is legal only there)' if ok is not None and bool((bad & (v == 0)).any()) else ''
+    raise format_error(prefix, key, rule.expected, _found(v, bad) + over)
+
+def _zero_weight(spec:FormatSpec, tensors:dict) -> bool:
+    "Whether the file is an all-zero weight stored with NaN: the format's `zero_weight_key` (per-tensor) scale is 0, NaN beside it."
+    t = tensors.get(spec.zero_weight_key) if spec.zero_weight_key else None
+    if t is None or t.device.type == 'meta' or t.numel() != 1 or float(t) != 0: return False
+    return any(v.device.type != 'meta' and bool(v.float().isnan().any()) for v in tensors.values())
 
 def check_values(spec:FormatSpec, # the format whose `value_rules` apply
                  tensors:dict, # key (module-relative, e.g. 'weight_scale') -> tensor
@@ -707,7 +734,12 @@ def check_values(spec:FormatSpec, # the format whose `value_rules` apply
         t = tensors.get(k)
         if t is None: continue
         if t.device.type == 'meta': raise NotImplementedError(f"{prefix}{k}: checking its values needs its data, not a meta tensor")
-        _check_rule(rule, t, prefix, k)
+        try: _check_rule(rule, t, prefix, k, tensors.get('weight'))
+        except QuantFormatError as e:
+            if not _zero_weight(spec, tensors): raise
+            raise QuantFormatError(f"{e}: its zero {spec.zero_weight_key} says the weight was all 0, stored with NaN "
+                                   "under it (comfy-kitchen 0.2.40 writes an all-zero weight so; ComfyUI would compute "
+                                   "NaN)") from None
 
 # %% ../nbs/01_tensor.ipynb #35b5e9e1
 ACTIVATION_RULES = {

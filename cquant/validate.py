@@ -8,12 +8,12 @@ Docs: https://cquant-dev.github.io/cquant/validate.html.md"""
 
 # %% ../nbs/17a_validate.ipynb #35b3d754
 from __future__ import annotations
-import os
+import os, warnings
 from dataclasses import dataclass, field
 import torch
 from fastcore.basics import patch
 from .formats import FORMATS
-from .tensor import DeviceClass, Option, QuantFormatError
+from .tensor import DeviceClass, Option, QuantFormatError, QuantFormatWarning
 from .comfy import FPMM, nested_params
 from .checkpoint import (ATTENTION_KEY, ATTENTION_METHODS, Checkpoint, CheckpointError, attention_entries,
                                comfy_unread, _comfy_unloadable, open_checkpoint, scale_keys, text_table, _read_json,
@@ -176,9 +176,12 @@ def _check_module(ck:Checkpoint, name:str, keys:dict, level:str, known:set, devi
         oe, ow = _option_problems(FORMATS[fmt], cfg, p)
         errs += oe; warns += ow
     if not errs:
-        try: e = _scan_module(ck, name, keys, None, known)
-        except CheckpointError as err: errs.append(_msg(err, ck.path))
-        else:
+        with warnings.catch_warnings(record=True) as said:         # values loaded exactly, though unusual (a 0 scale)
+            warnings.simplefilter('always', QuantFormatWarning)
+            try: e = _scan_module(ck, name, keys, None, known)
+            except CheckpointError as err: errs.append(_msg(err, ck.path))
+        warns += [str(w.message) for w in said if issubclass(w.category, QuantFormatWarning)]
+        if not errs:
             le, lw = _loader_view(e, level, devices)
             errs += le; warns += lw
     return _row(name, fmt, errs, warns)
