@@ -288,7 +288,8 @@ def cmd_convert(args) -> int:
     r = convert_checkpoint(args.src, args.dst)
     if args.json: print(json.dumps(r, indent=1)); return 0
     print(f"{r['src']}: {'legacy ' + repr(r['legacy']) if r['legacy'] else 'no legacy markings (validated copy)'}; "
-          f"quantized modules {r['formats'] or 'none'}; {len(r['removed'])} key(s) removed, {len(r['added'])} added")
+          f"quantized modules {r['formats'] or 'none'}; {len(r['removed'])} key(s) removed, {len(r['added'])} added"
+          + (f"; all-zero modules stored with NaN rewritten as exact zeros: {', '.join(r['repaired'])}" if r['repaired'] else ''))
     print(f"wrote {r['dst']}")
     return 0
 

@@ -12,9 +12,9 @@ import contextlib, ctypes, dataclasses, json, math, os, sys, tempfile, threading
 from dataclasses import dataclass, field
 import torch
 from .numerics import in_workers
-from .tensor import FORMATS, QuantizedTensor, check_finite, encode_json, format_color, get_format, quantize, same_bits
-from .checkpoint import (Checkpoint, CheckpointError, StreamingWriter, TensorInfo, open_checkpoint, save_file,
-                               split_key, scale_keys,
+from .tensor import FORMATS, QuantizedTensor, check_finite, decode_json, encode_json, format_color, get_format, quantize, same_bits, _zero_weight
+from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, TensorInfo, open_checkpoint, save_file,
+                               split_key, scale_keys, _scan_module,
                                size_ratio, text_table, _fmt_bytes, read_header,
                                ShardedWriter, shard_index, read_shards, write_sha256)
 from ._version import __version__
@@ -765,20 +765,41 @@ def report_error(src_float, # the float (or fp8) original
                   time.time() - t0, 'error')
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #6b59689a
+def _zero_weight_repairs(ck:Checkpoint) -> tuple:
+    "({key: tensor}, {module: format}): exact zeros for each quantized module stored as an all-zero weight with NaN (`_zero_weight`)."
+    out, formats = {}, {}
+    for m, keys in ck.groups().items():
+        if 'comfy_quant' not in keys: continue
+        try: cfg = decode_json(ck[keys['comfy_quant']]); spec = get_format(cfg['format'])
+        except Exception: continue                               # not a zero weight: the module scan reports it
+        zk = spec.zero_weight_key
+        if zk not in keys or math.prod(ck.info(keys[zk]).shape) != 1 or float(ck[keys[zk]]) != 0: continue
+        t = {s: ck[k] for s, k in keys.items() if s in spec.weight_keys}
+        if not _zero_weight(spec, t): continue
+        p = keys[zk][:-len(zk)]
+        opts = spec.resolve(cfg, p)
+        out.update(quantize(torch.zeros(spec.layout.logical_shape(t, {**spec.layout_kwargs, **opts})), spec, **opts).state_dict(p))
+        formats[m] = spec.name
+        warnings.warn(f"{ck.path}: module {m!r} ({spec.name}) is an all-zero weight stored with NaN (comfy-kitchen 0.2.40's "
+                      "encoding): rewritten as exact zeros", CheckpointWarning, stacklevel=3)
+    return out, formats
+
 def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
                        dst, # output file (replaced atomically on success; never the source)
-                      ) -> dict: # legacy kind, quantized modules per format, keys removed / added
-    "Rewrite `src` with per-module `comfy_quant` entries (legacy headers and markers converted), streaming."
+                      ) -> dict: # legacy kind, quantized modules per format, modules repaired, keys removed / added
+    "Rewrite `src` with per-module `comfy_quant` entries (legacy headers and markers converted, all-zero NaN modules repaired), streaming."
     from collections import Counter
     src, dst = os.fspath(src), os.fspath(dst)
     check_outputs('convert_checkpoint', _source_names(src), {'destination': dst})
     raw = set(read_header(src)[0] if shard_index(src) is None else read_shards(shard_index(src))[0])
     with open_checkpoint(src) as ck:
-        mods = ck.modules()
+        (fixed, repaired), known = _zero_weight_repairs(ck), scale_keys()
+        mods = {m: _scan_module(ck, m, keys, None, known) for m, keys in ck.groups().items() if m not in repaired}
         with StreamingWriter(dst, ck.metadata) as w:
-            for k in ck: w.add(k, ck[k])
+            for k in ck: w.add(k, fixed[k] if k in fixed else ck[k])
         keys, legacy = set(ck), ck.legacy
-    return dict(src=src, dst=dst, legacy=legacy, formats=dict(Counter(e.format for e in mods.values() if e.quantized)),
+    formats = Counter([e.format for e in mods.values() if e.quantized] + list(repaired.values()))
+    return dict(src=src, dst=dst, legacy=legacy, formats=dict(formats), repaired=sorted(repaired),
                 removed=sorted(raw - keys), added=sorted(keys - raw))
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #48a1c2a9

@@ -95,3 +95,21 @@ def test_kitchen_all_zero_weight_refused_with_what_it_is(tmp_path, fmt, capsys):
     assert said in capsys.readouterr().err
     rep = cq.validate(str(path))
     assert not rep.ok and said in rep.errors[0], rep.errors
+
+
+@pytest.mark.writes_invalid
+@pytest.mark.parametrize('fmt', KITCHEN)
+def test_convert_repairs_kitchen_all_zero_weight(tmp_path, fmt, capsys):
+    path = write(tmp_path, kitchen_zero(fmt), {'format': fmt})
+    out = tmp_path / 'fixed.safetensors'
+    with pytest.warns(cq.CheckpointWarning, match=r"module 'blk\.proj' \(" + fmt + r"\) is an all-zero weight stored with NaN"):
+        r = cq.convert_checkpoint(str(path), str(out))
+    assert r['repaired'] == [NAME] and r['formats'] == {fmt: 1}
+    sd, src = cq.load_file(str(out)), safetensors.torch.load_file(str(path))
+    assert bool((cq.load_quantized(sd, NAME, SHAPE, torch.float32).dequantize() == 0).all())
+    assert set(sd) == set(src) and torch.equal(sd['blk.other.weight'], src['blk.other.weight'])
+    assert cq.validate(str(out)).ok
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        assert cli_main(['convert', str(path), str(tmp_path / 'cli.safetensors')]) == 0
+    assert 'rewritten as exact zeros: blk.proj' in capsys.readouterr().out
