@@ -113,3 +113,22 @@ def test_convert_repairs_kitchen_all_zero_weight(tmp_path, fmt, capsys):
         warnings.simplefilter('ignore')
         assert cli_main(['convert', str(path), str(tmp_path / 'cli.safetensors')]) == 0
     assert 'rewritten as exact zeros: blk.proj' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('fmt', sorted(cq.FORMATS))
+def test_cquant_all_zero_weight_every_format(tmp_path, fmt):
+    "cquant's own encoding of an all-zero weight, in every format, is a valid file that loads as exact zeros."
+    q = cq.quantize(torch.zeros(64, 256, dtype=torch.bfloat16), fmt)
+    path = write(tmp_path, q.state_dict(P), q.config)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', QuantFormatWarning)       # nothing unusual in cquant's own files
+        w = cq.load_quantized(cq.load_file(str(path)), NAME, (64, 256), torch.float32).dequantize()
+    assert bool((w == 0).all()), f"{fmt}: {w.unique()}"
+
+
+@pytest.mark.parametrize('layout,kw,fmt', [('TensorCoreMXFP8Layout', {}, 'mxfp8'), ('TensorWiseINT8Layout', {}, 'int8_tensorwise')])
+def test_kitchen_all_zero_weight_loads(tmp_path, layout, kw, fmt):
+    "comfy-kitchen's all-zero MXFP8 and INT8 encodings hold no NaN: they load as exact zeros."
+    sd = dict(KQT.from_float(torch.zeros(SHAPE, dtype=torch.bfloat16), layout, **kw).state_dict(P + 'weight'))
+    w = cq.load_quantized(cq.load_file(str(write(tmp_path, sd, {'format': fmt}))), NAME, SHAPE, torch.float32).dequantize()
+    assert bool((w == 0).all())
