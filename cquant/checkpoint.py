@@ -569,11 +569,25 @@ def encode_attention(config) -> torch.Tensor:
     return encode_json(config)
 
 # %% ../nbs/11_checkpoint.ipynb #1b6a0ddc
+def _usable_attention(config, key:str=ATTENTION_KEY):
+    """`config` less the entries ComfyUI ignores as malformed (not an object, a method that is not a string, an option
+    that is not a finite number > 0): each dropped with a `CheckpointWarning` in ComfyUI's words; None if none is left."""
+    if config is None: return None
+    entries, kept = (config if isinstance(config, list) else [config]), []
+    for i, c in enumerate(entries):
+        try:
+            if not isinstance(c, dict):
+                raise QuantFormatError(f"'{key}'[{i}]: expected an object like {{\"attention\": \"comfy_kitchen_sol\"}}, found {type(c).__name__} {str(c)[:60]}")
+            _check_attention_entry(c, f"'{key}'[{i}]")
+            kept.append(c)
+        except QuantFormatError as err:
+            method = c.get('attention') if isinstance(c, dict) else c
+            warnings.warn(f"Ignoring unsupported attention method {method!r} for {key.rpartition('.')[0] or 'comfy_attention'}: {err}", CheckpointWarning, stacklevel=2)
+    return None if not kept else kept if isinstance(config, list) else kept[0]
+
 def decode_attention(t:torch.Tensor, key:str=ATTENTION_KEY):
-    "Decode and check a `comfy_attention.config` tensor; returns the object or list as stored."
-    config = decode_json(t, key)
-    attention_entries(config, key)
-    return config
+    "Decode a `comfy_attention.config` tensor; entries ComfyUI ignores are dropped with a warning (`_usable_attention`)."
+    return _usable_attention(decode_json(t, key), key)
 
 # %% ../nbs/11_checkpoint.ipynb #83f292b0
 def select_attention(config, available, module:str='', override=None) -> AttentionChoice|None:
@@ -689,9 +703,7 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
     e = ModuleEntry(name, keys)
     p, path = e.prefix, ck.path
     if ATTENTION_KEY in keys:
-        e.attention = _read_json(ck, keys[ATTENTION_KEY])
-        try: attention_entries(e.attention, keys[ATTENTION_KEY])
-        except QuantFormatError as err: raise _in_file(path, err) from None
+        e.attention = _usable_attention(_read_json(ck, keys[ATTENTION_KEY]), keys[ATTENTION_KEY])
     infos = {s: ck.info(k) for s, k in keys.items() if s != ATTENTION_KEY}
     for s in ('bias', 'input_scale', 'pre_quant_scale'):
         if s in infos and not infos[s].dtype.is_floating_point:

@@ -15,7 +15,7 @@ from fastcore.basics import patch
 from .formats import FORMATS
 from .tensor import DeviceClass, Option, QuantFormatError, QuantFormatWarning
 from .comfy import FPMM, nested_params
-from .checkpoint import (ATTENTION_KEY, ATTENTION_METHODS, Checkpoint, CheckpointError, attention_entries,
+from .checkpoint import (ATTENTION_KEY, ATTENTION_METHODS, Checkpoint, CheckpointError, CheckpointWarning, attention_entries,
                                comfy_unread, _comfy_unloadable, open_checkpoint, scale_keys, text_table, _read_json,
                                _scan_module)
 from .modules import comfy_disabled_formats
@@ -176,11 +176,11 @@ def _check_module(ck:Checkpoint, name:str, keys:dict, level:str, known:set, devi
         oe, ow = _option_problems(FORMATS[fmt], cfg, p)
         errs += oe; warns += ow
     if not errs:
-        with warnings.catch_warnings(record=True) as said:         # values loaded exactly, though unusual (a 0 scale)
-            warnings.simplefilter('always', QuantFormatWarning)
+        with warnings.catch_warnings(record=True) as said:         # loaded, with a word: a 0 scale, a dropped attention hint
+            warnings.simplefilter('always', QuantFormatWarning); warnings.simplefilter('always', CheckpointWarning)
             try: e = _scan_module(ck, name, keys, None, known)
             except CheckpointError as err: errs.append(_msg(err, ck.path))
-        warns += [str(w.message) for w in said if issubclass(w.category, QuantFormatWarning)]
+        warns += [str(w.message) for w in said if issubclass(w.category, (QuantFormatWarning, CheckpointWarning))]
         if not errs:
             le, lw = _loader_view(e, level, devices)
             errs += le; warns += lw

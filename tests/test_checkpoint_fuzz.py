@@ -191,8 +191,6 @@ COMFY = {  # name: (changes to a valid fp8 module state dict, metadata, message 
     'wrong_scale_shape': ({'blk.weight_scale': torch.ones(3)}, None, "'blk.weight_scale'"),
     'int_bias': ({'blk.bias': torch.zeros(8, dtype=torch.int64)}, None, "'blk.bias': expected a floating-point tensor"),
     'input_scale_vector': ({'blk.input_scale': torch.ones(4)}, None, "'blk.input_scale': expected one value, found shape (4,)"),
-    'attention_not_obj': ({'blk.comfy_attention.config': encode_json([{'attention': 'comfy_kitchen_sol'}, 7])}, None, "'blk.comfy_attention.config'[1]: expected an object"),
-    'attention_str': ({'blk.comfy_attention.config': encode_json('sol')}, None, 'expected a JSON object or a list of objects'),
     'attention_float': ({'blk.comfy_attention.config': torch.ones(3)}, None, 'expected a 1-D uint8 tensor'),
     'qmeta_garbage': ({}, {'_quantization_metadata': '{"layers": '}, "header __metadata__['_quantization_metadata']: expected valid JSON"),
     'qmeta_layers_list': ({}, {'_quantization_metadata': '{"layers": [1]}'}, 'expected an object with a "layers" object'),

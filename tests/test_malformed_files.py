@@ -97,19 +97,44 @@ def attn_file(path, cfg:str):
     ent = f'"blk.comfy_attention.config": {{"dtype": "U8", "shape": [{len(c)}], "data_offsets": [0, {len(c)}]}}'
     return raw_file(path, '{' + ent + '}', c)
 
-@pytest.mark.parametrize('tau', ['-1', '0', 'NaN', 'Infinity', '"1"', 'true'])
+def assert_all_warn(path, match, capsys):
+    "Every entry point loads the file, warning `match` (ComfyUI drops a malformed attention hint and loads the rest)."
+    for name, f in readers(path).items():
+        if name == 'inspect':
+            capsys.readouterr(); assert main(['inspect', str(path)]) == 0, name
+            assert match in capsys.readouterr().err, name
+        else:
+            with pytest.warns(cq.CheckpointWarning) as got: f()
+            assert any(match in str(w.message) for w in got), (name, [str(w.message) for w in got])
+
+@pytest.mark.parametrize('tau', ['-1', '0', 'NaN', 'Infinity', '"1"', '"1.0"', 'true'])
 @pytest.mark.writes_invalid
 def test_attention_tau(tmp_path, capsys, tau):
     p = attn_file(tmp_path / 'a.safetensors', f'[{{"attention": "comfy_kitchen_sol", "tau": {tau}}}]')
-    assert_all_fail(p, "'blk.comfy_attention.config'[0]['tau']: expected a finite number > 0", capsys)
-    with pytest.raises(ValueError, match=r"\['tau'\]: expected a finite number > 0"):
+    assert_all_warn(p, "Ignoring unsupported attention method 'comfy_kitchen_sol' for blk.comfy_attention: "
+                       "'blk.comfy_attention.config'[0]['tau']: expected a finite number > 0", capsys)
+    with pytest.raises(ValueError, match=r"\['tau'\]: expected a finite number > 0"):     # a config given in Python: an error
         cq.checkpoint.select_attention(json.loads(f'{{"attention": "comfy_kitchen_sol", "tau": {tau}}}'),
                                        {'comfy_kitchen_sol'}, 'blk')
+    rep = cq.validate(str(p), strict=True)
+    assert not rep.ok and "'blk.comfy_attention.config'[0]['tau']" in rep.errors[0]
 
+@pytest.mark.parametrize('method', ['3', 'null', '[]', '{}'])
 @pytest.mark.writes_invalid
-def test_attention_method_type(tmp_path, capsys):
-    p = attn_file(tmp_path / 'a.safetensors', '{"attention": 3}')
-    assert_all_fail(p, "'blk.comfy_attention.config'[0]['attention']: expected a method name string, found 3", capsys)
+def test_attention_method_type(tmp_path, capsys, method):
+    p = attn_file(tmp_path / 'a.safetensors', f'[{{"attention": {method}}}, {{"attention": "comfy_kitchen_int8"}}]')
+    assert_all_warn(p, f"Ignoring unsupported attention method {json.loads(method)!r} for blk.comfy_attention: "
+                       f"'blk.comfy_attention.config'[0]['attention']: expected a method name string", capsys)
+    with pytest.warns(cq.CheckpointWarning):
+        assert cq.open_checkpoint(p).modules()['blk'].attention == [{'attention': 'comfy_kitchen_int8'}]   # the rest kept
+
+@pytest.mark.parametrize('cfg', ['5', '"sol"', '[7]'])
+@pytest.mark.writes_invalid
+def test_attention_not_an_object(tmp_path, capsys, cfg):
+    p = attn_file(tmp_path / 'a.safetensors', cfg)
+    assert_all_warn(p, "expected an object like", capsys)
+    with pytest.warns(cq.CheckpointWarning):
+        assert cq.open_checkpoint(p).modules()['blk'].attention is None
 
 def test_attention_valid_tau_selected():
     got = cq.checkpoint.select_attention({'attention': 'comfy_kitchen_sol', 'tau': 0.5}, {'comfy_kitchen_sol'}, 'blk')
