@@ -813,15 +813,19 @@ def _check_build(ck:Checkpoint, e:ModuleEntry, metas:dict, build=None):
             if i == len(stages) - 1 or isinstance(err, RuntimeError) and 'meta' not in str(err).lower(): raise
 
 # %% ../nbs/11_checkpoint.ipynb #24e12873
-def _modules(self:Checkpoint, shapes:Mapping|None=None) -> dict[str, ModuleEntry]:
-    "Validate every module against the registry; `{name: ModuleEntry}`. `shapes` maps module names to logical shapes."
+def _modules(self:Checkpoint, shapes:Mapping|None=None, errors:dict|None=None) -> dict[str, ModuleEntry]:
+    """Validate every module against the registry; `{name: ModuleEntry}`. `shapes` maps module names to logical shapes;
+    `errors`: a dict that collects `{module: message}` of the modules that fail, instead of raising at the first."""
     shapes = shapes or {}
     if not shapes and self._modules is not None: return self._modules
     out, known = {}, scale_keys()
     for m, keys in self.groups().items():
         s = shapes.get(m, shapes.get(m + '.weight')) if m else None
-        out[m] = _scan_module(self, m, keys, s, known)
-    if not shapes: self._modules = out
+        try: out[m] = _scan_module(self, m, keys, s, known)
+        except CheckpointError as err:
+            if errors is None: raise
+            errors[m] = str(err).removeprefix(f'{self.path}: ')
+    if not shapes and not errors: self._modules = out
     return out
 
 def _groups(self:Checkpoint) -> dict[str, dict[str, str]]:
@@ -1298,12 +1302,16 @@ def _row(ck:Checkpoint, e:ModuleEntry) -> dict:
                 storage_shape=list(w.shape), logical_shape=list(shape), shape_inferred=e.shape_inferred,
                 bytes=nbytes, bf16_bytes=2 * math.prod(shape))
 
-def inspect_checkpoint(src, shapes:Mapping|None=None) -> dict:
-    "Per-module rows, per-format totals and attention preferences of a checkpoint (path, `Checkpoint` or state dict)."
+def inspect_checkpoint(src, # a path, a `Checkpoint` or a state dict
+                       shapes:Mapping|None=None, # module name -> logical shape
+                       collect:bool=False, # list the modules that fail validation under `errors` instead of raising
+                      ) -> dict:
+    "Per-module rows, per-format totals and attention preferences of a checkpoint; `errors`: {module: what is wrong}."
     own = not isinstance(src, Checkpoint)
     ck = open_checkpoint(src) if isinstance(src, (str, os.PathLike)) else src if not own else Checkpoint.from_state_dict(src)
     try:
-        mods = ck.modules(shapes)
+        errors = {} if collect else None
+        mods = ck.modules(shapes, errors)
         rows = [_row(ck, e) for e in mods.values() if 'weight' in e.keys]
         totals = {}
         for r in rows:
@@ -1316,7 +1324,8 @@ def inspect_checkpoint(src, shapes:Mapping|None=None) -> dict:
                     comfy_unread=comfy_unread(mods), comfy_unloadable=_comfy_unloadable(mods),
                     attention={e.name: e.attention for e in mods.values() if e.attention is not None},
                     metadata={k: (v if len(v) <= 200 else v[:200] + '...') for k, v in ck.metadata.items()},
-                    shards=len(ck.files) if isinstance(ck._file, dict) else None, provenance=provenance(ck.metadata))
+                    shards=len(ck.files) if isinstance(ck._file, dict) else None, provenance=provenance(ck.metadata),
+                    errors=errors or {})
     finally:
         if own: ck.close()
 
@@ -1396,4 +1405,5 @@ def format_inspect(r:dict) -> str:
     for f, k in r.get('comfy_unloadable', {}).items():
         out.append(f"warning: {k} module(s) use {f}, which ComfyUI's core loader does not register: ComfyUI cannot load "
                    "this file (cquant's module layer and comfy-kitchen can)")
+    if r.get('errors'): out += ['', f"{len(r['errors'])} module(s) not shown: they fail validation (errors below)"]
     return '\n'.join(out)

@@ -28,9 +28,10 @@ from .attention import attention_report, parse_preferences, set_attention
 # %% ../nbs/18_cli.ipynb #9b47e2c3
 def cmd_inspect(args) -> int:
     "Run `cquant inspect`: print the report of `args.file` (JSON with `--json`)."
-    r = inspect_checkpoint(args.file)
+    r = inspect_checkpoint(args.file, collect=True)          # every module that fails is listed, the rest shown
     print(json.dumps(r, indent=1) if args.json else format_inspect(r))
-    return 0
+    for msg in r['errors'].values(): print(f"cquant inspect: error: {r['file']}: {msg}", file=sys.stderr)
+    return 1 if r['errors'] else 0
 
 def add_inspect_parser(subparsers):
     "Add the `inspect` subcommand to `cquant`'s subparsers."

@@ -14,7 +14,7 @@ import torch
 from .numerics import in_workers
 from .tensor import FORMATS, QuantizedTensor, check_finite, decode_json, encode_json, format_color, get_format, quantize, same_bits, _zero_weight
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, TensorInfo, open_checkpoint, save_file,
-                               split_key, scale_keys, _scan_module,
+                               split_key, scale_keys,
                                size_ratio, text_table, _fmt_bytes, read_header,
                                ShardedWriter, shard_index, read_shards, write_sha256)
 from ._version import __version__
@@ -793,8 +793,10 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
     check_outputs('convert_checkpoint', _source_names(src), {'destination': dst})
     raw = set(read_header(src)[0] if shard_index(src) is None else read_shards(shard_index(src))[0])
     with open_checkpoint(src) as ck:
-        (fixed, repaired), known = _zero_weight_repairs(ck), scale_keys()
-        mods = {m: _scan_module(ck, m, keys, None, known) for m, keys in ck.groups().items() if m not in repaired}
+        (fixed, repaired), errors = _zero_weight_repairs(ck), {}
+        mods = ck.modules(errors=errors)
+        bad = {m: msg for m, msg in errors.items() if m not in repaired}
+        if bad: raise CheckpointError(src, f"{len(bad)} module(s) cannot be converted:\n" + '\n'.join(f"  {m}: {msg}" for m, msg in bad.items()))
         with StreamingWriter(dst, ck.metadata) as w:
             for k in ck: w.add(k, fixed[k] if k in fixed else ck[k])
         keys, legacy = set(ck), ck.legacy

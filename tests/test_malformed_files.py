@@ -1,6 +1,6 @@
 "Malformed checkpoints built in the test: every entry point rejects them with a message naming the key."
 import json, math, os, struct, warnings
-import pytest, torch
+import pytest, safetensors.torch, torch
 import cquant as cq
 from cquant.cli import main
 
@@ -268,3 +268,42 @@ def test_quantize_refuses_stray_scale(tmp_path, capsys):
     assert main(['quantize', str(src), str(dst), '--quiet']) != 0
     assert msg in capsys.readouterr().err
     assert not dst.exists() and list(tmp_path.iterdir()) == [src]
+
+# 6. every defect at once: inspect shows the rest and lists each bad module; convert names them all
+@pytest.mark.writes_invalid
+def test_five_defects_listed_at_once(tmp_path, capsys):
+    sd = {}
+    for i in range(6):
+        q = cq.quantize(torch.randn(16, 32, generator=torch.Generator().manual_seed(i)), 'float8_e4m3fn')
+        sd.update(q.state_dict(f'b{i}.')); sd[f'b{i}.comfy_quant'] = cq.encode_json(q.config)
+    defects = {'b0': ('b0.weight_scale', torch.tensor(float('nan')), 'found nan'),
+               'b1': ('b1.weight_scale', torch.tensor(-1.0), 'found -1.0'),
+               'b2': ('b2.comfy_quant', cq.encode_json({'format': 'int3'}), "found 'int3'"),
+               'b3': ('b3.weight_scale', torch.ones(3), 'found shape (3,)'),
+               'b4': ('b4.weight', torch.zeros(16, 32, dtype=torch.bfloat16), 'found torch.bfloat16')}
+    for k, v, _ in defects.values(): sd[k] = v
+    p = tmp_path / 'five.safetensors'
+    safetensors.torch.save_file(sd, str(p))
+    capsys.readouterr()
+    assert main(['inspect', str(p)]) == 1
+    out, err = capsys.readouterr()
+    assert '\nb5 ' in out and '5 module(s) not shown' in out                      # the good module is shown
+    lines = [l for l in err.splitlines() if l.startswith('cquant inspect: error:')]
+    assert len(lines) == 5 and all(f"'{k}" in l and found in l for l, (k, _, found) in zip(lines, defects.values())), err
+    assert sorted(cq.inspect_checkpoint(p, collect=True)['errors']) == sorted(defects)
+    with pytest.raises(ValueError, match='found nan'): cq.inspect_checkpoint(p)   # the library call raises by default
+    assert main(['convert', str(p), str(tmp_path / 'out.safetensors')]) == 1
+    err = capsys.readouterr().err
+    assert '5 module(s) cannot be converted' in err and all(f"  {m}: " in err for m in defects), err
+    assert not (tmp_path / 'out.safetensors').exists()
+
+# 7. a _quantization_metadata layer that matches no tensor: the CLI says so
+@pytest.mark.parametrize('cmd', ['inspect', 'convert'])
+def test_unmatched_legacy_layer_shown_by_cli(tmp_path, capsys, cmd):
+    meta = {'_quantization_metadata': json.dumps({'layers': {'blk': {'format': 'float8_e4m3fn'}, 'ghost': {'format': 'float8_e4m3fn'}}})}
+    p = tmp_path / 'ghost.safetensors'
+    safetensors.torch.save_file({'blk.weight': torch.randn(16, 32).to(torch.float8_e4m3fn), 'blk.weight_scale': torch.tensor(0.5)},
+                                str(p), metadata=meta)
+    capsys.readouterr()
+    assert main([cmd, str(p)] + ([str(tmp_path / 'out.safetensors')] if cmd == 'convert' else [])) == 0
+    assert "warning: " in (err := capsys.readouterr().err) and "match no '<module>.weight' tensor, skipped: ['ghost']" in err, err
