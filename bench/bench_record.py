@@ -18,9 +18,10 @@ flop bound at this machine's measured fp32 GEMM rate: the Hessian rotated into t
 products, 4 K^2 g flops for rotation group g), its Cholesky factorisation (K^3 / 3) and the column sweep's error
 updates (N K^2 between blocks, N K B inside blocks of B = 128 columns). The MSE search of the row scales (21 clips,
 elementwise) is not in the bound. The time is the layer's second call in its process, as a layer of a model's loop
-meets it (the first call, which also pays for fresh pages and lazy set-ups, is printed beside it). Peak memory is reported in Hessians (K^2 fp32), from a second run with
-MALLOC_MMAP_THRESHOLD_=131072 (which slows it: the time comes from the first) so that freed blocks leave the RSS (without it glibc keeps them for reuse, and the peak
-RSS depends on what the process freed before).
+meets it (the first call, which also pays for fresh pages and lazy set-ups, is printed beside it). Peak memory is
+reported in Hessians (K^2 fp32), from a process of its own run with MALLOC_MMAP_THRESHOLD_=131072 (which slows it)
+so that freed blocks leave the RSS (without it glibc keeps them for reuse, and the peak RSS depends on what the
+process freed before).
 
 `share` records MiniLM with `hessian_rows` at each share (calibrated on 600 of the calibration sentences), quantizes
 its real checkpoint `int4_full` with GPTQ from the saved file, and prints the SQNR gain over round-to-nearest held out

@@ -540,8 +540,10 @@ class AttentionChoice:
     source: str = 'checkpoint'      # 'checkpoint' or 'override'
 
 # %% ../nbs/11_checkpoint.ipynb #1ea73830
-def _check_attention_entry(c:dict, where:str):
-    "An entry's `attention` is a string and each option of its method a finite number > 0 (errors name the field)."
+def _check_attention_entry(c, where:str):
+    "An entry is an object, its `attention` a string and each option of its method a finite number > 0 (errors name the field)."
+    if not isinstance(c, dict):
+        raise QuantFormatError(f"{where}: expected an object like {{\"attention\": \"comfy_kitchen_sol\"}}, found {type(c).__name__} {str(c)[:60]}")
     if not isinstance(c.get('attention'), str):
         raise QuantFormatError(f"{where}['attention']: expected a method name string, found {c.get('attention')!r}")
     for k in ATTENTION_METHODS.get(c['attention'], {}):
@@ -556,10 +558,7 @@ def attention_entries(config, key:str=ATTENTION_KEY) -> list:
     if isinstance(config, dict): config = [config]
     if not isinstance(config, list):
         raise QuantFormatError(f"'{key}': expected a JSON object or a list of objects, found {type(config).__name__} {str(config)[:60]}")
-    for i, c in enumerate(config):
-        if not isinstance(c, dict):
-            raise QuantFormatError(f"'{key}'[{i}]: expected an object like {{\"attention\": \"comfy_kitchen_sol\"}}, found {type(c).__name__} {str(c)[:60]}")
-        _check_attention_entry(c, f"'{key}'[{i}]")
+    for i, c in enumerate(config): _check_attention_entry(c, f"'{key}'[{i}]")
     return list(config)
 
 # %% ../nbs/11_checkpoint.ipynb #9cb7b42b
@@ -575,11 +574,7 @@ def _usable_attention(config, key:str=ATTENTION_KEY):
     if config is None: return None
     entries, kept = (config if isinstance(config, list) else [config]), []
     for i, c in enumerate(entries):
-        try:
-            if not isinstance(c, dict):
-                raise QuantFormatError(f"'{key}'[{i}]: expected an object like {{\"attention\": \"comfy_kitchen_sol\"}}, found {type(c).__name__} {str(c)[:60]}")
-            _check_attention_entry(c, f"'{key}'[{i}]")
-            kept.append(c)
+        try: _check_attention_entry(c, f"'{key}'[{i}]"); kept.append(c)
         except QuantFormatError as err:
             method = c.get('attention') if isinstance(c, dict) else c
             warnings.warn(f"Ignoring unsupported attention method {method!r} for {key.rpartition('.')[0] or 'comfy_attention'}: {err}", CheckpointWarning, stacklevel=2)
