@@ -60,7 +60,8 @@ def quantize_per_tensor_fp8(w:torch.Tensor, # weight or activation (fp32, bf16 o
                            ) -> torch.Tensor: # FP8 tensor, same shape as w
     "`fp8(clamp(w * dtype(1/scale), ±max))` as kitchen computes it; fp32 division when dtype(1/scale) overflows."
     inv = (1.0 / scale).to(w.dtype)
-    v = w * inv if bool(torch.isfinite(inv)) else w.float() / scale
+    if torch.compiler.is_compiling(): v = torch.where(torch.isfinite(inv), w * inv, w.float() / scale)  # a trace cannot branch on data
+    else: v = w * inv if bool(torch.isfinite(inv)) else w.float() / scale
     return round_to_fp8(v, fp8_dtype, stochastic_rounding)
 
 # %% ../nbs/02_fp8.ipynb #957e9b94

@@ -68,8 +68,18 @@ def absmax(x:torch.Tensor, # input tensor
     return x.abs().amax(dim=dim, keepdim=keepdim)
 
 # %% ../nbs/00_numerics.ipynb #a263329c
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES = torch.tensor(_E2M1, dtype=torch.float32)
+
+# %% ../nbs/00_numerics.ipynb #a2105def
+def _constant_cache(maxsize:int|None=None):
+    "`functools.lru_cache` for a builder of constant tensors, bypassed while torch.compile traces."
+    def deco(fn):
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        @functools.wraps(fn)
+        def get(*args): return fn(*args) if torch.compiler.is_compiling() else cached(*args)
+        return get
+    return deco
 
 # %% ../nbs/00_numerics.ipynb #c7f8df5d
 _E2M1_TESTS = ((torch.gt, 0.25), (torch.ge, 0.75), (torch.gt, 1.25), (torch.ge, 1.75),
@@ -79,14 +89,14 @@ def e2m1_encode(x:torch.Tensor, # float tensor, normally already scaled into [-6
                ) -> torch.Tensor: # uint8 E2M1 codes 0..15, same shape
     "Round to the nearest E2M1 value (ties to the even code), keep the sign of zero, saturate at ±6."
     if not x.is_floating_point(): x = x.float()
-    if torch.isnan(x).any(): raise ValueError("e2m1_encode: input contains NaN, which has no E2M1 code")
+    if not torch.compiler.is_compiling() and torch.isnan(x).any(): raise ValueError("e2m1_encode: input contains NaN, which has no E2M1 code")
     a = x.abs()
     m = torch.zeros_like(a, dtype=torch.uint8)
     for op, t in _E2M1_TESTS: m.add_(op(a, t).view(torch.uint8))
     return m.bitwise_or_(torch.signbit(x).view(torch.uint8) << 3)
 
-@functools.lru_cache(maxsize=None)
-def _e2m1_lut(dtype, device): return E2M1_VALUES.to(device=device, dtype=dtype)
+@_constant_cache()
+def _e2m1_lut(dtype, device): return torch.tensor(_E2M1, dtype=dtype, device=device)
 
 def e2m1_decode(codes:torch.Tensor, # integer E2M1 codes 0..15
                 dtype:torch.dtype=torch.float32, # output dtype (every E2M1 value is exact in fp16/bf16)
@@ -250,7 +260,7 @@ def is_power_of_4(n) -> bool:
     return isinstance(n, int) and n >= 4 and (n & (n - 1)) == 0 and (n.bit_length() - 1) % 2 == 0
 
 # %% ../nbs/00_numerics.ipynb #ffa46683
-@functools.lru_cache(maxsize=None)
+@_constant_cache()
 def _hadamard_cached(n, dtype, device):
     h4 = torch.tensor(_H4, dtype=torch.float32)
     h = h4

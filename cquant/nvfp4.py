@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .numerics import (E2M1_VALUES, FP16_MIN_NORMAL, round_up, absmax, cast_fp8, e2m1_encode, e2m1_decode,
-                             pack_nibbles,
+                             pack_nibbles, _constant_cache,
                              unpack_nibbles, pad_to_multiple, to_blocked, from_blocked)
 from .tensor import ScaleRule, ValueRule, nvidia_compute
 from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, check_2d, round_stochastic
@@ -79,7 +79,7 @@ def nvfp4_encode(x:torch.Tensor, # padded 2-D float tensor [Np, Kp]
     Np, Kp = x.shape
     total = s * bs.float()
     zero = total == 0
-    has_zero = bool(zero.any())
+    has_zero = torch.compiler.is_compiling() or bool(zero.any())      # a trace cannot branch on data
     if has_zero: total = torch.where(zero, 1.0, total)
     xb, q = x.reshape(Np, Kp // _GROUP, _GROUP), torch.empty(Np, Kp // 2, dtype=torch.uint8, device=x.device)
     if stochastic_rounding:
@@ -109,7 +109,7 @@ def nvfp4_quantize(x:torch.Tensor, # 2-D float tensor (fp32, bf16 or fp16)
     return nvfp4_encode(x, s, bs, stochastic_rounding), s, to_blocked(bs)
 
 # %% ../nbs/03_nvfp4.ipynb #1dfef195
-@functools.lru_cache(maxsize=None)
+@_constant_cache()
 def _byte_table(dtype:torch.dtype, device:torch.device) -> torch.Tensor:
     "[256, 2] table: the E2M1 values (high nibble, low nibble) of every byte, in `dtype`."
     codes = unpack_nibbles(torch.arange(256, dtype=torch.uint8).reshape(256, 1), hi_first=True)

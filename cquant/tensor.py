@@ -505,6 +505,20 @@ class QuantizedTensor(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    def __tensor_flatten__(self):
+        "For torch.compile: the inner tensors' attribute names (`_qdata`, `_param_<field>`) and everything else."
+        names = tuple(self._params.tensors())
+        return ['_qdata', *(f'_param_{k}' for k in names)], (self._spec, self._transposed, names, self._params.map_tensors(lambda t: None))
+
+    @staticmethod
+    def __tensor_unflatten__(inner:dict, ctx:tuple, outer_size, outer_stride) -> 'QuantizedTensor':
+        spec, transposed, names, params = ctx
+        return QuantizedTensor(inner['_qdata'], replace(params, **{k: inner[f'_param_{k}'] for k in names}), spec, transposed)
+
+    def __getattr__(self, name:str):
+        if name.startswith('_param_'): return getattr(self._params, name[len('_param_'):])
+        raise AttributeError(f"'QuantizedTensor' object has no attribute {name!r}")
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None): return _dispatch(func, args, kwargs or {})
 
@@ -560,7 +574,7 @@ def _dispatch(func, args, kwargs):
 
 # %% ../nbs/01_tensor.ipynb #fc878d94
 @implements([aten.detach.default, aten.alias.default])
-def _detach(func, args, kwargs): return args[0]._with()
+def _detach(func, args, kwargs): return args[0]._with(qdata=args[0]._qdata.detach())
 
 @implements(aten.clone.default)
 def _clone(func, args, kwargs):
@@ -596,16 +610,14 @@ def _transpose(func, args, kwargs):
 
 @implements([aten.view.default, aten.reshape.default, aten._unsafe_view.default])
 def _view(func, args, kwargs):
-    "Same shape: the same tensor; another shape: the layout's `reshape`, else a `TypeError` naming the op."
+    "Same shape: the same tensor; another shape: the layout's `reshape`, else (as comfy-kitchen) the dequantized values viewed."
     qt, shape = args[0], list(args[1])
     if -1 in shape and shape.count(-1) == 1: shape[shape.index(-1)] = qt.numel() // max(1, -math.prod(shape))
     shape = tuple(shape)
     if shape == tuple(qt.shape): return qt._with()
     got = None if qt._transposed or math.prod(shape) != qt.numel() else qt.layout.reshape(func, qt._qdata, qt._params, shape)
-    if got is None: raise TypeError(f"cquant: {func} of a {qt.format} QuantizedTensor {tuple(qt.shape)} to {shape}: "
-                                    f"{'a transposed tensor keeps its shape' if qt._transposed else 'its storage cannot keep that shape'}"
-                                    "; dequantize() first")
-    return qt._with(qdata=got[0], params=got[1])
+    if got is not None: return qt._with(qdata=got[0], params=got[1])
+    return func(qt.dequantize().contiguous(), args[1])     # a QuantizedTensor is contiguous: so is its view's source
 
 @implements(aten.copy_.default)
 def _copy_(func, args, kwargs):
