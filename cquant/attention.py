@@ -107,14 +107,15 @@ def set_config(self:ComfyAttention, config):
     entries = attention_entries(config, where)
     for e in entries:
         if e['attention'] not in ATTENTION_RUNNERS:
-            warnings.warn(f"Ignoring unknown attention method {e['attention']!r} for {self.name or 'module'}",
-                          CheckpointWarning)
+            warnings.warn(f"Ignoring unsupported attention method {e['attention']!r} for {where.rpartition('.')[0]} "
+                          "(not a method cquant runs; kept in the file)", CheckpointWarning)
     self.config, self.known = config, [e for e in entries if e['attention'] in ATTENTION_RUNNERS]
 
 # %% ../nbs/12a_attention.ipynb #4fc720f3
 @patch
 def _load_from_state_dict(self:ComfyAttention, sd, prefix, local_metadata, strict, missing, unexpected, errors):
     key = prefix + 'config'
+    self.name = self.name or prefix[:-1].rpartition('.')[0]      # the owning module, for messages
     self.set_config(decode_attention(sd[key], key) if key in sd else None)
 
 @patch
@@ -162,13 +163,15 @@ def forward(self:ComfyAttention, q, k, v, # (B, H, T, D); K and V may have fewer
 def attach_attention(model:nn.Module, # the model being loaded
                      keys, # the state dict's keys
                     ) -> list: # names of the modules that got a `comfy_attention` child
-    "Give each module named by a `<m>.comfy_attention.config` key a `ComfyAttention` child if it has none."
+    """Give each module named by a `<m>.comfy_attention.config` key a `ComfyAttention` child if it has none; a layer
+    (a module with a weight of its own) is not an attention module, and its key stays unexpected, as in ComfyUI."""
     mods, added = dict(model.named_modules()), []
     for key in keys:
         name, suffix = split_key(key)
         if suffix != ATTENTION_KEY: continue
         m = mods.get(name)
-        if m is None or isinstance(getattr(m, 'comfy_attention', None), ComfyAttention): continue
+        if m is None or isinstance(getattr(m, 'weight', None), torch.Tensor) or \
+           isinstance(getattr(m, 'comfy_attention', None), ComfyAttention): continue
         m.add_module('comfy_attention', ComfyAttention(name=name)); added.append(name)
     return added
 

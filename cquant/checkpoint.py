@@ -593,7 +593,8 @@ def select_attention(config, available, module:str='', override=None) -> Attenti
     for i, entry in enumerate(attention_entries(config, where)):
         method = entry.get('attention')
         if not isinstance(method, str) or method not in ATTENTION_METHODS:
-            warnings.warn(f"Ignoring unknown attention method {method!r} for {module or 'module'}", CheckpointWarning); continue
+            warnings.warn(f"Ignoring unsupported attention method {method!r} for {where.rpartition('.')[0]} (not a method "
+                          "cquant runs)", CheckpointWarning); continue
         if method not in available: continue
         opts = {}
         for k, default in ATTENTION_METHODS[method].items():

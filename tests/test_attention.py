@@ -65,7 +65,7 @@ def test_model_follows_the_file_and_saves_it_back(dit, tmp_path):
     dst = tmp_path / 'pref.safetensors'
     set_attention(dit, dst, {'blocks.*.attn': PREF})
     sd = cq.load_file(dst)
-    with pytest.warns(cq.CheckpointWarning, match="unknown attention method 'flash_v9'"):
+    with pytest.warns(cq.CheckpointWarning, match="unsupported attention method 'flash_v9'"):
         sd['blocks.2.attn.comfy_attention.config'] = cq.encode_json([{'attention': 'flash_v9'}] + PREF)
         model = cq.load_quantized_model(cq.dit_model(heads=2), sd).bfloat16()
     x, t, y = cq.dit_batches(1, tokens=256, dtype=torch.bfloat16)[0]
