@@ -94,13 +94,18 @@ def test_attention_metadata_does_not_enable_weight_quantization(tmp_path):
 
 COMFYUI_TEXT = "Ignoring unsupported attention method {!r} for blocks.0.attn.comfy_attention"
 
-@pytest.mark.parametrize('method', [None, [], {}])
-def test_malformed_attention_method_is_ignored(method):
-    "As ComfyUI: dropped with its warning, the other block unaffected, and not saved back."
+def load_with_method(method):
+    "ComfyUI's setup: block 0 prefers `method`, block 1 INT8. (model, weights, warnings)."
     model = make_model()
     weights = {**model_weights(model), KEY: cq.encode_json({'attention': method}),
                'blocks.1.attn.comfy_attention.config': cq.encode_json(INT8)}
     _, msgs = warned(lambda: cq.load_quantized_model(model, weights))
+    return model, weights, msgs
+
+@pytest.mark.parametrize('method', [None, [], {}])
+def test_malformed_attention_method_is_ignored(method):
+    "As ComfyUI: dropped with its warning, the other block unaffected, and not saved back."
+    model, _, msgs = load_with_method(method)
     assert len(msgs) == 1 and msgs[0].startswith(COMFYUI_TEXT.format(method) + ': ')
     assert model.blocks[0].attn.comfy_attention.config is None and KEY not in model.state_dict()
     assert [run_block(model, 0), run_block(model, 1)] == ['exact', 'comfy_kitchen_int8']
@@ -108,10 +113,7 @@ def test_malformed_attention_method_is_ignored(method):
 @pytest.mark.parametrize('method', ['', 'unknown_attention', 'pytorch', 'optimized', 'registered_attention'])
 def test_unsupported_attention_name_is_ignored_and_kept(method):
     "ComfyUI's warning and normal attention; deliberately kept in the file for the round trip."
-    model = make_model()
-    weights = {**model_weights(model), KEY: cq.encode_json({'attention': method}),
-               'blocks.1.attn.comfy_attention.config': cq.encode_json(INT8)}
-    _, msgs = warned(lambda: cq.load_quantized_model(model, weights))
+    model, weights, msgs = load_with_method(method)
     assert msgs == [COMFYUI_TEXT.format(method) + ' (not a method cquant runs; kept in the file)']
     assert [run_block(model, 0), run_block(model, 1)] == ['exact', 'comfy_kitchen_int8']
     assert torch.equal(model.state_dict()[KEY], weights[KEY])
