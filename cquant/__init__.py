@@ -10,6 +10,7 @@ Modules:
 - `cquant.int8`: Symmetric absmax INT8 weights with one scale per tensor or per row, optional ConvRot rotation, and the linear layer as comfy-kitchen runs it: per-token INT8 activations and an exact integer GEMM.
 - `cquant.int8_attention`: SageAttention-style attention as comfy-kitchen's `int8_attention` computes it: K smoothed, Q and K quantized to int8 per block of tokens, an exact integer $QK^\top$, an fp32 online softmax, unsigned int8 probabilities times per-channel int8 V. A blocked pure-torch reference that runs on any device, and its error against exact attention.
 - `cquant.kernels.int8_attention`: A FlashAttention-style Triton forward kernel for `int8_attention`: int8 $QK^\top$, fp32 online softmax, uint8 P times int8 V, over the buffers of `prequantize_int8_attention`; tested against the torch reference.
+- `cquant.lora`: `merge_loras`: one checkpoint with its LoRAs merged, each quantized module re-quantized in its own format and options, read from the LoRA files people have (kohya, diffusers/PEFT, ComfyUI's names); the `cquant merge-lora` command.
 - `cquant.mxfp8`: The `mxfp8` format: e4m3 elements, one E8M0 exponent per block of 32 along K stored in the swizzled 128x4 layout, padding to 32, byte-compatible with comfy-kitchen, and a linear that runs on CPU.
 - `cquant.nvfp4`: The `nvfp4` format: 4-bit E2M1 elements in blocks of 16, an FP8 (E4M3) scale per block and one fp32 scale per tensor, packed two per byte with swizzled block scales; bit-exact with comfy-kitchen.
 - `cquant.policy`: Policies as plain data: modes with their shape fallbacks, architecture presets and auto-detection, the nested deterministic INT8 budget of `int4_mixed`, and a measured selection that spends the same budget where the quantization error actually is.
@@ -42,6 +43,7 @@ from .models import *
 from .policy import *
 from .recipe import *
 from .convert import *
+from .lora import merge_loras, read_lora
 from .validate import *
 from .explore import *
 from .attention_explore import *

@@ -19,12 +19,11 @@ from .comfy import expert_tensors, file_value, split_bank
 # %% auto #0
 __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'INDEX_SUFFIX', 'LEGACY_QMETA', 'LEGACY_MARKER', 'ATTENTION_KEY',
            'ATTENTION_METHODS', 'PROVENANCE_KEYS', 'CheckpointError', 'CheckpointWarning', 'TensorInfo', 'read_header',
-           'shard_index', 'convert_legacy', 'file_state', 'Checkpoint', 'open_checkpoint', 'AttentionChoice',
-           'attention_entries', 'encode_attention', 'decode_attention', 'select_attention', 'attention_available',
-           'sol_applicable', 'split_key', 'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'stale_temp_files',
-           'temp_file', 'DiskFullError', 'save_file', 'comfy_unread', 'load_file', 'StreamingWriter', 'ShardedWriter',
-           'sha256_file', 'write_sha256', 'provenance', 'inspect_checkpoint', 'size_ratio', 'text_table',
-           'format_inspect']
+           'shard_index', 'convert_legacy', 'Checkpoint', 'open_checkpoint', 'AttentionChoice', 'attention_entries',
+           'encode_attention', 'decode_attention', 'select_attention', 'attention_available', 'sol_applicable',
+           'split_key', 'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'stale_temp_files', 'save_file',
+           'comfy_unread', 'load_file', 'StreamingWriter', 'ShardedWriter', 'sha256_file', 'write_sha256', 'provenance',
+           'inspect_checkpoint', 'size_ratio', 'text_table', 'format_inspect']
 
 # %% ../nbs/11_checkpoint.ipynb #5a7c0e11
 from .tensor import check_stray_scales

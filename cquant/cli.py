@@ -7,8 +7,9 @@ Docs: https://cquant-dev.github.io/cquant/cli.html.md"""
 # %% auto #0
 __all__ = ['cmd_inspect', 'add_inspect_parser', 'cmd_validate', 'add_validate_parser', 'policy_from_args', 'cmd_quantize',
            'add_quantize_parser', 'cmd_plan', 'add_plan_parser', 'cmd_recipe', 'add_recipe_parser', 'cmd_report',
-           'add_report_parser', 'cmd_demo', 'add_demo_parser', 'cmd_convert', 'add_convert_parser', 'cmd_attention',
-           'add_attention_parser', 'formats_table', 'presets_table', 'build_parser', 'Terminated', 'main']
+           'add_report_parser', 'cmd_demo', 'add_demo_parser', 'cmd_convert', 'add_convert_parser', 'lora_arg',
+           'cmd_merge_lora', 'add_merge_lora_parser', 'cmd_attention', 'add_attention_parser', 'formats_table',
+           'presets_table', 'build_parser', 'Terminated', 'main']
 
 # %% ../nbs/18_cli.ipynb #a82e8daa
 import argparse, glob, json, os, signal, sys, threading, time, warnings
@@ -22,6 +23,7 @@ from .record import open_calibration, RECORD_RECIPE
 from .policy import MODES, PRESETS, SELECTIONS, Policy, PolicyWarning, layer_source
 from .convert import (check_outputs, convert_checkpoint, demo, plan_table, preset_name, quantize_checkpoint,
                             report_error, save_plot)
+from .lora import merge_loras
 from .minilm import fetch_minilm
 from .attention import attention_report, parse_preferences, set_attention
 
@@ -304,6 +306,37 @@ def add_convert_parser(subparsers):
     return p
 
 
+# %% ../nbs/18_cli.ipynb #a1605a9b
+def lora_arg(s:str) -> tuple:
+    "`(path, strength)` of `PATH[:STRENGTH]` (a path that exists as given is never split)."
+    path, _, tail = s.rpartition(':')
+    if not path or os.path.exists(s): return s, 1.0
+    try: return path, float(tail)
+    except ValueError: return s, 1.0
+
+def cmd_merge_lora(args) -> int:
+    "Run `cquant merge-lora`."
+    loras = [lora_arg(s) for s in args.loras]
+    r = merge_loras(args.base, [p for p, _ in loras], args.dst, strengths=[s for _, s in loras], allow_unmatched=args.allow_unmatched)
+    if args.json: print(json.dumps(r, indent=1, default=str)); return 0
+    if r['modules']:
+        print(text_table(['module', 'format', 'SQNR vs float merge (dB)'],
+                         [[m, v['format'] or 'float', f"{v['sqnr']:.2f}"] for m, v in r['modules'].items()]))
+    print(f"{len(r['modules'])} module(s) patched" + (f", {r['unmatched']} LoRA module(s) matched nothing (skipped)" if r['unmatched'] else ''))
+    print(f"wrote {r['dst']}")
+    return 0
+
+def add_merge_lora_parser(subparsers):
+    "Add `cquant merge-lora BASE LORA[:STRENGTH]... DST`."
+    p = subparsers.add_parser('merge-lora', help='bake LoRA files into a checkpoint, each quantized module kept in its format')
+    p.add_argument('base', help='a float or Comfy-quantized .safetensors checkpoint (or a sharded folder)')
+    p.add_argument('loras', nargs='+', metavar='LORA[:STRENGTH]', help='LoRA files (kohya, diffusers/PEFT, ComfyUI names), applied in order')
+    p.add_argument('dst', help='output .safetensors (replaced only on success; never the base)')
+    p.add_argument('--allow-unmatched', action='store_true', help='skip LoRA modules that match no module (default: refuse)')
+    p.add_argument('--json', action='store_true', help='machine-readable summary')
+    p.set_defaults(func=cmd_merge_lora)
+    return p
+
 # %% ../nbs/18_cli.ipynb #2ec94035
 def _attention_set(args) -> int:
     if len(args.paths) != 3 or not args.module or len(args.module) != len(args.prefer or ()):
@@ -386,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument('--json', action='store_true', help='print JSON on stdout')
     m.set_defaults(func=_cmd_fetch_minilm)
     for add in (add_demo_parser, add_quantize_parser, add_plan_parser, add_recipe_parser, add_report_parser,
-                add_inspect_parser, add_validate_parser, add_convert_parser, add_attention_parser): add(sub)
+                add_inspect_parser, add_validate_parser, add_convert_parser, add_merge_lora_parser, add_attention_parser): add(sub)
     return p
 
 # %% ../nbs/18_cli.ipynb #a79744f0

@@ -124,7 +124,7 @@ LAYERS = (
     ('models', {'models', 'minilm'}),
     ('validation', {'validate'}),
     ('calibration and policy', {'calibrate', 'record', 'policy', 'recipe', 'rounding'}),
-    ('jobs', {'convert'}),
+    ('jobs', {'convert', 'lora'}),
     ('cli', {'cli'}),
     ('on top', {'explore', 'quality', 'evaluate', 'attention_explore'}),
     ('package', {'__init__'}),
