@@ -332,6 +332,7 @@ class Checkpoint(Mapping):
         self._state = state             # `file_state(file)` when opened ({file: state} for shards): checked before each read
         self._handle, self._fh, self._hash = {}, {}, None
         self._modules = self._groups = None
+        self.patches = {}                # {key: fn(tensor) -> tensor of the same dtype and shape}, applied as `key` is read
         self._lock = threading.Lock()    # opening files and mappings; reads themselves are positional (pread), so threads may read at once
 
     @classmethod
@@ -368,7 +369,8 @@ class Checkpoint(Mapping):
     def __contains__(self, k): return k in self._entries
     def __getitem__(self, key:str) -> torch.Tensor:
         v = self._entries[key]
-        return v if isinstance(v, torch.Tensor) else self._read(key, v)
+        t = v if isinstance(v, torch.Tensor) else self._read(key, v)
+        return self.patches[key](t) if key in self.patches else t
 
     def info(self, key:str) -> TensorInfo:
         "dtype, shape and bytes of `key` without reading it."

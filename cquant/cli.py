@@ -317,11 +317,15 @@ def lora_arg(s:str) -> tuple:
 def cmd_merge_lora(args) -> int:
     "Run `cquant merge-lora`."
     loras = [lora_arg(s) for s in args.loras]
-    r = merge_loras(args.base, [p for p, _ in loras], args.dst, strengths=[s for _, s in loras], allow_unmatched=args.allow_unmatched)
-    if args.json: print(json.dumps(r, indent=1, default=str)); return 0
+    given = any(getattr(args, a) for a in ('mode', 'preset', 'ratio', 'selection', 'rounding', 'convrot_groupsize', 'recipe',
+                                           'policy', 'keep_float', 'int4_sensitive'))
+    r = merge_loras(args.base, [p for p, _ in loras], args.dst, [s for _, s in loras], policy_from_args(args) if given else None,
+                    args.allow_unmatched, progress=given and not args.json)
+    if args.json: print(json.dumps({**r, 'report': r['report'].to_dict()} if 'report' in r else r, indent=1)); return 0
+    if 'report' in r: print(r['report'].table())
     if r['modules']:
-        print(text_table(['module', 'format', 'SQNR vs float merge (dB)'],
-                         [[m, v['format'] or 'float', f"{v['sqnr']:.2f}"] for m, v in r['modules'].items()]))
+        print('\n'.join(text_table(['module', 'format', 'SQNR vs float merge (dB)'],
+                                   [[m, v['format'] or 'float', f"{v['sqnr']:.2f}"] for m, v in r['modules'].items()])))
     print(f"{len(r['modules'])} module(s) patched" + (f", {r['unmatched']} LoRA module(s) matched nothing (skipped)" if r['unmatched'] else ''))
     print(f"wrote {r['dst']}")
     return 0
@@ -333,6 +337,7 @@ def add_merge_lora_parser(subparsers):
     p.add_argument('loras', nargs='+', metavar='LORA[:STRENGTH]', help='LoRA files (kohya, diffusers/PEFT, ComfyUI names), applied in order')
     p.add_argument('dst', help='output .safetensors (replaced only on success; never the base)')
     p.add_argument('--allow-unmatched', action='store_true', help='skip LoRA modules that match no module (default: refuse)')
+    _add_policy_args(p)     # any of them: quantize a float base while merging (one pass), as `cquant quantize` would
     p.add_argument('--json', action='store_true', help='machine-readable summary')
     p.set_defaults(func=cmd_merge_lora)
     return p
@@ -355,8 +360,8 @@ def cmd_attention(args) -> int:
     rows = attention_report(args.paths[0], args.device)
     if args.json: print(json.dumps(rows, indent=1)); return 0
     if not rows: print(f"{args.paths[0]}: no attention preferences"); return 0
-    print(text_table(['module', 'stored preferences', 'cquant runs', 'ComfyUI runs'],
-                     [[r['module'], json.dumps(r['stored']), r['cquant'], r['comfyui']] for r in rows]))
+    print('\n'.join(text_table(['module', 'stored preferences', 'cquant runs', 'ComfyUI runs'],
+                               [[r['module'], json.dumps(r['stored']), r['cquant'], r['comfyui']] for r in rows])))
     for r in rows:
         if r['unknown']: print(f"warning: {r['module']}: unknown attention methods {r['unknown']} (skipped)")
     print("(at call time masked calls, and Q/K/V outside SOL's rule -- fp16/bf16, head dim 128 -- run exact attention)")

@@ -618,6 +618,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                         device='cpu', # where the weights are quantized (GPTQ, MSE: 'cuda' when there is one)
                         shard_size=None, # e.g. '5GB': write HF-style shards and an index into the folder `dst`
                         hash_output:bool=False, # also write `dst`.sha256 (sha256sum format)
+                        patches:dict|None=None, # {key: fn(tensor) -> tensor}: applied to the source's tensors as they are read (`merge_loras`)
                        ) -> Report:
     "Quantize checkpoint `src` into `dst` following `policy`, streaming tensor by tensor; returns the per-layer `Report`."
     from tqdm import tqdm
@@ -630,6 +631,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
     if cal is not None: cal.prepare()               # a file conversion has no model: inputs or statistics per layer
     with malloc_arenas(1), open_checkpoint(src) as ck:     # one arena: the job's threads share freed heap memory
         ck.modules()                                # the rule load_file applies (stray scales, shapes): refuse before writing
+        ck.patches.update(patches or {})
         layers, groups = layer_source(ck), ck.groups()
         if cal is not None: cal.for_layers({m: i.shape for m, i in layers.infos.items()}, src)
         if plan is None: plan = policy.plan(ck, None if cal is None else cal.selection_data())

@@ -7,7 +7,7 @@ Docs: https://cquant-dev.github.io/cquant/lora.html.md"""
 
 # %% ../nbs/17b_lora.ipynb #3ae67f81
 from __future__ import annotations
-import difflib, json, math, os, warnings
+import difflib, functools, json, math, os, warnings
 from dataclasses import dataclass
 import torch
 
@@ -15,7 +15,7 @@ from .numerics import sqnr
 from .tensor import quantize
 from .checkpoint import Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, open_checkpoint, split_key, sha256_file
 from .modules import lora_delta, requantize_options
-from .convert import check_outputs, _source_names
+from .convert import check_outputs, quantize_checkpoint, _source_names
 
 # %% auto #0
 __all__ = ['LORA_SUFFIXES', 'LORA_EXTRAS', 'UNSUPPORTED', 'BASE_PREFIXES', 'LoraPatch', 'read_lora', 'lora_names', 'match_loras',
@@ -167,15 +167,17 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
                 loras, # LoRA files (or state dicts), applied in this order
                 dst, # the merged checkpoint (replaced atomically on success; never the base)
                 strengths=None, # one per LoRA (default 1.0 each)
+                policy=None, # a `Policy`: quantize a float base while merging (one pass, no float file in between)
                 allow_unmatched:bool=False, # LoRA modules that match no module: skipped with a warning, else an error
-               ) -> dict: # src, dst, {module: {format, sqnr}} of the patched modules, unmatched (count)
+                progress:bool=False, # with a policy: quantize_checkpoint's progress bar
+               ) -> dict: # src, dst, {module: {format, sqnr}} of the patched modules, unmatched (count), report (with a policy)
     "Bake `loras` into `base`: patched quantized modules re-quantized in their own format and options, float ones in their dtype."
     loras = list(loras) if isinstance(loras, (list, tuple)) else [loras]
     strengths = [1.0] * len(loras) if strengths is None else [float(s) for s in strengths]
     if len(strengths) != len(loras): raise ValueError(f"merge_loras: {len(loras)} LoRA(s) but {len(strengths)} strength(s)")
     base, dst = os.fspath(base), os.fspath(dst)
     check_outputs('merge_loras', _source_names(base), {'destination': dst})
-    files = [read_lora(l) for l in loras]
+    files, meta = [read_lora(l) for l in loras], {'cquant_loras': _provenance(loras, strengths)}
     with open_checkpoint(base) as ck:
         mods, groups = ck.modules(), ck.groups()
         per_module, unmatched = {}, 0
@@ -183,16 +185,16 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
             got, missing = match_loras(f, [m for m, keys in groups.items() if 'weight' in keys], allow_unmatched)
             unmatched += len(missing)
             for m, p in got.items(): per_module.setdefault(m, []).append((p, s))
-        rows = {}
-        with StreamingWriter(dst, {**ck.metadata, 'cquant_loras': _provenance(loras, strengths)}) as w:
-            for key in ck.file_order():
-                m, s = split_key(key)
-                if m not in per_module: w.add(key, ck[key]); continue
-                e = mods.get(m)
-                if s == 'weight':
-                    for k, t in _merge_module(ck, m, e, groups[m], per_module[m], rows).items(): w.add(k, t)
-                elif not (s == 'weight' or e is not None and e.quantized and s in e.spec.weight_keys): w.add(key, ck[key])
-    return dict(src=base, dst=dst, modules=rows, unmatched=unmatched)
+        if policy is None:
+            rows = _bake(ck, dst, per_module, mods, groups, meta)
+            return dict(src=base, dst=dst, modules=rows, unmatched=unmatched)
+    stored = [m for m in per_module if m in mods and mods[m].quantized]
+    if stored: raise ValueError(f"merge_loras: with a policy the LoRAs must patch float modules; {len(stored)} are stored "
+                                f"quantized (first {stored[0]!r}): merge without a policy to keep their formats, or use the float base")
+    patches = {groups[m]['weight']: functools.partial(_merged_float, m, per_module[m]) for m in per_module}
+    rep = quantize_checkpoint(base, dst, policy, progress, metadata=meta, patches=patches)
+    rows = {r['name']: dict(format=r['format'], sqnr=r['sqnr_db']) for r in rep.layers if r['name'] in per_module}
+    return dict(src=base, dst=dst, modules=rows, unmatched=unmatched, report=rep)
 
 # %% ../nbs/17b_lora.ipynb #13e34432
 def _provenance(loras, strengths) -> str:
@@ -200,6 +202,27 @@ def _provenance(loras, strengths) -> str:
     path = lambda l: isinstance(l, (str, os.PathLike))
     return json.dumps([dict(file=os.path.basename(l) if path(l) else 'state dict', sha256=sha256_file(l) if path(l) else None,
                             strength=s) for l, s in zip(loras, strengths)], separators=(',', ':'))
+
+def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:dict) -> dict:
+    "Stream `ck` into `dst`, each module of `per_module` merged (`_merge_module`); the rows of the patched modules."
+    rows = {}
+    with StreamingWriter(dst, {**ck.metadata, **meta}) as w:
+        for key in ck.file_order():
+            m, s = split_key(key)
+            if m not in per_module: w.add(key, ck[key]); continue
+            e = mods.get(m)
+            if s == 'weight':
+                for k, t in _merge_module(ck, m, e, groups[m], per_module[m], rows).items(): w.add(k, t)
+            elif not (e is not None and e.quantized and s in e.spec.weight_keys): w.add(key, ck[key])
+    return rows
+
+def _merged_float(m:str, patches:list, w:torch.Tensor) -> torch.Tensor:
+    "Weight `w` of module `m` with its LoRAs merged in float32, returned in `w`'s dtype."
+    merged = w
+    for p, strength in patches:
+        try: merged = merge_patch(merged, p, strength)
+        except ValueError as err: raise CheckpointError(p.source, f"{err} (checkpoint module {m!r})") from None
+    return merged.to(w.dtype)
 
 def _merge_module(ck:Checkpoint, m:str, e, keys:dict, patches:list, rows:dict) -> dict:
     "The new tensors of module `m`: its weight (and, quantized, its scales), or its stored ones if the LoRAs change nothing."
@@ -209,10 +232,7 @@ def _merge_module(ck:Checkpoint, m:str, e, keys:dict, patches:list, rows:dict) -
     stored = qt.dequantize(torch.float32) if quantized else ck[keys['weight']]
     s = ck[keys['pre_quant_scale']].float() if 'pre_quant_scale' in keys else torch.ones(())
     real = stored.float() * s
-    merged = real
-    for p, strength in patches:
-        try: merged = merge_patch(merged, p, strength)
-        except ValueError as err: raise CheckpointError(p.source, f"{err} (checkpoint module {m!r})") from None
+    merged = _merged_float(m, patches, real)
     if torch.equal(merged, real): return {k: ck[k] for k in own}          # nothing changed: the stored bytes
     merged = merged / s
     new = quantize(merged, qt.format, name=prefix + 'weight', **requantize_options(qt)) if quantized else merged.to(stored.dtype)

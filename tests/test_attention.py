@@ -31,6 +31,7 @@ def test_cli_set_then_list(dit, tmp_path):
     assert all(r['stored'] == PREF and r['cquant'] == 'comfy_kitchen_sol (reference)' for r in rows)
     rc, out, _ = cquant('attention', dst, '--device', 'cpu')
     assert rc == 0 and 'blocks.3.attn' in out and "SOL's rule" in out
+    assert out.splitlines()[0].split() == ['module', 'stored', 'preferences', 'cquant', 'runs', 'ComfyUI', 'runs']   # a table, not a list
     other = {k: v for k, v in cq.load_file(dit).items()}
     got = cq.load_file(dst)
     assert sorted(set(got) - set(other)) == [f'blocks.{i}.attn.comfy_attention.config' for i in (1, 2, 3)]

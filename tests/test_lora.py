@@ -82,7 +82,9 @@ def test_every_format_rebaked_in_its_own_format(base, tmp_path):
     cq.save_file(l1, tmp_path / 'k.safetensors'); cq.save_file(l2, tmp_path / 'p.safetensors')
     rc, out, err = cquant('merge-lora', base, f'{tmp_path}/k.safetensors:0.8', tmp_path / 'p.safetensors', tmp_path / 'm.safetensors')
     assert rc == 0, err
-    assert f"{len(PLAN)} module(s) patched" in out and 'blocks.1.v' in out
+    assert f"{len(PLAN)} module(s) patched" in out
+    assert out.splitlines()[0].split() == ['module', 'format', 'SQNR', 'vs', 'float', 'merge', '(dB)']
+    assert any(l.split()[:2] == ['blocks.1.v', 'asym_w4a8_int8'] for l in out.splitlines())
     got, src = cq.load_file(tmp_path / 'm.safetensors'), cq.load_file(base)
     assert sorted(got) == sorted(src)
     for k, t in expected(base, [l1, l2], [0.8, 1.0]).items(): check_bits(got[k], t, k)
@@ -118,7 +120,8 @@ def test_merged_model_output_moves_toward_the_float_merge(base, tmp_path):
 
 
 def test_dora_and_float_base_then_quantize_equals_quantizing_the_float_merge(tmp_path):
-    "Merging into a float base, then quantize_checkpoint, is quantize_checkpoint of the float merge made by hand."
+    """Merging into a float base, then quantize_checkpoint, is quantize_checkpoint of the float merge made by hand, and so
+    is merge_loras with the policy (one pass)."""
     w = float_weights()
     cq.save_file({f'{m}.weight': t for m, t in w.items()}, tmp_path / 'f.safetensors')
     lora = kohya(list(w), dora=True)
@@ -128,12 +131,18 @@ def test_dora_and_float_base_then_quantize_equals_quantizing_the_float_merge(tmp
     cq.save_file(hand, tmp_path / 'hand.safetensors')
     got = cq.load_file(tmp_path / 'fm.safetensors')
     for k, t in hand.items(): check_bits(got[k], t, k)
-    pol = cq.Policy(mode='int8')
+    pol = cq.Policy(mode='int4_mixed')
     cq.quantize_checkpoint(tmp_path / 'fm.safetensors', tmp_path / 'a.safetensors', pol, progress=False)
     cq.quantize_checkpoint(tmp_path / 'hand.safetensors', tmp_path / 'b.safetensors', pol, progress=False)
-    a, b = cq.load_file(tmp_path / 'a.safetensors'), cq.load_file(tmp_path / 'b.safetensors')
-    assert sorted(a) == sorted(b)
-    for k in a: check_bits(a[k], b[k], k)
+    r = cq.merge_loras(tmp_path / 'f.safetensors', [lora], tmp_path / 'c.safetensors', [0.7], pol)   # one pass
+    cq.save_file(lora, tmp_path / 'l.safetensors')
+    rc, out, err = cquant('merge-lora', tmp_path / 'f.safetensors', f'{tmp_path}/l.safetensors:0.7', tmp_path / 'd.safetensors', '--mode', 'int4_mixed')
+    assert rc == 0 and 'convrot_w4a4' in out and f'{len(w)} module(s) patched' in out, err
+    a, b, c, d = (cq.load_file(tmp_path / f'{n}.safetensors') for n in 'abcd')
+    for k in a: check_bits(d[k], b[k], k)
+    assert sorted(a) == sorted(b) == sorted(c) and {cq.decode_json(a[k])['format'] for k in a if k.endswith('comfy_quant')} == {'int8_tensorwise', 'convrot_w4a4'}
+    for k in a: check_bits(a[k], b[k], k); check_bits(c[k], b[k], k)
+    assert set(r['modules']) == set(w) and all(v['format'] for v in r['modules'].values()) and r['report'].layers
 
 
 def test_zero_lora_keeps_every_byte(base, tmp_path):
@@ -188,6 +197,13 @@ def test_unmatched_allowed_is_counted(base, tmp_path):
     rc, out, err = cquant('merge-lora', base, tmp_path / 'l.safetensors', tmp_path / 'm.safetensors', '--allow-unmatched')
     assert rc == 0 and '1 module(s) patched, 1 LoRA module(s) matched nothing (skipped)' in out
     assert "1 LoRA module(s) match no module of the checkpoint (first 'lora_te1_text_model_encoder_layers_0_mlp_fc1'): skipped" in err
+
+
+def test_policy_needs_float_modules(base, tmp_path):
+    cq.save_file(kohya(['blocks.0.q']), tmp_path / 'l.safetensors')
+    with pytest.raises(ValueError, match="with a policy the LoRAs must patch float modules; 1 are stored quantized .first 'blocks.0.q'."):
+        cq.merge_loras(base, [tmp_path / 'l.safetensors'], tmp_path / 'm.safetensors', policy=cq.Policy(mode='int8'))
+    assert not os.path.exists(tmp_path / 'm.safetensors')
 
 
 @pytest.mark.writes_invalid
