@@ -7,7 +7,7 @@ Docs: https://cquant-dev.github.io/cquant/lora.html.md"""
 
 # %% ../nbs/17b_lora.ipynb #3ae67f81
 from __future__ import annotations
-import difflib, functools, json, math, os, warnings
+import difflib, functools, json, math, os, re, warnings
 from dataclasses import dataclass
 import torch
 
@@ -18,8 +18,8 @@ from .modules import lora_delta, requantize_options
 from .convert import check_outputs, quantize_checkpoint, _source_names
 
 # %% auto #0
-__all__ = ['LORA_SUFFIXES', 'LORA_EXTRAS', 'UNSUPPORTED', 'BASE_PREFIXES', 'LoraPatch', 'read_lora', 'lora_names', 'match_loras',
-           'merge_patch', 'merge_loras']
+__all__ = ['LORA_SUFFIXES', 'LORA_EXTRAS', 'UNSUPPORTED', 'BASE_PREFIXES', 'FLUX_DOUBLE', 'FLUX_SINGLE', 'FLUX_TOP', 'LoraPatch',
+           'read_lora', 'lora_names', 'LoraTarget', 'lora_targets', 'match_loras', 'merge_patch', 'merge_loras']
 
 # %% ../nbs/17b_lora.ipynb #e7f43ec8
 LORA_SUFFIXES = (   # (up, down) of each convention ComfyUI reads, in its order
@@ -111,33 +111,91 @@ def _patch(where:str, name:str, p:dict) -> LoraPatch:
 # %% ../nbs/17b_lora.ipynb #53212fdb
 BASE_PREFIXES = ('model.diffusion_model.', 'diffusion_model.')
 
+def _bare(module:str) -> str: return next((module[len(p):] for p in BASE_PREFIXES if module.startswith(p)), module)
+
 def lora_names(module:str) -> list:
     "The names a LoRA file may give checkpoint module `module` (ComfyUI's rules; the base's prefix removed first)."
-    bare = next((module[len(p):] for p in BASE_PREFIXES if module.startswith(p)), module)
+    bare = _bare(module)
     flat = bare.replace('.', '_')
     return [f'lora_unet_{flat}', f'diffusion_model.{bare}', bare, f'transformer.{bare}', f'base_model.model.{bare}',
             f'unet.{bare}', f'model.diffusion_model.{bare}', f'lycoris_{flat}', f'lora_transformer_{flat}']
 
+# %% ../nbs/17b_lora.ipynb #56b7440c
+@dataclass(frozen=True)
+class LoraTarget:
+    "Where a LoRA module lands: the checkpoint `module`, the `rows` (start, count) of its weight it patches, `swap`ped halves."
+    module: str
+    rows: tuple|None = None             # None: the whole weight
+    swap: bool = False                  # the delta's two row halves exchanged (diffusers' norm_out.linear)
+
+FLUX_DOUBLE = {   # diffusers name in transformer_blocks.N -> (ComfyUI name in double_blocks.N, part of a fused qkv or None)
+    'attn.to_q': ('img_attn.qkv', 0), 'attn.to_k': ('img_attn.qkv', 1), 'attn.to_v': ('img_attn.qkv', 2),
+    'attn.add_q_proj': ('txt_attn.qkv', 0), 'attn.add_k_proj': ('txt_attn.qkv', 1), 'attn.add_v_proj': ('txt_attn.qkv', 2),
+    'attn.to_out.0': ('img_attn.proj', None), 'attn.to_add_out': ('txt_attn.proj', None),
+    'norm1.linear': ('img_mod.lin', None), 'norm1_context.linear': ('txt_mod.lin', None),
+    'ff.net.0.proj': ('img_mlp.0', None), 'ff.net.2': ('img_mlp.2', None),
+    'ff_context.net.0.proj': ('txt_mlp.0', None), 'ff_context.net.2': ('txt_mlp.2', None)}
+FLUX_SINGLE = {   # in single_transformer_blocks.N -> in single_blocks.N; part 3: linear1's MLP rows after q, k, v
+    'attn.to_q': ('linear1', 0), 'attn.to_k': ('linear1', 1), 'attn.to_v': ('linear1', 2), 'proj_mlp': ('linear1', 3),
+    'proj_out': ('linear2', None), 'norm.linear': ('modulation.lin', None)}
+FLUX_TOP = {'x_embedder': 'img_in', 'context_embedder': 'txt_in', 'proj_out': 'final_layer.linear',
+            'norm_out.linear': 'final_layer.adaLN_modulation.1',
+            **{f'time_text_embed.{d}_embedder.linear_{i + 1}': f'{c}.{l}' for d, c in
+               (('timestep', 'time_in'), ('text', 'vector_in'), ('guidance', 'guidance_in'))
+               for i, l in enumerate(('in_layer', 'out_layer'))}}
+
+# %% ../nbs/17b_lora.ipynb #c27ac634
+def _flux_targets(shapes:dict) -> dict:
+    "`{diffusers name: LoraTarget}` for a ComfyUI FLUX checkpoint's modules (empty for other models)."
+    by_bare, out = {_bare(m): m for m in shapes}, {}
+    def add(d:str, bare:str, part=None, hidden=None, swap=False):
+        if bare not in by_bare: return
+        m = by_bare[bare]
+        rows = None if part is None else (part * hidden, hidden if part < 3 else shapes[m][0] - 3 * hidden)
+        out[d] = LoraTarget(m, rows, swap)
+    for bare in by_bare:
+        if (hit := re.fullmatch(r'double_blocks\.(\d+)\.img_attn\.qkv', bare)):
+            i, h = hit[1], shapes[by_bare[bare]][0] // 3
+            for d, (c, part) in FLUX_DOUBLE.items(): add(f'transformer_blocks.{i}.{d}', f'double_blocks.{i}.{c}', part, h)
+        if (hit := re.fullmatch(r'single_blocks\.(\d+)\.linear2', bare)):
+            i, h = hit[1], shapes[by_bare[bare]][0]
+            for d, (c, part) in FLUX_SINGLE.items(): add(f'single_transformer_blocks.{i}.{d}', f'single_blocks.{i}.{c}', part, h)
+    if out:
+        for d, c in FLUX_TOP.items(): add(d, c, swap=d == 'norm_out.linear')
+    return out
+
+def lora_targets(shapes:dict, # {checkpoint module: weight shape}
+                ) -> dict: # {name a LoRA may use: LoraTarget}
+    "Every name a LoRA may give each module of a checkpoint: ComfyUI's generic rules, and FLUX's diffusers names."
+    out = {}
+    for d, t in _flux_targets(shapes).items():
+        flat = d.replace('.', '_')
+        for n in (f'transformer.{d}', d, f'lycoris_{flat}', f'lora_transformer_{flat}'): out.setdefault(n, t)
+    for m in shapes:
+        for n in lora_names(m): out.setdefault(n, LoraTarget(m))
+    return out
+
 # %% ../nbs/17b_lora.ipynb #ac653271
 def match_loras(patches:dict, # {name in the LoRA file: LoraPatch}, one file's
-                modules, # the checkpoint's module names (those with a weight)
+                shapes:dict, # {checkpoint module: weight shape}, the modules that have a weight
                 allow_unmatched:bool=False, # skip what matches no module, with a warning (else an error)
-               ) -> tuple: # ({module: LoraPatch}, [LoRA names that match nothing])
-    "The checkpoint module of each LoRA module; a name that matches none is an error naming the closest modules."
-    targets, got, missing = {}, {}, []
-    for m in modules:
-        for n in lora_names(m): targets.setdefault(n, m)
+               ) -> tuple: # ({module: [(LoraPatch, LoraTarget)]}, [LoRA names that match nothing])
+    "The checkpoint module (and rows) of each LoRA module; a name that matches none is an error naming the closest modules."
+    targets, got, seen, missing = lora_targets(shapes), {}, {}, []
     for name, p in patches.items():
-        if (m := targets.get(name)) is None: missing.append(name); continue
-        if m in got: raise CheckpointError(p.source, f"LoRA modules {got[m].name!r} and {name!r} both patch module {m!r}")
-        got[m] = p
+        if (t := targets.get(name)) is None: missing.append(name); continue
+        if (t.module, t.rows) in seen:
+            raise CheckpointError(p.source, f"LoRA modules {seen[t.module, t.rows]!r} and {name!r} both patch module {t.module!r}"
+                                            + (f" rows {t.rows}" if t.rows else ''))
+        seen[t.module, t.rows] = name
+        got.setdefault(t.module, []).append((p, t))
     if not missing: return got, missing
     src, first = patches[missing[0]].source, missing[0]
     if allow_unmatched:
         warnings.warn(f"{src}: {len(missing)} LoRA module(s) match no module of the checkpoint (first {first!r}): skipped",
                       CheckpointWarning, stacklevel=3)
         return got, missing
-    near = [targets[n] for n in difflib.get_close_matches(first, list(targets), n=3, cutoff=0.5)]
+    near = [targets[n].module for n in difflib.get_close_matches(first, list(targets), n=3, cutoff=0.5)]
     te = ' (a text-encoder LoRA: this checkpoint has no text encoder)' if first.startswith(('lora_te', 'text_encoder')) else ''
     raise CheckpointError(src, f"{len(missing)} LoRA module(s) match no module of the checkpoint, first {first!r}{te}; "
                                f"closest modules: {list(dict.fromkeys(near)) or 'none'} (allow_unmatched=True or "
@@ -181,10 +239,12 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
     with open_checkpoint(base) as ck:
         mods, groups = ck.modules(), ck.groups()
         per_module, unmatched = {}, 0
+        shapes = {m: tuple(mods[m].shape) if m in mods and mods[m].quantized else tuple(ck.info(keys['weight']).shape)
+                  for m, keys in groups.items() if 'weight' in keys}
         for f, s in zip(files, strengths):
-            got, missing = match_loras(f, [m for m, keys in groups.items() if 'weight' in keys], allow_unmatched)
+            got, missing = match_loras(f, shapes, allow_unmatched)
             unmatched += len(missing)
-            for m, p in got.items(): per_module.setdefault(m, []).append((p, s))
+            for m, pts in got.items(): per_module.setdefault(m, []).extend((p, s, t) for p, t in pts)
         if policy is None:
             rows = _bake(ck, dst, per_module, mods, groups, meta)
             return dict(src=base, dst=dst, modules=rows, unmatched=unmatched)
@@ -216,12 +276,24 @@ def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:
             elif not (e is not None and e.quantized and s in e.spec.weight_keys): w.add(key, ck[key])
     return rows
 
+def _swap(w:torch.Tensor) -> torch.Tensor: return torch.cat([w[w.shape[0] // 2:], w[:w.shape[0] // 2]])
+
+def _apply(w:torch.Tensor, p:LoraPatch, strength:float, t:LoraTarget) -> torch.Tensor:
+    "`merge_patch` on the rows `t` names (in the LoRA's order of halves if `t.swap`), float32."
+    w = _swap(w.float()) if t.swap else w.float()
+    if t.rows is None: out = merge_patch(w, p, strength)
+    else:
+        a, n = t.rows
+        out = torch.cat([w[:a], merge_patch(w[a:a + n], p, strength), w[a + n:]])
+    return _swap(out) if t.swap else out
+
 def _merged_float(m:str, patches:list, w:torch.Tensor) -> torch.Tensor:
-    "Weight `w` of module `m` with its LoRAs merged in float32, returned in `w`'s dtype."
+    "Weight `w` of module `m` with its LoRAs `[(patch, strength, target)]` merged in float32, returned in `w`'s dtype."
     merged = w
-    for p, strength in patches:
-        try: merged = merge_patch(merged, p, strength)
-        except ValueError as err: raise CheckpointError(p.source, f"{err} (checkpoint module {m!r})") from None
+    for p, strength, t in patches:
+        try: merged = _apply(merged, p, strength, t)
+        except ValueError as err:
+            raise CheckpointError(p.source, f"{err} (checkpoint module {m!r}{f' rows {t.rows}' if t.rows else ''})") from None
     return merged.to(w.dtype)
 
 def _merge_module(ck:Checkpoint, m:str, e, keys:dict, patches:list, rows:dict) -> dict:
