@@ -11,11 +11,11 @@ import difflib, functools, json, math, os, re, warnings
 from dataclasses import dataclass
 import torch
 
-from .numerics import sqnr
+from .numerics import energy_db, sqnr
 from .tensor import quantize
 from .checkpoint import Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, open_checkpoint, split_key, sha256_file
 from .modules import lora_delta, requantize_options
-from .convert import check_outputs, quantize_checkpoint, _source_names
+from .convert import check_outputs, quantize_checkpoint, _source_names, _write_quantized
 
 # %% auto #0
 __all__ = ['LORA_SUFFIXES', 'LORA_EXTRAS', 'UNSUPPORTED', 'BASE_PREFIXES', 'FLUX_DOUBLE', 'FLUX_SINGLE', 'FLUX_TOP', 'LoraPatch',
@@ -264,16 +264,15 @@ def _provenance(loras, strengths) -> str:
                             strength=s) for l, s in zip(loras, strengths)], separators=(',', ':'))
 
 def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:dict) -> dict:
-    "Stream `ck` into `dst`, each module of `per_module` merged (`_merge_module`); the rows of the patched modules."
+    "Stream `ck` into `dst`, each module of `per_module` merged where its weight comes (`_merge_module`); the patched modules' rows."
     rows = {}
     with StreamingWriter(dst, {**ck.metadata, **meta}) as w:
         for key in ck.file_order():
             m, s = split_key(key)
-            if m not in per_module: w.add(key, ck[key]); continue
             e = mods.get(m)
-            if s == 'weight':
-                for k, t in _merge_module(ck, m, e, groups[m], per_module[m], rows).items(): w.add(k, t)
-            elif not (e is not None and e.quantized and s in e.spec.weight_keys): w.add(key, ck[key])
+            own = ('weight', 'comfy_quant', *e.spec.weight_keys) if e is not None and e.quantized else ('weight',)
+            if m not in per_module or s not in own: w.add(key, ck[key])
+            elif s == 'weight': _merge_module(w, ck, m, e, groups[m], per_module[m], rows)
     return rows
 
 def _swap(w:torch.Tensor) -> torch.Tensor: return torch.cat([w[w.shape[0] // 2:], w[:w.shape[0] // 2]])
@@ -296,17 +295,23 @@ def _merged_float(m:str, patches:list, w:torch.Tensor) -> torch.Tensor:
             raise CheckpointError(p.source, f"{err} (checkpoint module {m!r}{f' rows {t.rows}' if t.rows else ''})") from None
     return merged.to(w.dtype)
 
-def _merge_module(ck:Checkpoint, m:str, e, keys:dict, patches:list, rows:dict) -> dict:
-    "The new tensors of module `m`: its weight (and, quantized, its scales), or its stored ones if the LoRAs change nothing."
+def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches:list, rows:dict):
+    "Write module `m`'s weight (and, quantized, its scales and comfy_quant) with its LoRAs merged; as stored if they change nothing."
     prefix, quantized = (m + '.' if m else ''), e is not None and e.quantized
-    own = [k for s, k in keys.items() if s == 'weight' or quantized and s in e.spec.weight_keys]
     qt = ck.quantized(m, e.shape) if quantized else None
     stored = qt.dequantize(torch.float32) if quantized else ck[keys['weight']]
     s = ck[keys['pre_quant_scale']].float() if 'pre_quant_scale' in keys else torch.ones(())
     real = stored.float() * s
     merged = _merged_float(m, patches, real)
-    if torch.equal(merged, real): return {k: ck[k] for k in own}          # nothing changed: the stored bytes
+    if torch.equal(merged, real):                                      # nothing changed: the stored bytes
+        for k in (k for x, k in keys.items() if x in ('weight', 'comfy_quant') or quantized and x in e.spec.weight_keys): w.add(k, ck[k])
+        return
     merged = merged / s
-    new = quantize(merged, qt.format, name=prefix + 'weight', **requantize_options(qt)) if quantized else merged.to(stored.dtype)
-    rows[m] = dict(format=qt.format if quantized else None, sqnr=sqnr(merged, new.dequantize(torch.float32) if quantized else new.float()))
-    return new.state_dict(prefix) if quantized else {prefix + 'weight': new}
+    if quantized:
+        got = _write_quantized(w, merged, prefix + 'weight', prefix, qt.format, requantize_options(qt))
+        rows[m] = dict(format=qt.format, sqnr=energy_db(got['sig'], got['noise']))
+    else:
+        new = merged.to(stored.dtype)
+        w.add(prefix + 'weight', new)
+        rows[m] = dict(format=None, sqnr=sqnr(merged, new.float()))
+
