@@ -11,11 +11,11 @@ import difflib, functools, json, math, os, re, warnings
 from dataclasses import dataclass
 import torch
 
-from .numerics import energy_db, sqnr
+from .numerics import energy_db
 from .tensor import quantize
 from .checkpoint import Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, open_checkpoint, split_key, sha256_file
 from .modules import lora_delta, requantize_options
-from .convert import check_outputs, quantize_checkpoint, _source_names, _write_quantized
+from .convert import check_outputs, quantize_checkpoint, _err, _source_names, _write_quantized
 
 # %% auto #0
 __all__ = ['LORA_SUFFIXES', 'LORA_EXTRAS', 'UNSUPPORTED', 'BASE_PREFIXES', 'FLUX_DOUBLE', 'FLUX_SINGLE', 'FLUX_TOP', 'LoraPatch',
@@ -202,18 +202,27 @@ def match_loras(patches:dict, # {name in the LoRA file: LoraPatch}, one file's
                                "--allow-unmatched skips them)")
 
 # %% ../nbs/17b_lora.ipynb #af209082
+def _factors(p:LoraPatch, w:torch.Tensor) -> tuple:
+    "`p`'s up and down as float32 matrices, checked against weight `w`."
+    up, down = p.up.float().reshape(p.up.shape[0], -1), p.down.float().reshape(p.rank, -1)
+    if up.shape[0] * down.shape[1] != w.numel():
+        raise ValueError(f"{p.source}: LoRA module {p.name!r}: up {tuple(p.up.shape)} @ down {tuple(p.down.shape)} is "
+                         f"{(up.shape[0], down.shape[1])}, the weight {tuple(w.shape)}")
+    return up, down
+
+def _add_lora_(out:torch.Tensor, p:LoraPatch, strength:float) -> torch.Tensor:
+    "`out += strength * scale * U @ D` in place (`out` contiguous float32): one GEMM, no delta tensor."
+    up, down = _factors(p, out)
+    return out.view(up.shape[0], -1).addmm_(up, down, alpha=strength * (1.0 if p.alpha is None else p.alpha / p.rank)).view(out.shape)
+
 def merge_patch(w:torch.Tensor, # the weight, any float dtype
                 p:LoraPatch, # one module's LoRA
                 strength:float=1.0, # the LoRA's strength
                ) -> torch.Tensor: # the merged weight, float32
     "ComfyUI's LoRA, or DoRA, applied to `w` in float32."
-    w = w.float()
-    delta = lora_delta(p.up, p.down, p.alpha)
-    if delta.numel() != w.numel():
-        raise ValueError(f"{p.source}: LoRA module {p.name!r}: up {tuple(p.up.shape)} @ down {tuple(p.down.shape)} is "
-                         f"{tuple(delta.shape)}, the weight {tuple(w.shape)}")
-    delta = delta.reshape(w.shape)
-    if p.dora_scale is None: return w + strength * delta
+    if p.dora_scale is None: return _add_lora_(w.detach().to(torch.float32, copy=True).contiguous(), p, strength)
+    up, down = _factors(p, w)
+    w, delta = w.float(), lora_delta(up, down, p.alpha).reshape(w.shape)
     merged, m = w + delta, p.dora_scale.float()
     if m.shape[0] == w.shape[0]: n = w.reshape(w.shape[0], -1).norm(dim=1).reshape(-1, *[1] * (w.dim() - 1))
     else: n = merged.transpose(0, 1).reshape(w.shape[1], -1).norm(dim=1).reshape(1, -1, *[1] * (w.dim() - 2))
@@ -277,41 +286,48 @@ def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:
 
 def _swap(w:torch.Tensor) -> torch.Tensor: return torch.cat([w[w.shape[0] // 2:], w[:w.shape[0] // 2]])
 
-def _apply(w:torch.Tensor, p:LoraPatch, strength:float, t:LoraTarget) -> torch.Tensor:
-    "`merge_patch` on the rows `t` names (in the LoRA's order of halves if `t.swap`), float32."
-    w = _swap(w.float()) if t.swap else w.float()
-    if t.rows is None: out = merge_patch(w, p, strength)
-    else:
-        a, n = t.rows
-        out = torch.cat([w[:a], merge_patch(w[a:a + n], p, strength), w[a + n:]])
-    return _swap(out) if t.swap else out
+def _apply_(w:torch.Tensor, p:LoraPatch, strength:float, t:LoraTarget):
+    "Merge `p` into the rows of `w` (float32, contiguous, owned) that `t` names, in place (DoRA and swapped halves through `merge_patch`)."
+    a, n = t.rows or (0, w.shape[0])
+    rows = w[a:a + n]
+    if p.dora_scale is None and not t.swap: _add_lora_(rows, p, strength); return
+    out = merge_patch(_swap(rows) if t.swap else rows, p, strength)
+    rows.copy_(_swap(out) if t.swap else out)
 
-def _merged_float(m:str, patches:list, w:torch.Tensor) -> torch.Tensor:
-    "Weight `w` of module `m` with its LoRAs `[(patch, strength, target)]` merged in float32, returned in `w`'s dtype."
-    merged = w
+def _merge_into(m:str, patches:list, w:torch.Tensor) -> torch.Tensor:
+    "Merge the LoRAs `[(patch, strength, target)]` of module `m` into `w` (float32, owned) in place; `w`."
     for p, strength, t in patches:
-        try: merged = _apply(merged, p, strength, t)
+        try: _apply_(w, p, strength, t)
         except ValueError as err:
             raise CheckpointError(p.source, f"{err} (checkpoint module {m!r}{f' rows {t.rows}' if t.rows else ''})") from None
-    return merged.to(w.dtype)
+    return w
+
+def _merged_float(m:str, patches:list, w:torch.Tensor) -> torch.Tensor:
+    "Weight `w` of module `m` with its LoRAs merged in float32, returned in `w`'s dtype."
+    return _merge_into(m, patches, w.to(torch.float32, copy=True).contiguous()).to(w.dtype)
+
+def _unchanged(patches:list) -> bool:
+    "Whether the LoRAs change nothing: no DoRA, and each a zero product or strength."
+    return all(p.dora_scale is None and (strength == 0 or not bool(p.up.any()) or not bool(p.down.any())) for p, strength, _ in patches)
 
 def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches:list, rows:dict):
     "Write module `m`'s weight (and, quantized, its scales and comfy_quant) with its LoRAs merged; as stored if they change nothing."
     prefix, quantized = (m + '.' if m else ''), e is not None and e.quantized
-    qt = ck.quantized(m, e.shape) if quantized else None
-    stored = qt.dequantize(torch.float32) if quantized else ck[keys['weight']]
-    s = ck[keys['pre_quant_scale']].float() if 'pre_quant_scale' in keys else torch.ones(())
-    real = stored.float() * s
-    merged = _merged_float(m, patches, real)
-    if torch.equal(merged, real):                                      # nothing changed: the stored bytes
+    if _unchanged(patches):                                            # the stored bytes
         for k in (k for x, k in keys.items() if x in ('weight', 'comfy_quant') or quantized and x in e.spec.weight_keys): w.add(k, ck[k])
         return
-    merged = merged / s
+    qt = ck.quantized(m, e.shape) if quantized else None
+    stored = None if quantized else ck[keys['weight']]
+    buf = qt.dequantize(torch.float32).contiguous() if quantized else stored.to(torch.float32, copy=True).contiguous()
+    s = ck[keys['pre_quant_scale']].float() if 'pre_quant_scale' in keys else None
+    if s is not None: buf.mul_(s)                                      # the real weight: the stored one carries 1/s
+    _merge_into(m, patches, buf)
+    if s is not None: buf.div_(s)
     if quantized:
-        got = _write_quantized(w, merged, prefix + 'weight', prefix, qt.format, requantize_options(qt))
+        got = _write_quantized(w, buf, prefix + 'weight', prefix, qt.format, requantize_options(qt))
         rows[m] = dict(format=qt.format, sqnr=energy_db(got['sig'], got['noise']))
     else:
-        new = merged.to(stored.dtype)
+        new = buf.to(stored.dtype)
         w.add(prefix + 'weight', new)
-        rows[m] = dict(format=None, sqnr=sqnr(merged, new.float()))
+        rows[m] = dict(format=None, sqnr=energy_db(*_err(buf, new)[:2]))
 
