@@ -117,6 +117,10 @@ def _add_output_args(p, json_help:str='print the result as JSON on stdout (nothi
 _POLICY_ARGS = (('mode', 'mode'), ('preset', 'preset'), ('ratio', 'int4_mixed_ratio'), ('selection', 'selection'),
                ('rounding', 'rounding'), ('convrot_groupsize', 'convrot_groupsize'))   # CLI option -> Policy field
 
+def _policy_given(args) -> bool:
+    "Whether any policy option was given on the command line."
+    return any(getattr(args, a, None) for a in [a for a, _ in _POLICY_ARGS] + ['recipe', 'policy', 'keep_float', 'int4_sensitive'])
+
 def policy_from_args(args) -> Policy:
     "The `Policy` of parsed CLI arguments: `--policy FILE` as it is, else `--recipe FILE` (or the defaults) with the options given."
     if getattr(args, 'policy', None):
@@ -317,8 +321,7 @@ def lora_arg(s:str) -> tuple:
 def cmd_merge_lora(args) -> int:
     "Run `cquant merge-lora`."
     loras = [lora_arg(s) for s in args.loras]
-    given = any(getattr(args, a) for a in ('mode', 'preset', 'ratio', 'selection', 'rounding', 'convrot_groupsize', 'recipe',
-                                           'policy', 'keep_float', 'int4_sensitive'))
+    given = _policy_given(args)
     r = merge_loras(args.base, [p for p, _ in loras], args.dst, [s for _, s in loras], policy_from_args(args) if given else None,
                     args.allow_unmatched, progress=given and not args.json)
     if args.json: print(json.dumps({**r, 'report': r['report'].to_dict()} if 'report' in r else r, indent=1)); return 0

@@ -272,6 +272,10 @@ def _provenance(loras, strengths) -> str:
     return json.dumps([dict(file=os.path.basename(l) if path(l) else 'state dict', sha256=sha256_file(l) if path(l) else None,
                             strength=s) for l, s in zip(loras, strengths)], separators=(',', ':'))
 
+def _own(e) -> tuple:
+    "The keys a merge rewrites in module entry `e`: its weight, and if quantized its scales and comfy_quant."
+    return ('comfy_quant', *e.spec.weight_keys) if e is not None and e.quantized else ('weight',)
+
 def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:dict) -> dict:
     "Stream `ck` into `dst`, each module of `per_module` merged where its weight comes (`_merge_module`); the patched modules' rows."
     rows = {}
@@ -279,8 +283,7 @@ def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:
         for key in ck.file_order():
             m, s = split_key(key)
             e = mods.get(m)
-            own = ('weight', 'comfy_quant', *e.spec.weight_keys) if e is not None and e.quantized else ('weight',)
-            if m not in per_module or s not in own: w.add(key, ck[key])
+            if m not in per_module or s not in _own(e): w.add(key, ck[key])
             elif s == 'weight': _merge_module(w, ck, m, e, groups[m], per_module[m], rows)
     return rows
 
@@ -314,7 +317,7 @@ def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches
     "Write module `m`'s weight (and, quantized, its scales and comfy_quant) with its LoRAs merged; as stored if they change nothing."
     prefix, quantized = (m + '.' if m else ''), e is not None and e.quantized
     if _unchanged(patches):                                            # the stored bytes
-        for k in (k for x, k in keys.items() if x in ('weight', 'comfy_quant') or quantized and x in e.spec.weight_keys): w.add(k, ck[k])
+        for k in (k for x, k in keys.items() if x in _own(e)): w.add(k, ck[k])
         return
     qt = ck.quantized(m, e.shape) if quantized else None
     stored = None if quantized else ck[keys['weight']]

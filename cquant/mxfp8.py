@@ -48,7 +48,7 @@ def mxfp8_encode_blocks(x:torch.Tensor, # [R, C] float, C a multiple of 32
     if x.dtype == torch.bfloat16: r = r.to(torch.bfloat16)              # exact, and the product stays bf16
     v = x.reshape(R, C // MXFP8_BLOCK, MXFP8_BLOCK) * r.unsqueeze(-1)
     zero = amax == 0
-    if torch.compiler.is_compiling() or bool(zero.any()): v.masked_fill_(zero.unsqueeze(-1), 0)                                     # zero blocks: +0 bytes, like kitchen
+    if torch.compiler.is_compiling() or bool(zero.any()): v.masked_fill_(zero.unsqueeze(-1), 0)   # zero blocks: +0 bytes, like kitchen
     return round_to_fp8(v, torch.float8_e4m3fn, stochastic_rounding).reshape(R, C), e
 
 # %% ../nbs/04_mxfp8.ipynb #08baa7d1

@@ -61,14 +61,14 @@ def peft(names, rank=8, seed=2):
 
 def expected(base_path, lora_sds, strengths):
     "{key: tensor} of each patched module, made by hand: dequantize, merge in the real weight's space, re-quantize."
-    out, ck = {}, cq.open_checkpoint(base_path)
+    out, ck, loras = {}, cq.open_checkpoint(base_path), [read_lora(sd) for sd in lora_sds]
     mods, groups = ck.modules(), ck.groups()
     for m in PLAN:
         e, s = mods[m], (ck[m + '.pre_quant_scale'].float() if m == SMOOTHED else torch.ones(()))
         w = ck.quantized(m, e.shape).dequantize(torch.float32) if e.quantized else ck[m + '.weight']
         merged = w.float() * s
-        for sd, st in zip(lora_sds, strengths):
-            p = read_lora(sd).get('lora_unet_' + m.replace('.', '_')) or read_lora(sd).get(f'diffusion_model.{m}')
+        for patches, st in zip(loras, strengths):
+            p = patches.get('lora_unet_' + m.replace('.', '_')) or patches.get(f'diffusion_model.{m}')
             if p is not None: merged = merge_patch(merged, p, st)
         merged = merged / s
         if e.quantized: out.update(cq.quantize(merged, e.format, **requantize_options(ck.quantized(m, e.shape))).state_dict(m + '.'))
