@@ -3,7 +3,7 @@ bf16 checkpoint of at least 2 GB (a Flux-like stack of transformer blocks, dim 3
 same job done through comfy-kitchen's layouts in a loop (the peer).
 
     python bench/bench_checkpoint.py [--gb 2.0] [--dim 3072] [--mode int4_mixed] [--no-sqnr] [--device cpu|cuda]
-                                     [--no-peer] [--sqnr-cost] [--repeats N] [--dir DIR] [--keep]
+                                     [--no-peer] [--sqnr-cost] [--repeats N] [--dir DIR] [--keep] [--compare-cpu]
 
 1. The source file is written tensor by tensor (`StreamingWriter`), so generating it never holds the model.
 2. Each conversion runs in a fresh child process, which reports its resident set before converting
@@ -17,7 +17,9 @@ same job done through comfy-kitchen's layouts in a loop (the peer).
    cquant / kitchen throughput ratio. Targets (issue 20): >= 0.25 GB/s with per-layer SQNR on, the SQNR costing <= 25%
    extra time (`--sqnr-cost` runs the job a second time without it and prints the ratio), and
    (peak RSS - baseline) <= 2 x the largest tensor.
-Writes bench/out/checkpoint.json. Timings on a shared machine are noisy (the same run varies by 20-30% on a 2-core
+With `--device cuda` the child also reports the peak GPU memory (`torch.cuda.max_memory_allocated`), and
+`--compare-cpu` runs the same job on the CPU and compares the two outputs' SHA-256 (the files must be identical byte
+for byte; if not, the tensors that differ are listed). Writes bench/out/checkpoint.json (or `--out`). Timings on a shared machine are noisy (the same run varies by 20-30% on a 2-core
 virtual machine); `--repeats N` runs each cquant setting N times, alternating, and reports the median run. The memory
 ratio is not noisy.
 """
@@ -111,8 +113,27 @@ def child(src:str, dst:str, mode:str, sqnr:bool, job:str, device:str):
         formats, db = {k: v['layers'] for k, v in rep.totals['formats'].items()}, rep.totals['sqnr_db'] if sqnr else None
     dt, dc = time.perf_counter() - t0, cpu() - c0
     peak = _hwm()
+    gpu = dict(gpu_peak_bytes=torch.cuda.max_memory_allocated(), gpu=torch.cuda.get_device_name()) if device.startswith('cuda') else {}
     print(json.dumps(dict(seconds=dt, cpu_seconds=dc, load_avg=os.getloadavg()[0], baseline_rss=base, peak_rss=peak,
-                          dst_bytes=os.path.getsize(dst), formats=formats, sqnr_db=db, threads=torch.get_num_threads())))
+                          dst_bytes=os.path.getsize(dst), formats=formats, sqnr_db=db, threads=torch.get_num_threads(), **gpu)))
+
+def sha256(path:str) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        while b := f.read(1 << 24): h.update(b)
+    return h.hexdigest()
+
+def differing(a:str, b:str) -> list:
+    "Keys whose tensors (or presence) differ between two safetensors files, and 'header metadata' if that does."
+    from safetensors import safe_open
+    with safe_open(a, 'pt') as fa, safe_open(b, 'pt') as fb:
+        out = ['header metadata'] if fa.metadata() != fb.metadata() else []
+        for k in sorted(set(fa.keys()) | set(fb.keys())):
+            if k not in fa.keys() or k not in fb.keys(): out.append(k); continue
+            x, y = fa.get_tensor(k), fb.get_tensor(k)
+            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.view(torch.uint8), y.view(torch.uint8)): out.append(k)
+    return out
 
 def _median(runs:list) -> dict:
     "The run of median wall time, with every run's seconds."
@@ -135,6 +156,8 @@ def main():
     ap.add_argument('--no-peer', action='store_true', help="skip the kitchen peer run")
     ap.add_argument('--sqnr-cost', action='store_true', help="also run without SQNR and print what the SQNR costs")
     ap.add_argument('--repeats', type=int, default=1, help="cquant runs per setting, alternating; the median is reported")
+    ap.add_argument('--compare-cpu', action='store_true', help="also run the job on the CPU and compare the outputs' bytes")
+    ap.add_argument('--out', default=str(Path(__file__).resolve().parent / 'out' / 'checkpoint.json'))
     ap.add_argument('--child', nargs=6, metavar=('SRC', 'DST', 'MODE', 'SQNR', 'JOB', 'DEVICE'), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child: return child(*a.child[:3], a.child[3] == '1', *a.child[4:])
@@ -176,15 +199,27 @@ def main():
             print(f"without SQNR: {off['seconds']:.1f} s = {res['no_sqnr']['throughput_gb_s']:.3f} GB/s (CPU time "
                   f"{off['cpu_seconds']:.1f} s{runs}); "
                   f"the per-layer SQNR costs {cost * 100:+.0f}% time (target <= +25%)")
+        if a.compare_cpu:
+            cpu_dst = os.path.join(d, f'synthetic_{a.mode}_cpu.safetensors')
+            c = _run('cquant', src, cpu_dst, argparse.Namespace(**{**vars(a), 'device': 'cpu'}))
+            hashes = sha256(dst), sha256(cpu_dst)
+            diff = [] if hashes[0] == hashes[1] else differing(dst, cpu_dst)
+            res['cpu'] = dict(c, throughput_gb_s=info['file_bytes'] / 1e9 / c['seconds'], sha256=hashes[1])
+            res.update(sha256=hashes[0], identical_to_cpu=hashes[0] == hashes[1], differing_from_cpu=diff)
+            os.unlink(cpu_dst)
+            print(f"CPU path: {c['seconds']:.1f} s = {res['cpu']['throughput_gb_s']:.3f} GB/s; {a.device} / CPU throughput "
+                  f"{gbs / res['cpu']['throughput_gb_s']:.2f}x; outputs {'identical' if not diff else 'DIFFER'} "
+                  f"(sha256 {hashes[0][:16]} vs {hashes[1][:16]})" + (f"; {len(diff)} entries differ: {diff[:8]}" if diff else ''))
+        if 'gpu_peak_bytes' in r:
+            print(f"peak GPU memory {r['gpu_peak_bytes'] / 2**20:.0f} MiB = {r['gpu_peak_bytes'] / L:.2f}x the largest tensor ({r['gpu']})")
         if not a.no_peer:
             k = _run('kitchen', src, peer_dst, a)
             res['kitchen'] = dict(k, throughput_gb_s=info['file_bytes'] / 1e9 / k['seconds'])
             print(f"kitchen's layouts in a loop: {k['seconds']:.1f} s = {res['kitchen']['throughput_gb_s']:.3f} GB/s"
                   + (f", aggregate SQNR {k['sqnr_db']:.2f} dB" if k['sqnr_db'] is not None else '')
                   + f", peak RSS {k['peak_rss'] / 2**20:.0f} MiB; cquant / kitchen throughput: {gbs / res['kitchen']['throughput_gb_s']:.2f}x")
-        outdir = Path(__file__).resolve().parent / 'out'
-        outdir.mkdir(exist_ok=True)
-        (outdir / 'checkpoint.json').write_text(json.dumps(res, indent=1))
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1))
     finally:
         if not a.keep:
             if a.dir: [os.unlink(p) for p in (src, dst, peer_dst) if os.path.exists(p)]

@@ -5,6 +5,7 @@
     python bench/bench_record.py share [--shares 1,0.5,0.25]            # what a Hessian on a share of the rows costs GPTQ
     python bench/bench_record.py flux [--n 16] [--tokens 256]           # the FLUX-shaped DiT: GPTQ from rows vs statistics
     python bench/bench_record.py select                                 # measured selection from a file, held out twice
+    python bench/bench_record.py device [--device cuda] [--n 8] [--tokens 256] [--compare-cpu]   # the FLUX block on a GPU
 
 `memory` runs a model of four linears at FLUX's widths (3072 -> 12288 -> 3072, twice: inputs of K = 3072 and 12288),
 each setting in a fresh process: the forward alone, then the same forward recording every layer. It prints the
@@ -35,6 +36,12 @@ and prints the held-out output SQNR of each against round-to-nearest.
 `cquant quantize --mode int4_mixed --selection measured --calibration FILE` at ratios 0.2 and 0.5, and prints each
 file's held-out hidden-state SQNR against the best and the median of every subset of the budget's candidates, on
 EVAL_SENTENCES (A) and on the other 135 calibration sentences (B); and the time of the recordings.
+
+`device` runs the FLUX-shaped DiT of `flux` (bf16, written as a checkpoint) on `--device`: records its statistics
+there, saves them, and quantizes the checkpoint `int4_full` with GPTQ from that file through `quantize_checkpoint`
+on the device (and with `--compare-cpu` on the CPU too); prints the times, the peak GPU memory, the held-out output
+SQNR of each file against round-to-nearest and whether the two outputs are the same bytes (GPTQ's float sums run in
+another order on a GPU, so they need not be).
 """
 import argparse, json, os, re, subprocess, sys, time
 import torch
@@ -215,6 +222,66 @@ def flux(n:int, tokens:int):
               f"quantize and evaluate {time.perf_counter() - t:.0f} s")
 
 
+def device_run(device:str, n:int, tokens:int, compare_cpu:bool, hidden:int=3072):
+    "The FLUX-shaped DiT recorded and GPTQ-quantized from the statistics on `device` and on the CPU."
+    import tempfile, warnings
+    from safetensors.torch import save_file
+    import cquant as cq
+    from cquant.evaluate import Workload, evaluate
+    from bench_checkpoint import sha256, differing
+    warnings.simplefilter('ignore')
+    tmp = tempfile.mkdtemp()
+    mk = lambda k, seed: cq.flux_batches(k, img_tokens=tokens, seed=seed)
+    wl = Workload('flux', lambda: cq.flux_model(0, hidden=hidden, heads=hidden // 128), mk(n, 1), mk(4, 2), lambda m, b: m(*b))
+    model, src = wl.model(), os.path.join(tmp, 'flux.safetensors')
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, src)
+    on = lambda b: tuple(t.to(device) if torch.is_tensor(t) else t for t in b)
+    model.to(device)
+    torch.cuda.reset_peak_memory_stats() if device.startswith('cuda') else None
+    with torch.no_grad():
+        for b in wl.calibration[:2]: model(*on(b))               # warm-up: kernels compiled, pages touched
+        torch.cuda.synchronize() if device.startswith('cuda') else None
+        t = time.perf_counter()
+        for b in wl.calibration: model(*on(b))
+        torch.cuda.synchronize() if device.startswith('cuda') else None
+        fwd = time.perf_counter() - t
+    t = time.perf_counter()
+    st = cq.record_calibration(model, [on(b) for b in wl.calibration])
+    torch.cuda.synchronize() if device.startswith('cuda') else None
+    rec = time.perf_counter() - t
+    stats = st.save(os.path.join(tmp, 'stats.safetensors'))
+    model.cpu(); del st
+    print(f"FLUX-shaped DiT on {device} ({torch.cuda.get_device_name() if device.startswith('cuda') else 'cpu'}): "
+          f"{n} batches of {tokens} + 64 tokens; forward {fwd:.2f} s, recording every linear {rec:.2f} s "
+          f"({rec / fwd:.2f}x the forward); statistics {os.path.getsize(stats) / 2**20:.0f} MiB")
+    pol, res = cq.Policy(mode='int4_full', rounding='gptq'), {}
+    for dev in [device] + ['cpu'] * compare_cpu:
+        dst = os.path.join(tmp, f'gptq-{dev}.safetensors')
+        if dev.startswith('cuda'): torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        cq.quantize_checkpoint(src, dst, pol, progress=False, calibration=stats, device=dev)
+        res[dev] = dict(seconds=time.perf_counter() - t, sha=sha256(dst), dst=dst,
+                        gpu_peak=torch.cuda.max_memory_allocated() if dev.startswith('cuda') else None)
+    near = os.path.join(tmp, 'nearest.safetensors')
+    cq.quantize_checkpoint(src, near, cq.Policy(mode='int4_full'), progress=False, device=device)
+    # held out on the device: each model loaded from its file on the CPU, then moved (`.to(device)`), as a user runs it
+    ev = Workload('flux', wl.model, wl.calibration, wl.evaluation, lambda m, b: m.to(device)(*on(b)).float().cpu())
+    try: dn = evaluate(ev, near)['sqnr_db']
+    except Exception as e:
+        print(f"  evaluating on {device} failed ({type(e).__name__}: {str(e)[:300]}); evaluating on the CPU")
+        ev = wl; dn = evaluate(ev, near)['sqnr_db']
+    for dev, r in res.items():
+        db = evaluate(ev, r['dst'])['sqnr_db']
+        print(f"  GPTQ from the statistics via quantize_checkpoint(device={dev!r}): {r['seconds']:.1f} s, held-out "
+              f"{db:.2f} dB ({db - dn:+.2f} over nearest {dn:.2f})"
+              + (f", peak GPU memory {r['gpu_peak'] / 2**20:.0f} MiB" if r['gpu_peak'] else ''))
+    if compare_cpu:
+        same = res[device]['sha'] == res['cpu']['sha']
+        diff = [] if same else differing(res[device]['dst'], res['cpu']['dst'])
+        print(f"  {device} / cpu time {res[device]['seconds'] / res['cpu']['seconds']:.2f}x; outputs "
+              + ('identical' if same else f"differ in {len(diff)} of the entries: {diff[:6]}"))
+
+
 def select():
     "int4_mixed measured selection through the CLI from recorded files, against every subset, held out on two sets."
     import tempfile, warnings
@@ -261,7 +328,10 @@ if __name__ == '__main__':
     if sys.argv[1:2] == ['_child']: child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])); sys.exit()
     if sys.argv[1:2] == ['_gptq']: gptq_child(*sys.argv[2:4]); sys.exit()
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    p.add_argument('what', choices=('memory', 'gptq', 'share', 'flux', 'select'))
+    p.add_argument('what', choices=('memory', 'gptq', 'share', 'flux', 'select', 'device'))
+    p.add_argument('--device', default='cuda')
+    p.add_argument('--compare-cpu', action='store_true')
+    p.add_argument('--hidden', type=int, default=3072, help="device: the model's width (smaller: a quick check of the script)")
     p.add_argument('--rows', type=int, default=100_000)
     p.add_argument('--batch', type=int, default=4096)
     p.add_argument('--layers', default='proj,mlp2,linear2')
@@ -274,4 +344,5 @@ if __name__ == '__main__':
     elif a.what == 'gptq': gptq(a.layers.split(','))
     elif a.what == 'share': share([float(v) for v in a.shares.split(',')])
     elif a.what == 'select': select()
+    elif a.what == 'device': device_run(a.device, a.n, a.tokens, a.compare_cpu, a.hidden)
     else: flux(a.n, a.tokens)
