@@ -322,15 +322,14 @@ def cmd_merge_lora(args) -> int:
     "Run `cquant merge-lora`."
     loras = [lora_arg(s) for s in args.loras]
     given = _policy_given(args)
-    r = merge_loras(args.base, [p for p, _ in loras], args.dst, [s for _, s in loras], policy_from_args(args) if given else None,
-                    args.allow_unmatched, progress=given and not args.json)
-    if args.json: print(json.dumps({**r, 'report': r['report'].to_dict()} if 'report' in r else r, indent=1)); return 0
-    if 'report' in r: print(r['report'].table())
-    if r['modules']:
-        print('\n'.join(text_table(['module', 'format', 'SQNR vs float merge (dB)'],
-                                   [[m, v['format'] or 'float', f"{v['sqnr']:.2f}"] for m, v in r['modules'].items()])))
-    print(f"{len(r['modules'])} module(s) patched" + (f", {r['unmatched']} LoRA module(s) matched nothing (skipped)" if r['unmatched'] else ''))
-    print(f"wrote {r['dst']}")
+    check_outputs('', {'BASE': args.base}, {'DST': args.dst, '--report': args.report, '--plot': args.plot})
+    rep = merge_loras(args.base, [p for p, _ in loras], args.dst, [s for _, s in loras], policy_from_args(args) if given else None,
+                      reference=args.reference, allow_unmatched=args.allow_unmatched, progress=given and not args.json,
+                      report=args.report)
+    if args.plot: save_plot(rep, args.plot)
+    if args.json: print(json.dumps(rep.to_dict(), indent=1)); return 0
+    print(rep.table())
+    print(f"wrote {rep.dst}" + (f", report {args.report}" if args.report else '') + (f", plot {args.plot}" if args.plot else ''))
     return 0
 
 def add_merge_lora_parser(subparsers):
@@ -340,6 +339,10 @@ def add_merge_lora_parser(subparsers):
     p.add_argument('loras', nargs='+', metavar='LORA[:STRENGTH]', help='LoRA files (kohya, diffusers/PEFT, ComfyUI names), applied in order')
     p.add_argument('dst', help='output .safetensors (replaced only on success; never the base)')
     p.add_argument('--allow-unmatched', action='store_true', help='skip LoRA modules that match no module (default: refuse)')
+    p.add_argument('--reference', metavar='FLOAT', help='the float checkpoint a quantized BASE was made from: report each '
+                   'module against its merge, beside quantizing that merge directly')
+    p.add_argument('--report', metavar='JSON', help='also save the per-module report')
+    p.add_argument('--plot', metavar='PNG', help='also save the per-module SQNR plot')
     _add_policy_args(p)     # any of them: quantize a float base while merging (one pass), as `cquant quantize` would
     p.add_argument('--json', action='store_true', help='machine-readable summary')
     p.set_defaults(func=cmd_merge_lora)

@@ -107,12 +107,12 @@ def _out_err(x, ref:torch.Tensor, approx:torch.Tensor, start:int=0) -> tuple:
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #ea6e6673
 def _write_quantized(writer:StreamingWriter, w:torch.Tensor, key:str, prefix:str, fmt:str, options:dict,
-                     measure:bool=True, rounding:dict|None=None, x:torch.Tensor|None=None) -> dict:
+                     measure:bool=True, rounding:dict|None=None, x:torch.Tensor|None=None, ref:torch.Tensor|None=None) -> dict:
     """Quantize `w` (with `rounding`'s keywords), stream its tensors and comfy_quant under `prefix`; returns config,
-    bytes, weight error sums and, with inputs `x`, output error sums."""
+    bytes, weight error sums (against `ref`, rows aligned with `w`, if given) and, with inputs `x`, output error sums."""
     stream, bufs, config, sig, noise, mx, out, row = None, {}, None, 0.0, 0.0, 0.0, [0.0, 0.0], 0
     how = _rowwise(fmt, options) or {}
-    energies = [] if measure and x is None else None       # filled where the encoder measures its own error
+    energies = [] if measure and x is None and ref is None else None   # filled where the encoder measures its own error
     for qt, part in quantize_rows(w, fmt, options, key, rounding=rounding, energies=energies):
         tensors = qt.state_dict('')
         if config is None:
@@ -125,7 +125,7 @@ def _write_quantized(writer:StreamingWriter, w:torch.Tensor, key:str, prefix:str
                 s, m = math.fsum(e for e, _ in energies), None
             else:              # dequantize (also where a rotation overflowed and rows were re-encoded)
                 dq = qt.dequantize(torch.float32)
-                s, n, m = _err(part, dq)
+                s, n, m = _err(part if ref is None else ref[row:row + part.shape[0]], dq)
                 if x is not None: out = [a + b for a, b in zip(out, _out_err(x, part, dq, row))]
             sig, noise, mx = sig + s, noise + n, None if m is None or mx is None else max(mx, m)
             if energies: energies.clear()
@@ -178,6 +178,7 @@ class LayerRow:
     output_sqnr_db: float|None|_Absent = _ABSENT   # output SQNR on the layer's calibration inputs (its weight error)
     rounding_gain_db: float|None|_Absent = _ABSENT # weight SQNR gained over round-to-nearest
     output_gain_db: float|None|_Absent = _ABSENT   # output SQNR gained over round-to-nearest
+    direct_sqnr_db: float|None|_Absent = _ABSENT   # `merge_loras` with a reference: quantizing the float merge itself
     sig: float = field(default=0.0, metadata={'written': False})       # Σref²
     noise: float = field(default=0.0, metadata={'written': False})     # Σ(ref-approx)²
 
@@ -235,13 +236,14 @@ class Report:
     def __repr__(self): return self.table()
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #b897b0d2
-_ROUNDING_COLUMNS = (('output_sqnr_db', 'out dB', ''), ('rounding_gain_db', 'gain dB', '+'), ('output_gain_db', 'out gain', '+'))
+_EXTRA_COLUMNS = (('output_sqnr_db', 'out dB', ''), ('rounding_gain_db', 'gain dB', '+'), ('output_gain_db', 'out gain', '+'),
+                  ('direct_sqnr_db', 'direct dB', ''))
 
 def _db_cell(v, sign:str='') -> str: return '-' if v is None or v == math.inf else f"{v:{sign}.2f}"
 
 def _report_table(rep:Report, width:int=70, wide:bool=False) -> str:
-    "`Report.table`: output SQNR and rounding gains as columns where some row has them."
-    extra = [c for c in _ROUNDING_COLUMNS if any(c[0] in r for r in rep.layers)]
+    "`Report.table`: output SQNR, rounding gains and a merge's direct SQNR as columns where some row has them."
+    extra = [c for c in _EXTRA_COLUMNS if any(c[0] in r for r in rep.layers)]
     rows = [[r['name'], 'x'.join(map(str, r['shape'])), r['label'], _db_cell(r['sqnr_db']),
              *(_db_cell(r.get(k), s) for k, _, s in extra),
              _fmt_bytes(r['bytes_before']), _fmt_bytes(r['bytes_after']), r.get('reason', '')] for r in rep.layers]
@@ -338,7 +340,8 @@ def layer_ticks(ax, # the Axes of one bar per layer, in order
 def plot_report(report:Report, # from `quantize_checkpoint` or `report_error`
                 figsize=None, # default: width grows with the number of layers
                ): # matplotlib Figure
-    "Per-layer SQNR bars, one fixed colour per format (`format_color`), hatched per variant; float layers left out."
+    """Per-layer SQNR bars, one fixed colour per format (`format_color`), hatched per variant; float layers left out;
+    a black mark per layer where a merge report has the SQNR of quantizing the float merge directly."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
     rows = [r for r in report.layers if r['format'] and r['sqnr_db'] is not None and math.isfinite(r['sqnr_db'])]
@@ -346,11 +349,15 @@ def plot_report(report:Report, # from `quantize_checkpoint` or `report_error`
     styles = [_style(r['format'], r['label']) for r in rows]
     ax.bar(range(len(rows)), [r['sqnr_db'] for r in rows], color=[c for c, _ in styles], hatch=[h for _, h in styles],
            edgecolor='white', linewidth=0)
+    direct = [(i, r['direct_sqnr_db']) for i, r in enumerate(rows) if r.get('direct_sqnr_db') is not None]
+    mark = (ax.scatter(*zip(*direct), marker='_', s=120, color='black', zorder=3, label='quantizing the float merge')
+            if direct else None)                # merge_loras with a reference: what quantizing the float merge gives
     order = list(FORMATS)
     kinds = sorted({(r['format'], r['label']) for r in rows},
                    key=lambda k: (order.index(k[0]) if k[0] in order else len(order), _style(*k)[1], k[1]))
     handles = [Patch(facecolor=_style(f, l)[0], hatch=_style(f, l)[1], edgecolor='white', linewidth=0,
                      label=f"{l} ({sum(r['label'] == l and r['format'] == f for r in rows)})") for f, l in kinds]
+    if mark is not None: handles.append(mark)
     if handles: ax.legend(handles=handles, fontsize=8, ncol=min(4, len(handles)), loc='lower left',
                           bbox_to_anchor=(0, 1.0), frameon=False)   # above the bars, never on them
     layer_ticks(ax, [r['name'] for r in rows], 'quantized layers')

@@ -7,15 +7,17 @@ Docs: https://cquant-dev.github.io/cquant/lora.html.md"""
 
 # %% ../nbs/17b_lora.ipynb #3ae67f81
 from __future__ import annotations
-import difflib, functools, json, math, os, re, warnings
-from dataclasses import dataclass
+import contextlib, difflib, functools, json, math, os, re, time, warnings
+from dataclasses import dataclass, replace
 import torch
 
 from .numerics import energy_db
 from .tensor import quantize
 from .checkpoint import Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, open_checkpoint, split_key, sha256_file
 from .modules import lora_delta, requantize_options
-from .convert import check_outputs, quantize_checkpoint, _err, _source_names, _write_quantized
+from .policy import layer_source
+from .convert import (Report, LayerRow, check_outputs, quantize_checkpoint, _err, _label, _source_names, _totals,
+                             _write_quantized)
 
 # %% auto #0
 __all__ = ['LORA_SUFFIXES', 'LORA_EXTRAS', 'UNSUPPORTED', 'BASE_PREFIXES', 'FLUX_DOUBLE', 'FLUX_SINGLE', 'FLUX_TOP', 'LoraPatch',
@@ -235,16 +237,23 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
                 dst, # the merged checkpoint (replaced atomically on success; never the base)
                 strengths=None, # one per LoRA (default 1.0 each)
                 policy=None, # a `Policy`: quantize a float base while merging (one pass, no float file in between)
+                *, reference=None, # the float checkpoint a quantized `base` was made from: measure against its merge
                 allow_unmatched:bool=False, # LoRA modules that match no module: skipped with a warning, else an error
                 progress:bool=False, # with a policy: quantize_checkpoint's progress bar
-               ) -> dict: # src, dst, {module: {format, sqnr}} of the patched modules, unmatched (count), report (with a policy)
+                report=None, # path: also save the report as JSON there
+               ) -> Report: # kind 'merge': a row per patched module (with a policy: per layer), totals with the LoRAs
     "Bake `loras` into `base`: patched quantized modules re-quantized in their own format and options, float ones in their dtype."
+    t0 = time.time()
     loras = list(loras) if isinstance(loras, (list, tuple)) else [loras]
     strengths = [1.0] * len(loras) if strengths is None else [float(s) for s in strengths]
     if len(strengths) != len(loras): raise ValueError(f"merge_loras: {len(loras)} LoRA(s) but {len(strengths)} strength(s)")
+    if reference is not None and policy is not None:
+        raise ValueError("merge_loras: reference= measures a bake into a quantized base against the float merge; with a "
+                         "policy the base is the float model and the report already measures against its merge")
     base, dst = os.fspath(base), os.fspath(dst)
-    check_outputs('merge_loras', _source_names(base), {'destination': dst})
-    files, meta = [read_lora(l) for l in loras], {'cquant_loras': _provenance(loras, strengths)}
+    sources = {**_source_names(base), **({'reference': os.fspath(reference)} if reference is not None else {})}
+    check_outputs('merge_loras', sources, {'destination': dst, 'report': report})
+    files, prov = [read_lora(l) for l in loras], _provenance(loras, strengths)
     with open_checkpoint(base) as ck:
         mods, groups = ck.modules(), ck.groups()
         per_module, unmatched = {}, 0
@@ -255,15 +264,22 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
             unmatched += len(missing)
             for m, pts in got.items(): per_module.setdefault(m, []).extend((p, s, t) for p, t in pts)
         if policy is None:
-            rows = _bake(ck, dst, per_module, mods, groups, meta)
-            return dict(src=base, dst=dst, modules=rows, unmatched=unmatched)
-    stored = [m for m in per_module if m in mods and mods[m].quantized]
-    if stored: raise ValueError(f"merge_loras: with a policy the LoRAs must patch float modules; {len(stored)} are stored "
-                                f"quantized (first {stored[0]!r}): merge without a policy to keep their formats, or use the float base")
-    patches = {groups[m]['weight']: functools.partial(_merged_float, m, per_module[m]) for m in per_module}
-    rep = quantize_checkpoint(base, dst, policy, progress, metadata=meta, patches=patches)
-    rows = {r['name']: dict(format=r['format'], sqnr=r['sqnr_db']) for r in rep.layers if r['name'] in per_module}
-    return dict(src=base, dst=dst, modules=rows, unmatched=unmatched, report=rep)
+            with open_checkpoint(reference) if reference is not None else contextlib.nullcontext() as ref:
+                if ref is not None: ref = _reference(ref, {m: shapes[m] for m in per_module})
+                rows, before, after = _bake(ck, dst, per_module, mods, groups, {'cquant_loras': prov}, ref)
+            rep = Report(base, dst, [r.to_dict() for r in rows], _totals(rows, before, after), None, '', time.time() - t0, 'merge')
+    if policy is not None:
+        stored = [m for m in per_module if m in mods and mods[m].quantized]
+        if stored: raise ValueError(f"merge_loras: with a policy the LoRAs must patch float modules; {len(stored)} are stored "
+                                    f"quantized (first {stored[0]!r}): merge without a policy to keep their formats, or use the float base")
+        patches = {groups[m]['weight']: functools.partial(_merged_float, m, per_module[m]) for m in per_module}
+        rep = replace(quantize_checkpoint(base, dst, policy, progress, metadata={'cquant_loras': prov}, patches=patches),
+                      kind='merge', seconds=time.time() - t0)
+    rep.totals.update(loras=json.loads(prov), patched=sorted(per_module), unmatched=unmatched)
+    rep.summary = '; '.join([*([rep.summary] if rep.summary else []), f"{len(per_module)} module(s) patched by LoRAs",
+                             *([f"{unmatched} LoRA module(s) matched nothing (skipped)"] if unmatched else [])])
+    if report is not None: rep.save(report)
+    return rep
 
 # %% ../nbs/17b_lora.ipynb #13e34432
 def _provenance(loras, strengths) -> str:
@@ -276,16 +292,18 @@ def _own(e) -> tuple:
     "The keys a merge rewrites in module entry `e`: its weight, and if quantized its scales and comfy_quant."
     return ('comfy_quant', *e.spec.weight_keys) if e is not None and e.quantized else ('weight',)
 
-def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:dict) -> dict:
-    "Stream `ck` into `dst`, each module of `per_module` merged where its weight comes (`_merge_module`); the patched modules' rows."
-    rows = {}
+def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:dict, ref) -> tuple:
+    """Stream `ck` into `dst`, each module of `per_module` merged where its weight comes (`_merge_module`; `ref`: a
+    `LayerSource` of the float original, or None); (the patched modules' `LayerRow`s, bytes before, bytes after)."""
+    rows = []
     with StreamingWriter(dst, {**ck.metadata, **meta}) as w:
         for key in ck.file_order():
             m, s = split_key(key)
             e = mods.get(m)
             if m not in per_module or s not in _own(e): w.add(key, ck[key])
-            elif s == 'weight': _merge_module(w, ck, m, e, groups[m], per_module[m], rows)
-    return rows
+            elif s == 'weight': rows.append(_merge_module(w, ck, m, e, groups[m], per_module[m], ref))
+        after = w.nbytes
+    return rows, sum(ck.info(k).nbytes for k in ck), after
 
 def _swap(w:torch.Tensor) -> torch.Tensor: return torch.cat([w[w.shape[0] // 2:], w[:w.shape[0] // 2]])
 
@@ -313,24 +331,55 @@ def _unchanged(patches:list) -> bool:
     "Whether the LoRAs change nothing: no DoRA, and each a zero product or strength."
     return all(p.dora_scale is None and (strength == 0 or not bool(p.up.any()) or not bool(p.down.any())) for p, strength, _ in patches)
 
-def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches:list, rows:dict):
-    "Write module `m`'s weight (and, quantized, its scales and comfy_quant) with its LoRAs merged; as stored if they change nothing."
+def _reference(ck:Checkpoint, shapes:dict):
+    "A `LayerSource` of the float original `ck`, after checking it has each patched module of `shapes` ({module: shape})."
+    src = layer_source(ck)
+    for m, shape in shapes.items():
+        if m not in src.infos:
+            raise ValueError(f"merge_loras: the reference {ck.path!r} has no module {m!r}; expected its float weight {shape} "
+                             "(the reference is the float checkpoint the quantized base was made from)")
+        if tuple(src.infos[m].shape) != tuple(shape):
+            raise ValueError(f"merge_loras: the reference {ck.path!r} stores module {m!r} as {tuple(src.infos[m].shape)}; "
+                             f"expected {tuple(shape)}, as in the base")
+    return src
+
+def _reference_merge(ref, m:str, patches:list, s) -> torch.Tensor:
+    "Module `m`'s weight in the float original `ref` (a `LayerSource`) with its LoRAs merged, float32, divided by `s` if smoothed."
+    buf = _merge_into(m, patches, ref.weight(m).to(torch.float32, copy=True).contiguous())
+    return buf if s is None else buf.div_(s)
+
+def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches:list, ref) -> LayerRow:
+    """Write module `m`'s weight (and, quantized, its scales and comfy_quant) with its LoRAs merged, as stored if they
+    change nothing; its row: error against the float merge (of `ref`'s weight if given) and, with `ref`, the error of
+    quantizing that merge directly."""
     prefix, quantized = (m + '.' if m else ''), e is not None and e.quantized
-    if _unchanged(patches):                                            # the stored bytes
-        for k in (k for x, k in keys.items() if x in _own(e)): w.add(k, ck[k])
-        return
+    own = [k for x, k in keys.items() if x in _own(e)]
+    info = ck.info(keys['weight'])
     qt = ck.quantized(m, e.shape) if quantized else None
     stored = None if quantized else ck[keys['weight']]
-    buf = qt.dequantize(torch.float32).contiguous() if quantized else stored.to(torch.float32, copy=True).contiguous()
+    shape = tuple(qt.shape) if quantized else tuple(stored.shape)
     s = ck[keys['pre_quant_scale']].float() if 'pre_quant_scale' in keys else None
+    target = None if ref is None else _reference_merge(ref, m, patches, s)
+    fmt, opts = (qt.format, requantize_options(qt)) if quantized else (None, None)
+    row = dict(name=m, shape=list(shape), format=fmt, label=_label(e.config) if quantized else 'float',
+               reason=', '.join(f"{os.path.basename(p.source)} x{st:g}" for p, st, _ in patches), source_dtype=str(info.dtype).removeprefix('torch.'),
+               bytes_before=sum(ck.info(k).nbytes for k in own))
+    if target is not None:
+        approx = quantize(target, fmt, **opts).dequantize(torch.float32) if quantized else target.to(stored.dtype).float()
+        row['direct_sqnr_db'] = energy_db(*_err(target, approx)[:2])
+    if _unchanged(patches):                                            # the stored bytes
+        for k in own: w.add(k, ck[k])
+        now = qt.dequantize(torch.float32) if quantized else stored.float()
+        return LayerRow.of(_err(now if target is None else target, now), tier='unchanged', bytes_after=row['bytes_before'], **row)
+    buf = qt.dequantize(torch.float32).contiguous() if quantized else stored.to(torch.float32, copy=True).contiguous()
     if s is not None: buf.mul_(s)                                      # the real weight: the stored one carries 1/s
     _merge_into(m, patches, buf)
     if s is not None: buf.div_(s)
     if quantized:
-        got = _write_quantized(w, buf, prefix + 'weight', prefix, qt.format, requantize_options(qt))
-        rows[m] = dict(format=qt.format, sqnr=energy_db(got['sig'], got['noise']))
-    else:
-        new = buf.to(stored.dtype)
-        w.add(prefix + 'weight', new)
-        rows[m] = dict(format=None, sqnr=energy_db(*_err(buf, new)[:2]))
+        got = _write_quantized(w, buf, prefix + 'weight', prefix, fmt, opts, ref=target)
+        return LayerRow.of((got['sig'], got['noise'], got['max_abs']), tier='baked', config=got['config'],
+                           bytes_after=got['bytes'], **row)
+    new = buf.to(stored.dtype)
+    w.add(prefix + 'weight', new)
+    return LayerRow.of(_err(buf if target is None else target, new), tier='merged', bytes_after=w.entry(prefix + 'weight').nbytes, **row)
 

@@ -1,6 +1,6 @@
 """LoRAs baked into checkpoints (`merge_loras`, `cquant merge-lora`): every format keeps its format and options, the
 bytes are what re-quantizing the float merge gives, a zero LoRA changes nothing, bad input leaves no file."""
-import json, os
+import json, math, os
 import pytest, torch
 import cquant as cq
 from cquant.lora import merge_patch, read_lora
@@ -83,8 +83,9 @@ def test_every_format_rebaked_in_its_own_format(base, tmp_path):
     rc, out, err = cquant('merge-lora', base, f'{tmp_path}/k.safetensors:0.8', tmp_path / 'p.safetensors', tmp_path / 'm.safetensors')
     assert rc == 0, err
     assert f"{len(PLAN)} module(s) patched" in out
-    assert out.splitlines()[0].split() == ['module', 'format', 'SQNR', 'vs', 'float', 'merge', '(dB)']
-    assert any(l.split()[:2] == ['blocks.1.v', 'asym_w4a8_int8'] for l in out.splitlines())
+    assert out.splitlines()[0].split() == ['layer', 'shape', 'format', 'SQNR', 'dB', 'before', 'after', 'reason']
+    rows = {l.split()[0]: l for l in out.splitlines()[2:2 + len(PLAN)]}
+    assert rows['blocks.1.v'].endswith('k.safetensors x0.8') and rows['blocks.0.k'].endswith('k.safetensors x0.8, p.safetensors x1')
     got, src = cq.load_file(tmp_path / 'm.safetensors'), cq.load_file(base)
     assert sorted(got) == sorted(src)
     for k, t in expected(base, [l1, l2], [0.8, 1.0]).items(): check_bits(got[k], t, k)
@@ -115,7 +116,7 @@ def test_merged_model_output_moves_toward_the_float_merge(base, tmp_path):
         w1 = cq.load_quantized(got, m, e.shape, torch.float32).dequantize() * s
         gain = cq.sqnr(x @ ref.t(), x @ w1.t()) - cq.sqnr(x @ ref.t(), x @ (w0 * s).t())
         assert gain > (0.5 if fmt in FOUR_BIT else 10), (m, fmt, gain)
-        assert r['modules'][m]['format'] == fmt
+        assert next(x for x in r.layers if x['name'] == m)['format'] == fmt
     ck.close()
 
 
@@ -137,18 +138,56 @@ def test_dora_and_float_base_then_quantize_equals_quantizing_the_float_merge(tmp
     r = cq.merge_loras(tmp_path / 'f.safetensors', [lora], tmp_path / 'c.safetensors', [0.7], pol)   # one pass
     cq.save_file(lora, tmp_path / 'l.safetensors')
     rc, out, err = cquant('merge-lora', tmp_path / 'f.safetensors', f'{tmp_path}/l.safetensors:0.7', tmp_path / 'd.safetensors', '--mode', 'int4_mixed')
-    assert rc == 0 and 'convrot_w4a4' in out and f'{len(w)} module(s) patched' in out, err
+    assert rc == 0 and 'W4A4' in out and f'{len(w)} module(s) patched by LoRAs' in out, err
     a, b, c, d = (cq.load_file(tmp_path / f'{n}.safetensors') for n in 'abcd')
     for k in a: check_bits(d[k], b[k], k)
     assert sorted(a) == sorted(b) == sorted(c) and {cq.decode_json(a[k])['format'] for k in a if k.endswith('comfy_quant')} == {'int8_tensorwise', 'convrot_w4a4'}
     for k in a: check_bits(a[k], b[k], k); check_bits(c[k], b[k], k)
-    assert set(r['modules']) == set(w) and all(v['format'] for v in r['modules'].values()) and r['report'].layers
+    assert r.kind == 'merge' and r.totals['patched'] == sorted(w) and all(x['format'] for x in r.layers)
+
+
+def test_reference_reports_what_the_bake_costs(base, tmp_path):
+    """With the float original (`--reference`), each module is measured against its own merge, beside quantizing that
+    merge directly; the bytes are the bake's, the report and plot are written, and a wrong reference is refused."""
+    w = float_weights()
+    cq.save_file({**{f'{m}.weight': t for m, t in w.items()}, **{f'{m}.bias': torch.zeros(128, dtype=torch.bfloat16) for m in w}},
+                 tmp_path / 'f.safetensors')
+    cq.save_file(kohya(list(PLAN), scale=0.06), tmp_path / 'l.safetensors')
+    cq.merge_loras(base, [tmp_path / 'l.safetensors'], tmp_path / 'plain.safetensors')
+    rc, out, err = cquant('merge-lora', base, tmp_path / 'l.safetensors', tmp_path / 'm.safetensors', '--reference',
+                          tmp_path / 'f.safetensors', '--report', tmp_path / 'r.json', '--plot', tmp_path / 'r.png')
+    assert rc == 0 and 'direct dB' in out.splitlines()[0], err
+    a, b = cq.load_file(tmp_path / 'plain.safetensors'), cq.load_file(tmp_path / 'm.safetensors')
+    for k in a: check_bits(b[k], a[k], k)
+    rep = cq.Report.load(tmp_path / 'r.json')
+    assert rep.kind == 'merge' and (tmp_path / 'r.png').stat().st_size > 10_000
+    rows = {x['name']: x for x in rep.layers}
+    patches = read_lora(cq.load_file(tmp_path / 'l.safetensors'))
+    ck = cq.open_checkpoint(base)
+    for m in ('blocks.0.o', 'blocks.1.q', 'blocks.0.v'):          # INT8 ConvRot, INT8 per row, MXFP8
+        qt = ck.quantized(m, ck.modules()[m].shape)
+        target = merge_patch(w[m], patches['lora_unet_' + m.replace('.', '_')])
+        direct = cq.quantize(target, qt.format, **requantize_options(qt)).dequantize(torch.float32)
+        assert abs(rows[m]['direct_sqnr_db'] - cq.sqnr(target, direct)) < 1e-3
+        assert rows[m]['direct_sqnr_db'] > rows[m]['sqnr_db'] + 1, (m, rows[m])   # 6- and 8-bit: the second rounding shows
+    ck.close()
+    fsd = cq.load_file(tmp_path / 'f.safetensors')
+    cq.save_file({**fsd, 'blocks.0.q.weight': torch.zeros(64, 256)}, tmp_path / 'wrong.safetensors')
+    cq.save_file({k: v for k, v in fsd.items() if not k.startswith('blocks.1.k.')}, tmp_path / 'lacks.safetensors')
+    for ref, msg in (('wrong', r"wrong.safetensors' stores module 'blocks.0.q' as \(64, 256\); expected \(128, 256\), as in the base"),
+                     ('lacks', r"lacks.safetensors' has no module 'blocks.1.k'; expected its float weight \(128, 256\)")):
+        with pytest.raises(ValueError, match=msg):
+            cq.merge_loras(base, [tmp_path / 'l.safetensors'], tmp_path / 'x.safetensors', reference=tmp_path / f'{ref}.safetensors')
+    with pytest.raises(ValueError, match="reference= measures a bake into a quantized base"):
+        cq.merge_loras(tmp_path / 'f.safetensors', [tmp_path / 'l.safetensors'], tmp_path / 'x.safetensors',
+                       policy=cq.Policy(mode='int8'), reference=base)
+    assert not (tmp_path / 'x.safetensors').exists()
 
 
 def test_zero_lora_keeps_every_byte(base, tmp_path):
     zero = {k: torch.zeros_like(v) if k.endswith('lora_up.weight') else v for k, v in kohya(list(PLAN)).items()}
     r = cq.merge_loras(base, [zero], tmp_path / 'z.safetensors')
-    assert r['modules'] == {}
+    assert len(r.layers) == len(PLAN) and all(x['tier'] == 'unchanged' and x['sqnr_db'] == math.inf for x in r.layers)
     a, b = cq.load_file(base), cq.load_file(tmp_path / 'z.safetensors')
     assert sorted(a) == sorted(b)
     for k in a: check_bits(a[k], b[k], k)
@@ -195,7 +234,7 @@ def test_unmatched_allowed_is_counted(base, tmp_path):
     rc, out, err = cquant('merge-lora', base, tmp_path / 'l.safetensors', tmp_path / 'm.safetensors')
     assert rc == 1 and 'a text-encoder LoRA: this checkpoint has no text encoder' in err
     rc, out, err = cquant('merge-lora', base, tmp_path / 'l.safetensors', tmp_path / 'm.safetensors', '--allow-unmatched')
-    assert rc == 0 and '1 module(s) patched, 1 LoRA module(s) matched nothing (skipped)' in out
+    assert rc == 0 and '1 module(s) patched by LoRAs; 1 LoRA module(s) matched nothing (skipped)' in out
     assert "1 LoRA module(s) match no module of the checkpoint (first 'lora_te1_text_model_encoder_layers_0_mlp_fc1'): skipped" in err
 
 
