@@ -13,7 +13,8 @@ import torch
 
 from .numerics import energy_db
 from .tensor import quantize
-from .checkpoint import Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, open_checkpoint, split_key, sha256_file
+from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, ShardedWriter, StreamingWriter, open_checkpoint, split_key,
+                               sha256_file)
 from .modules import lora_delta, requantize_options
 from .policy import layer_source
 from .convert import (Report, LayerRow, check_outputs, quantize_checkpoint, _err, _label, _source_names, _totals,
@@ -241,6 +242,7 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
                 allow_unmatched:bool=False, # LoRA modules that match no module: skipped with a warning, else an error
                 progress:bool=False, # with a policy: quantize_checkpoint's progress bar
                 report=None, # path: also save the report as JSON there
+                shard_size=None, # e.g. '5GB': write HF-style shards and an index into the folder `dst`
                ) -> Report: # kind 'merge': a row per patched module (with a policy: per layer), totals with the LoRAs
     "Bake `loras` into `base`: patched quantized modules re-quantized in their own format and options, float ones in their dtype."
     t0 = time.time()
@@ -252,7 +254,7 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
                          "policy the base is the float model and the report already measures against its merge")
     base, dst = os.fspath(base), os.fspath(dst)
     sources = {**_source_names(base), **({'reference': os.fspath(reference)} if reference is not None else {})}
-    check_outputs('merge_loras', sources, {'destination': dst, 'report': report})
+    check_outputs('merge_loras', sources, {'destination': None if shard_size else dst, 'report': report})
     files, prov = [read_lora(l) for l in loras], _provenance(loras, strengths)
     with open_checkpoint(base) as ck:
         mods, groups = ck.modules(), ck.groups()
@@ -266,14 +268,15 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
         if policy is None:
             with open_checkpoint(reference) if reference is not None else contextlib.nullcontext() as ref:
                 if ref is not None: ref = _reference(ref, {m: shapes[m] for m in per_module})
-                rows, before, after = _bake(ck, dst, per_module, mods, groups, {'cquant_loras': prov}, ref)
+                rows, before, after = _bake(ck, dst, per_module, mods, groups, {'cquant_loras': prov}, ref, shard_size)
             rep = Report(base, dst, [r.to_dict() for r in rows], _totals(rows, before, after), None, '', time.time() - t0, 'merge')
     if policy is not None:
         stored = [m for m in per_module if m in mods and mods[m].quantized]
         if stored: raise ValueError(f"merge_loras: with a policy the LoRAs must patch float modules; {len(stored)} are stored "
                                     f"quantized (first {stored[0]!r}): merge without a policy to keep their formats, or use the float base")
         patches = {groups[m]['weight']: functools.partial(_merged_float, m, per_module[m]) for m in per_module}
-        rep = replace(quantize_checkpoint(base, dst, policy, progress, metadata={'cquant_loras': prov}, patches=patches),
+        rep = replace(quantize_checkpoint(base, dst, policy, progress, metadata={'cquant_loras': prov}, patches=patches,
+                                          shard_size=shard_size),
                       kind='merge', seconds=time.time() - t0)
     rep.totals.update(loras=json.loads(prov), patched=sorted(per_module), unmatched=unmatched)
     rep.summary = '; '.join([*([rep.summary] if rep.summary else []), f"{len(per_module)} module(s) patched by LoRAs",
@@ -292,13 +295,16 @@ def _own(e) -> tuple:
     "The keys a merge rewrites in module entry `e`: its weight, and if quantized its scales and comfy_quant."
     return ('comfy_quant', *e.spec.weight_keys) if e is not None and e.quantized else ('weight',)
 
-def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:dict, ref) -> tuple:
-    """Stream `ck` into `dst`, each module of `per_module` merged where its weight comes (`_merge_module`; `ref`: a
-    `LayerSource` of the float original, or None); (the patched modules' `LayerRow`s, bytes before, bytes after)."""
-    rows = []
-    with StreamingWriter(dst, {**ck.metadata, **meta}) as w:
+def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:dict, ref, shard_size=None) -> tuple:
+    """Stream `ck` into `dst` (a file, or with `shard_size` a folder of shards), each module of `per_module` merged where
+    its weight comes (`_merge_module`; `ref`: a `LayerSource` of the float original, or None); (the patched modules'
+    `LayerRow`s, bytes before, bytes after)."""
+    rows, meta = [], {**ck.metadata, **meta}
+    sizes = {m: sum(ck.info(k).nbytes for k in keys.values()) for m, keys in groups.items()}   # a bake keeps each module's size
+    with ShardedWriter(dst, shard_size, meta) if shard_size is not None else StreamingWriter(dst, meta) as w:
         for key in ck.file_order():
             m, s = split_key(key)
+            if shard_size is not None: w.place(m, sizes[m])
             e = mods.get(m)
             if m not in per_module or s not in _own(e): w.add(key, ck[key])
             elif s == 'weight': rows.append(_merge_module(w, ck, m, e, groups[m], per_module[m], ref))

@@ -193,8 +193,8 @@ def test_zero_lora_keeps_every_byte(base, tmp_path):
     for k in a: check_bits(a[k], b[k], k)
 
 
-def test_sharded_base(base, tmp_path):
-    "A sharded folder reads like the file it was cut from."
+def test_sharded_base_and_output(base, tmp_path):
+    "A sharded folder reads like the file it was cut from; with shard_size (--shard-size) the output is a folder of shards."
     sd = cq.load_file(base)
     with cq.ShardedWriter(tmp_path / 'shards', '100KB', {}) as w:
         for m, keys in cq.group_modules(sd).items():
@@ -206,6 +206,23 @@ def test_sharded_base(base, tmp_path):
     cq.merge_loras(base, [lora], tmp_path / 'b.safetensors')
     a, b = cq.load_file(tmp_path / 'a.safetensors'), cq.load_file(tmp_path / 'b.safetensors')
     for k in a: check_bits(a[k], b[k], k)
+    cq.save_file(lora, tmp_path / 'l.safetensors')
+    rc, out, err = cquant('merge-lora', tmp_path / 'shards', tmp_path / 'l.safetensors', tmp_path / 'out', '--shard-size', '100KB')
+    assert rc == 0, err
+    ck = cq.open_checkpoint(tmp_path / 'out')
+    assert len(ck.files) > 1 and json.loads(ck.metadata['cquant_loras'])[0]['file'] == 'l.safetensors'
+    c = cq.load_file(tmp_path / 'out')
+    assert sorted(c) == sorted(b)
+    for k in b: check_bits(c[k], b[k], k)
+    ck.close()
+    f = {f'{m}.weight': t for m, t in float_weights().items()}
+    cq.save_file(f, tmp_path / 'f.safetensors')
+    pol = cq.Policy(mode='int8')
+    cq.merge_loras(tmp_path / 'f.safetensors', [lora], tmp_path / 'd.safetensors', policy=pol)
+    cq.merge_loras(tmp_path / 'f.safetensors', [lora], tmp_path / 'dsh', policy=pol, shard_size='20KB')
+    d, dsh = cq.load_file(tmp_path / 'd.safetensors'), cq.load_file(tmp_path / 'dsh')
+    with cq.open_checkpoint(tmp_path / 'dsh') as sh: assert sorted(d) == sorted(dsh) and len(sh.files) > 1
+    for k in d: check_bits(dsh[k], d[k], k)
 
 
 @pytest.mark.parametrize('lora, msg', [
