@@ -74,6 +74,7 @@ def quality(args):
             print(f"{mode:16} {r['q']:7.2f} {r['bake']:7.2f} {r['hand']:8.2f} {r['direct']:7.2f}  {r['bake'] - r['direct']:+.2f}")
 
 JOBS = {'quantize': "cq.quantize_checkpoint(f'{d}/float.safetensors', f'{d}/out.safetensors', cq.Policy(mode='int4_mixed'), progress=False)",
+        'requantize': "cq.quantize_checkpoint(f'{d}/q.safetensors', f'{d}/out.safetensors', cq.Policy(mode='int4_mixed'), progress=False, requantize=True)",
         'bake': "cq.merge_loras(f'{d}/q.safetensors', [f'{d}/lora.safetensors'], f'{d}/out.safetensors')",
         'direct': "cq.merge_loras(f'{d}/float.safetensors', [f'{d}/lora.safetensors'], f'{d}/out.safetensors', policy=cq.Policy(mode='int4_mixed'))"}
 

@@ -332,7 +332,7 @@ class Checkpoint(Mapping):
         self._state = state             # `file_state(file)` when opened ({file: state} for shards): checked before each read
         self._handle, self._fh, self._hash = {}, {}, None
         self._modules = self._groups = None
-        self.patches = {}                # {key: fn(tensor) -> tensor of the same dtype and shape}, applied as `key` is read
+        self.patches = {}                # {key: fn(tensor) -> tensor of the same dtype and shape}, applied as `key` is read (fn may write into its own copy)
         self._lock = threading.Lock()    # opening files and mappings; reads themselves are positional (pread), so threads may read at once
 
     @classmethod
@@ -370,7 +370,8 @@ class Checkpoint(Mapping):
     def __getitem__(self, key:str) -> torch.Tensor:
         v = self._entries[key]
         t = v if isinstance(v, torch.Tensor) else self._read(key, v)
-        return self.patches[key](t) if key in self.patches else t
+        if key not in self.patches: return t
+        return self.patches[key](t.clone() if t is v else t)    # a tensor read from the file is the patch's own
 
     def info(self, key:str) -> TensorInfo:
         "dtype, shape and bytes of `key` without reading it."

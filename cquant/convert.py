@@ -10,6 +10,7 @@ Docs: https://cquant-dev.github.io/cquant/quantize_checkpoint.html.md"""
 from __future__ import annotations
 import contextlib, ctypes, dataclasses, json, math, os, sys, tempfile, threading, time, warnings
 from dataclasses import dataclass, field
+from typing import Callable
 import torch
 from .numerics import in_workers
 from .tensor import FORMATS, QuantizedTensor, check_finite, decode_json, encode_json, format_color, get_format, quantize, same_bits, _zero_weight
@@ -72,7 +73,17 @@ def _err(ref:torch.Tensor, approx:torch.Tensor) -> tuple:
     return sig, noise, float(mx)
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #59ce45b8
-def quantize_rows(w:torch.Tensor, # float weight [N, K]
+@dataclass
+class LazyRows:
+    """A 2-D weight made on demand, block by block: `rows(i, j)` -> float rows i..j-1 (a LoRA merge into a stored
+    weight), so that `quantize_rows` of a row-independent format never holds it whole."""
+    shape: tuple
+    rows: Callable
+    device: torch.device = torch.device('cpu')
+    def dim(self) -> int: return len(self.shape)
+    def __getitem__(self, s:slice) -> torch.Tensor: return self.rows(s.start or 0, self.shape[0] if s.stop is None else s.stop)
+
+def quantize_rows(w:torch.Tensor|LazyRows, # float weight [N, K]
                   fmt:str, # registered format
                   options:dict, # quantize options
                   name:str='weight', # the weight's key, for errors
@@ -84,6 +95,7 @@ def quantize_rows(w:torch.Tensor, # float weight [N, K]
     "Quantize `w` block by block when `fmt` is row-independent (whole otherwise); yields `(QuantizedTensor, rows)` parts in order."
     rounding = rounding or {}
     rowwise = _rowwise(fmt, options) is not None and w.dim() == 2 and 'calibration' not in rounding
+    if isinstance(w, LazyRows) and not rowwise: w = w[:]
     blocks = row_blocks(w.shape[0], w.shape[1], elems) if rowwise else [(0, w.shape[0])]
     def part(i, j):
         rows, e = (w[i:j] if rowwise else w), ([] if energies is not None else None)
@@ -93,7 +105,7 @@ def quantize_rows(w:torch.Tensor, # float weight [N, K]
             if e: energies.extend(e)
             yield qt, rows
     except ValueError:
-        check_finite(w, name)           # a non-finite value is named by its index in the whole weight
+        check_finite(w[:] if isinstance(w, LazyRows) else w, name)   # a non-finite value is named by its index in the whole weight
         raise
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #2a6c801d
@@ -106,14 +118,15 @@ def _out_err(x, ref:torch.Tensor, approx:torch.Tensor, start:int=0) -> tuple:
     return float(y.double().square().sum()), float((y - x @ approx.float().T).double().square().sum())
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #ea6e6673
-def _write_quantized(writer:StreamingWriter, w:torch.Tensor, key:str, prefix:str, fmt:str, options:dict,
-                     measure:bool=True, rounding:dict|None=None, x:torch.Tensor|None=None, ref:torch.Tensor|None=None) -> dict:
+def _write_quantized(writer:StreamingWriter, w:torch.Tensor|LazyRows, key:str, prefix:str, fmt:str, options:dict,
+                     measure:bool=True, rounding:dict|None=None, x:torch.Tensor|None=None, ref:torch.Tensor|None=None,
+                     elems:int|None=None) -> dict:
     """Quantize `w` (with `rounding`'s keywords), stream its tensors and comfy_quant under `prefix`; returns config,
     bytes, weight error sums (against `ref`, rows aligned with `w`, if given) and, with inputs `x`, output error sums."""
     stream, bufs, config, sig, noise, mx, out, row = None, {}, None, 0.0, 0.0, 0.0, [0.0, 0.0], 0
     how = _rowwise(fmt, options) or {}
     energies = [] if measure and x is None and ref is None else None   # filled where the encoder measures its own error
-    for qt, part in quantize_rows(w, fmt, options, key, rounding=rounding, energies=energies):
+    for qt, part in quantize_rows(w, fmt, options, key, elems, rounding, energies):
         tensors = qt.state_dict('')
         if config is None:
             config = qt.config

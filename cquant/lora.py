@@ -12,17 +12,18 @@ from dataclasses import dataclass, replace
 import torch
 
 from .numerics import energy_db
-from .tensor import quantize
+from .tensor import load_quantized, quantize
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, ShardedWriter, StreamingWriter, open_checkpoint, split_key,
                                sha256_file)
 from .modules import lora_delta, requantize_options
 from .policy import layer_source
-from .convert import (Report, LayerRow, check_outputs, quantize_checkpoint, _err, _label, _source_names, _totals,
-                             _write_quantized)
+from .convert import (LazyRows, Report, LayerRow, block_elems, check_outputs, malloc_arenas, quantize_checkpoint, trim_heap, _err,
+                             _label, _rowwise, _source_names, _totals, _write_quantized)
 
 # %% auto #0
-__all__ = ['LORA_SUFFIXES', 'LORA_EXTRAS', 'UNSUPPORTED', 'BASE_PREFIXES', 'FLUX_DOUBLE', 'FLUX_SINGLE', 'FLUX_TOP', 'LoraPatch',
-           'read_lora', 'lora_names', 'LoraTarget', 'lora_targets', 'match_loras', 'merge_patch', 'merge_loras']
+__all__ = ['LORA_SUFFIXES', 'LORA_EXTRAS', 'UNSUPPORTED', 'BASE_PREFIXES', 'FLUX_DOUBLE', 'FLUX_SINGLE', 'FLUX_TOP', 'MERGE_ROWS',
+           'LoraPatch', 'read_lora', 'lora_names', 'LoraTarget', 'lora_targets', 'match_loras', 'merge_patch',
+           'merge_loras']
 
 # %% ../nbs/17b_lora.ipynb #e7f43ec8
 LORA_SUFFIXES = (   # (up, down) of each convention ComfyUI reads, in its order
@@ -213,10 +214,22 @@ def _factors(p:LoraPatch, w:torch.Tensor) -> tuple:
                          f"{(up.shape[0], down.shape[1])}, the weight {tuple(w.shape)}")
     return up, down
 
+MERGE_ROWS = 256   # a LoRA's rows are added in blocks of this many, counted from its first row
+
+def _scale(p:LoraPatch, strength:float) -> float: return strength * (1.0 if p.alpha is None else p.alpha / p.rank)
+
+def _add_rows_(out:torch.Tensor, up:torch.Tensor, down:torch.Tensor, i:int, n:int, a:float):
+    """`out += a * (up[i:i+n] @ down)` for one block: the product in a tensor of its own, scaled, then added, so that
+    each element is rounded the same way wherever the block lies in memory (any caller's blocks give the same bits)."""
+    d = torch.mm(up[i:i + n], down)
+    out.add_(d.mul_(a))
+
 def _add_lora_(out:torch.Tensor, p:LoraPatch, strength:float) -> torch.Tensor:
-    "`out += strength * scale * U @ D` in place (`out` contiguous float32): one GEMM, no delta tensor."
+    "`out += strength * scale * U @ D` in place (`out` contiguous float32), in blocks of `MERGE_ROWS` rows: no full delta tensor."
     up, down = _factors(p, out)
-    return out.view(up.shape[0], -1).addmm_(up, down, alpha=strength * (1.0 if p.alpha is None else p.alpha / p.rank)).view(out.shape)
+    o, a = out.view(up.shape[0], -1), _scale(p, strength)
+    for i in range(0, up.shape[0], MERGE_ROWS): _add_rows_(o[i:i + MERGE_ROWS], up, down, i, min(MERGE_ROWS, up.shape[0] - i), a)
+    return out
 
 def merge_patch(w:torch.Tensor, # the weight, any float dtype
                 p:LoraPatch, # one module's LoRA
@@ -301,13 +314,15 @@ def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:
     `LayerRow`s, bytes before, bytes after)."""
     rows, meta = [], {**ck.metadata, **meta}
     sizes = {m: sum(ck.info(k).nbytes for k in keys.values()) for m, keys in groups.items()}   # a bake keeps each module's size
-    with ShardedWriter(dst, shard_size, meta) if shard_size is not None else StreamingWriter(dst, meta) as w:
-        for key in ck.file_order():
+    with malloc_arenas(1), ShardedWriter(dst, shard_size, meta) if shard_size is not None else StreamingWriter(dst, meta) as w:
+        for key in ck.file_order():          # one malloc arena: the row-block workers share the freed heap memory
             m, s = split_key(key)
             if shard_size is not None: w.place(m, sizes[m])
             e = mods.get(m)
             if m not in per_module or s not in _own(e): w.add(key, ck[key])
-            elif s == 'weight': rows.append(_merge_module(w, ck, m, e, groups[m], per_module[m], ref))
+            elif s == 'weight':
+                rows.append(_merge_module(w, ck, m, e, groups[m], per_module[m], ref))
+                trim_heap()                  # the module's float32 buffers handed back before the next is read
         after = w.nbytes
     return rows, sum(ck.info(k).nbytes for k in ck), after
 
@@ -329,9 +344,52 @@ def _merge_into(m:str, patches:list, w:torch.Tensor) -> torch.Tensor:
             raise CheckpointError(p.source, f"{err} (checkpoint module {m!r}{f' rows {t.rows}' if t.rows else ''})") from None
     return w
 
+def _blockwise(patches:list) -> bool:
+    "Whether the LoRAs merge row block by row block: plain LoRAs, no exchanged halves, each starting on a block boundary."
+    return all(p.dora_scale is None and not t.swap and (t.rows or (0,))[0] % MERGE_ROWS == 0 for p, _, t in patches)
+
+def _plain_parts(m:str, patches:list, w:torch.Tensor) -> list:
+    "`[(up, down, first row, rows, scale)]` of plain LoRAs `patches` on module `m`'s weight `w` [N, ...], checked against it."
+    parts, rows = [], w.reshape(w.shape[0], -1)
+    for p, strength, t in patches:
+        a, n = t.rows or (0, w.shape[0])
+        try: up, down = _factors(p, rows[a:a + n])
+        except ValueError as err:
+            raise CheckpointError(p.source, f"{err} (checkpoint module {m!r}{f' rows {t.rows}' if t.rows else ''})") from None
+        parts.append((up, down, a, n, _scale(p, strength)))
+    return parts
+
+def _merge_block_(blk:torch.Tensor, c:int, parts:list) -> torch.Tensor:
+    "Add to `blk` (float32 rows c.. of the weight, c a multiple of `MERGE_ROWS`) each LoRA's rows there, in its blocks."
+    for b in range(0, len(blk), MERGE_ROWS):
+        r, sub = c + b, blk[b:b + MERGE_ROWS]
+        for up, down, a, n, s in parts:
+            if a <= r < a + n: _add_rows_(sub[:min(len(sub), a + n - r)], up, down, r - a, min(MERGE_ROWS, a + n - r), s)
+    return blk
+
 def _merged_float(m:str, patches:list, w:torch.Tensor) -> torch.Tensor:
-    "Weight `w` of module `m` with its LoRAs merged in float32, returned in `w`'s dtype."
-    return _merge_into(m, patches, w.to(torch.float32, copy=True).contiguous()).to(w.dtype)
+    """Weight `w` of module `m` (the caller's own: `Checkpoint.patches`) with its LoRAs merged in float32, in `w`'s dtype:
+    block by block into `w` itself where the LoRAs allow (one block in float32 at a time), with the bits of merging it whole."""
+    if not _blockwise(patches) or not w.is_contiguous():
+        return _merge_into(m, patches, w.to(torch.float32, copy=True).contiguous()).to(w.dtype)
+    parts, rows = _plain_parts(m, patches, w), w.view(w.shape[0], -1)
+    for c in range(0, w.shape[0], MERGE_ROWS): rows[c:c + MERGE_ROWS] = _merge_block_(rows[c:c + MERGE_ROWS].float(), c, parts)
+    return w
+
+def _merged_rows(m:str, qt, patches:list, s) -> LazyRows|None:
+    """Stored module `m` (`qt`) with its LoRAs merged, made row block by row block as `quantize_rows` asks (its storage
+    cut by the format's `row_assembly`, dequantized, merged): None where the format or the LoRAs need the whole weight."""
+    how = _rowwise(qt.format, requantize_options(qt))
+    if how is None or qt.dim() != 2 or not _blockwise(patches): return None
+    N, K = qt.shape
+    parts, sd, cfg = _plain_parts(m, patches, torch.empty(N, K, device='meta')), qt.state_dict(''), qt.config
+    def rows(i, j):
+        cut = {k: t if how.get(k, 0) == 'shared' else t.narrow(how.get(k, 0), i, j - i) for k, t in sd.items()}
+        blk = load_quantized(cut, '', (j - i, K), qt.dtype, cfg).dequantize(torch.float32).contiguous()
+        if s is not None: blk.mul_(s)
+        _merge_block_(blk, i, parts)
+        return blk if s is None else blk.div_(s)
+    return LazyRows((N, K), rows)
 
 def _unchanged(patches:list) -> bool:
     "Whether the LoRAs change nothing: no DoRA, and each a zero product or strength."
@@ -377,12 +435,17 @@ def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches
         for k in own: w.add(k, ck[k])
         now = qt.dequantize(torch.float32) if quantized else stored.float()
         return LayerRow.of(_err(now if target is None else target, now), tier='unchanged', bytes_after=row['bytes_before'], **row)
-    buf = qt.dequantize(torch.float32).contiguous() if quantized else stored.to(torch.float32, copy=True).contiguous()
-    if s is not None: buf.mul_(s)                                      # the real weight: the stored one carries 1/s
-    _merge_into(m, patches, buf)
-    if s is not None: buf.div_(s)
+    lazy = _merged_rows(m, qt, patches, s) if quantized else None
+    if lazy is None:
+        buf = qt.dequantize(torch.float32).contiguous() if quantized else stored.to(torch.float32, copy=True).contiguous()
+        qt = None                                                      # its storage freed before the re-quantization
+        if s is not None: buf.mul_(s)                                  # the real weight: the stored one carries 1/s
+        _merge_into(m, patches, buf)
+        if s is not None: buf.div_(s)
     if quantized:
-        got = _write_quantized(w, buf, prefix + 'weight', prefix, fmt, opts, ref=target)
+        K = math.prod(shape[1:])                                       # row blocks of whole LoRA blocks
+        got = _write_quantized(w, buf if lazy is None else lazy, prefix + 'weight', prefix, fmt, opts, ref=target,
+                               elems=MERGE_ROWS * K * max(1, block_elems(math.prod(shape)) // (MERGE_ROWS * K)))
         return LayerRow.of((got['sig'], got['noise'], got['max_abs']), tier='baked', config=got['config'],
                            bytes_after=got['bytes'], **row)
     new = buf.to(stored.dtype)
