@@ -7,8 +7,9 @@
 of rank `--rank` whose delta is `--rel` of each weight's Frobenius norm; the float merge (`merge_loras` into the float
 file) is the reference. Per policy mode, the held-out output SQNR against it of: the unpatched quantized base; the bake
 (`merge_loras` into the quantized base); the by-hand route (dequantize the base, add the delta in fp32, quantize the
-float result with the same policy); and the direct route (`merge_loras(float, policy=)`, which equals quantizing the
-float merge). Every file is made through the public functions and evaluated through `cq.evaluate`.
+float result with the same policy); the bake from the reference (`merge_loras(q, reference=float, from_reference=True)`:
+each patched module quantized from the float original's merge in the quantized file's formats and options); and the
+direct route (`merge_loras(float, policy=)`, which equals quantizing the float merge). Every file is made through the public functions and evaluated through `cq.evaluate`.
 
 `cost`: the FLUX-shaped DiT of `cq.flux_model` at FLUX's widths, quantized `int4_mixed`; a rank-32 LoRA on every linear.
 Wall time and peak RSS, each in a fresh process: `quantize_checkpoint` of the float file, `merge_loras` into the
@@ -62,16 +63,19 @@ def quality(args):
         merged = cq.load_file(f'{d}/merged_float.safetensors')
         ref = dataclasses.replace(wl, model=lambda: cq.load_quantized_model(wl.model(), merged, strict=False))
         print(f'\n{name}: rank {args.rank}, delta {args.rel:.0%} of each weight; output SQNR (dB) against the float merge, held out')
-        print(f"{'mode':16} {'base':>7} {'bake':>7} {'by hand':>8} {'direct':>7}  bake - direct")
+        print(f"{'mode':16} {'base':>7} {'bake':>7} {'by hand':>8} {'from ref':>8} {'direct':>7}  bake - direct  from ref - direct")
         for mode in args.modes.split(','):
             pol = cq.Policy(mode=mode)
             cq.quantize_checkpoint(f'{d}/float.safetensors', f'{d}/q.safetensors', pol, progress=False)
             cq.merge_loras(f'{d}/q.safetensors', [f'{d}/lora.safetensors'], f'{d}/bake.safetensors')
             by_hand(f'{d}/q.safetensors', lora, f'{d}/hand_float.safetensors')
             cq.quantize_checkpoint(f'{d}/hand_float.safetensors', f'{d}/hand.safetensors', pol, progress=False)
+            cq.merge_loras(f'{d}/q.safetensors', [f'{d}/lora.safetensors'], f'{d}/fromref.safetensors',
+                           reference=f'{d}/float.safetensors', from_reference=True)
             cq.merge_loras(f'{d}/float.safetensors', [f'{d}/lora.safetensors'], f'{d}/direct.safetensors', policy=pol)
-            r = {k: cq.evaluate(ref, f'{d}/{k}.safetensors')['sqnr_db'] for k in ('q', 'bake', 'hand', 'direct')}
-            print(f"{mode:16} {r['q']:7.2f} {r['bake']:7.2f} {r['hand']:8.2f} {r['direct']:7.2f}  {r['bake'] - r['direct']:+.2f}")
+            r = {k: cq.evaluate(ref, f'{d}/{k}.safetensors')['sqnr_db'] for k in ('q', 'bake', 'hand', 'fromref', 'direct')}
+            print(f"{mode:16} {r['q']:7.2f} {r['bake']:7.2f} {r['hand']:8.2f} {r['fromref']:8.2f} {r['direct']:7.2f}  "
+                  f"{r['bake'] - r['direct']:+13.2f}  {r['fromref'] - r['direct']:+16.2f}")
 
 JOBS = {'quantize': "cq.quantize_checkpoint(f'{d}/float.safetensors', f'{d}/out.safetensors', cq.Policy(mode='int4_mixed'), progress=False)",
         'requantize': "cq.quantize_checkpoint(f'{d}/q.safetensors', f'{d}/out.safetensors', cq.Policy(mode='int4_mixed'), progress=False, requantize=True)",

@@ -324,7 +324,7 @@ def cmd_merge_lora(args) -> int:
     given = _policy_given(args)
     check_outputs('', {'BASE': args.base}, {'DST': None if args.shard_size else args.dst, '--report': args.report, '--plot': args.plot})
     rep = merge_loras(args.base, [p for p, _ in loras], args.dst, [s for _, s in loras], policy_from_args(args) if given else None,
-                      reference=args.reference, allow_unmatched=args.allow_unmatched, progress=given and not args.json,
+                      reference=args.reference, from_reference=args.from_reference, allow_unmatched=args.allow_unmatched, progress=given and not args.json,
                       report=args.report, shard_size=args.shard_size)
     if args.plot: save_plot(rep, args.plot)
     if args.json: print(json.dumps(rep.to_dict(), indent=1)); return 0
@@ -341,6 +341,8 @@ def add_merge_lora_parser(subparsers):
     p.add_argument('--allow-unmatched', action='store_true', help='skip LoRA modules that match no module (default: refuse)')
     p.add_argument('--reference', metavar='FLOAT', help='the float checkpoint a quantized BASE was made from: report each '
                    'module against its merge, beside quantizing that merge directly')
+    p.add_argument('--from-reference', action='store_true', help="quantize each patched module from the reference's merge "
+                   "(one rounding), in BASE's format and options, instead of re-quantizing BASE's stored weight")
     p.add_argument('--shard-size', type=_size_arg, metavar='SIZE', help="write HF-style shards of at most SIZE (e.g. 5GB) and "
                    "an index into the new folder DST")
     p.add_argument('--report', metavar='JSON', help='also save the per-module report')

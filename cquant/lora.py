@@ -252,6 +252,7 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
                 strengths=None, # one per LoRA (default 1.0 each)
                 policy=None, # a `Policy`: quantize a float base while merging (one pass, no float file in between)
                 *, reference=None, # the float checkpoint a quantized `base` was made from: measure against its merge
+                from_reference:bool=False, # quantize each patched module from `reference`'s merge, in the base's format and options
                 allow_unmatched:bool=False, # LoRA modules that match no module: skipped with a warning, else an error
                 progress:bool=False, # with a policy: quantize_checkpoint's progress bar
                 report=None, # path: also save the report as JSON there
@@ -265,6 +266,8 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
     if reference is not None and policy is not None:
         raise ValueError("merge_loras: reference= measures a bake into a quantized base against the float merge; with a "
                          "policy the base is the float model and the report already measures against its merge")
+    if from_reference and reference is None:
+        raise ValueError("merge_loras: from_reference=True needs reference=, the float checkpoint the base was made from")
     base, dst = os.fspath(base), os.fspath(dst)
     sources = {**_source_names(base), **({'reference': os.fspath(reference)} if reference is not None else {})}
     check_outputs('merge_loras', sources, {'destination': None if shard_size else dst, 'report': report})
@@ -281,7 +284,8 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
         if policy is None:
             with open_checkpoint(reference) if reference is not None else contextlib.nullcontext() as ref:
                 if ref is not None: ref = _reference(ref, {m: shapes[m] for m in per_module})
-                rows, before, after = _bake(ck, dst, per_module, mods, groups, {'cquant_loras': prov}, ref, shard_size)
+                rows, before, after = _bake(ck, dst, per_module, mods, groups, {'cquant_loras': prov}, ref, shard_size,
+                                            from_reference)
             rep = Report(base, dst, [r.to_dict() for r in rows], _totals(rows, before, after), None, '', time.time() - t0, 'merge')
     if policy is not None:
         stored = [m for m in per_module if m in mods and mods[m].quantized]
@@ -308,10 +312,11 @@ def _own(e) -> tuple:
     "The keys a merge rewrites in module entry `e`: its weight, and if quantized its scales and comfy_quant."
     return ('comfy_quant', *e.spec.weight_keys) if e is not None and e.quantized else ('weight',)
 
-def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:dict, ref, shard_size=None) -> tuple:
+def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:dict, ref, shard_size=None,
+          from_ref:bool=False) -> tuple:
     """Stream `ck` into `dst` (a file, or with `shard_size` a folder of shards), each module of `per_module` merged where
-    its weight comes (`_merge_module`; `ref`: a `LayerSource` of the float original, or None); (the patched modules'
-    `LayerRow`s, bytes before, bytes after)."""
+    its weight comes (`_merge_module`; `ref`: a `LayerSource` of the float original, or None; `from_ref`: quantize its
+    merge); (the patched modules' `LayerRow`s, bytes before, bytes after)."""
     rows, meta = [], {**ck.metadata, **meta}
     sizes = {m: sum(ck.info(k).nbytes for k in keys.values()) for m, keys in groups.items()}   # a bake keeps each module's size
     with malloc_arenas(1), ShardedWriter(dst, shard_size, meta) if shard_size is not None else StreamingWriter(dst, meta) as w:
@@ -321,7 +326,7 @@ def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:
             e = mods.get(m)
             if m not in per_module or s not in _own(e): w.add(key, ck[key])
             elif s == 'weight':
-                rows.append(_merge_module(w, ck, m, e, groups[m], per_module[m], ref))
+                rows.append(_merge_module(w, ck, m, e, groups[m], per_module[m], ref, from_ref))
                 trim_heap()                  # the module's float32 buffers handed back before the next is read
         after = w.nbytes
     return rows, sum(ck.info(k).nbytes for k in ck), after
@@ -412,10 +417,10 @@ def _reference_merge(ref, m:str, patches:list, s) -> torch.Tensor:
     buf = _merge_into(m, patches, ref.weight(m).to(torch.float32, copy=True).contiguous())
     return buf if s is None else buf.div_(s)
 
-def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches:list, ref) -> LayerRow:
+def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches:list, ref, from_ref:bool=False) -> LayerRow:
     """Write module `m`'s weight (and, quantized, its scales and comfy_quant) with its LoRAs merged, as stored if they
     change nothing; its row: error against the float merge (of `ref`'s weight if given) and, with `ref`, the error of
-    quantizing that merge directly."""
+    quantizing that merge directly. `from_ref`: what is quantized is that merge (one rounding), not the stored weight's."""
     prefix, quantized = (m + '.' if m else ''), e is not None and e.quantized
     own = [k for x, k in keys.items() if x in _own(e)]
     info = ck.info(keys['weight'])
@@ -428,15 +433,16 @@ def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches
     row = dict(name=m, shape=list(shape), format=fmt, label=_label(e.config) if quantized else 'float',
                reason=', '.join(f"{os.path.basename(p.source)} x{st:g}" for p, st, _ in patches), source_dtype=str(info.dtype).removeprefix('torch.'),
                bytes_before=sum(ck.info(k).nbytes for k in own))
-    if target is not None:
+    if target is not None and not from_ref:
         approx = quantize(target, fmt, **opts).dequantize(torch.float32) if quantized else target.to(stored.dtype).float()
         row['direct_sqnr_db'] = energy_db(*_err(target, approx)[:2])
     if _unchanged(patches):                                            # the stored bytes
         for k in own: w.add(k, ck[k])
         now = qt.dequantize(torch.float32) if quantized else stored.float()
         return LayerRow.of(_err(now if target is None else target, now), tier='unchanged', bytes_after=row['bytes_before'], **row)
-    lazy = _merged_rows(m, qt, patches, s) if quantized else None
-    if lazy is None:
+    lazy = _merged_rows(m, qt, patches, s) if quantized and not from_ref else None
+    if from_ref: buf, qt = target, None
+    elif lazy is None:
         buf = qt.dequantize(torch.float32).contiguous() if quantized else stored.to(torch.float32, copy=True).contiguous()
         qt = None                                                      # its storage freed before the re-quantization
         if s is not None: buf.mul_(s)                                  # the real weight: the stored one carries 1/s
@@ -446,9 +452,12 @@ def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches
         K = math.prod(shape[1:])                                       # row blocks of whole LoRA blocks
         got = _write_quantized(w, buf if lazy is None else lazy, prefix + 'weight', prefix, fmt, opts, ref=target,
                                elems=MERGE_ROWS * K * max(1, block_elems(math.prod(shape)) // (MERGE_ROWS * K)))
-        return LayerRow.of((got['sig'], got['noise'], got['max_abs']), tier='baked', config=got['config'],
-                           bytes_after=got['bytes'], **row)
+        if from_ref: row['direct_sqnr_db'] = energy_db(got['sig'], got['noise'])
+        return LayerRow.of((got['sig'], got['noise'], got['max_abs']), tier='requantized' if from_ref else 'baked',
+                           config=got['config'], bytes_after=got['bytes'], **row)
     new = buf.to(stored.dtype)
     w.add(prefix + 'weight', new)
-    return LayerRow.of(_err(buf if target is None else target, new), tier='merged', bytes_after=w.entry(prefix + 'weight').nbytes, **row)
+    err = _err(buf if target is None else target, new)
+    if from_ref: row['direct_sqnr_db'] = energy_db(*err[:2])
+    return LayerRow.of(err, tier='merged', bytes_after=w.entry(prefix + 'weight').nbytes, **row)
 

@@ -170,7 +170,21 @@ def test_reference_reports_what_the_bake_costs(base, tmp_path):
         direct = cq.quantize(target, qt.format, **requantize_options(qt)).dequantize(torch.float32)
         assert abs(rows[m]['direct_sqnr_db'] - cq.sqnr(target, direct)) < 1e-3
         assert rows[m]['direct_sqnr_db'] > rows[m]['sqnr_db'] + 1, (m, rows[m])   # 6- and 8-bit: the second rounding shows
+    rc, out, err = cquant('merge-lora', base, tmp_path / 'l.safetensors', tmp_path / 'r.safetensors', '--reference',
+                          tmp_path / 'f.safetensors', '--from-reference', '--json')
+    assert rc == 0, err
+    layers = {x['name']: x for x in json.loads(out)['layers']}
+    got = cq.load_file(tmp_path / 'r.safetensors')
+    for m, (fmt, _) in ((m, p) for m, p in PLAN.items() if p):   # one rounding of the reference's merge, in the base's options
+        assert layers[m]['tier'] == 'requantized' and layers[m]['sqnr_db'] == layers[m]['direct_sqnr_db']
+        qt = ck.quantized(m, ck.modules()[m].shape)
+        s = ck[m + '.pre_quant_scale'].float() if m == SMOOTHED else torch.ones(())
+        target = merge_patch(w[m], patches['lora_unet_' + m.replace('.', '_')]) / s
+        for k, t in cq.quantize(target, fmt, **requantize_options(qt)).state_dict(m + '.').items(): check_bits(got[k], t, k)
+    for k in ('blocks.0.k.pre_quant_scale', 'blocks.0.q.input_scale'): check_bits(got[k], a[k], k)
     ck.close()
+    with pytest.raises(ValueError, match="from_reference=True needs reference="):
+        cq.merge_loras(base, [tmp_path / 'l.safetensors'], tmp_path / 'x.safetensors', from_reference=True)
     fsd = cq.load_file(tmp_path / 'f.safetensors')
     cq.save_file({**fsd, 'blocks.0.q.weight': torch.zeros(64, 256)}, tmp_path / 'wrong.safetensors')
     cq.save_file({k: v for k, v in fsd.items() if not k.startswith('blocks.1.k.')}, tmp_path / 'lacks.safetensors')
