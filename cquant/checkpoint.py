@@ -372,6 +372,10 @@ class Checkpoint(Mapping):
         t = v if isinstance(v, torch.Tensor) else self._read(key, v)
         if key not in self.patches: return t
         return self.patches[key](t.clone() if t is v else t)    # a tensor read from the file is the patch's own
+    def own(self, key:str) -> torch.Tensor:
+        "`self[key]` as a tensor the caller may write into: a fresh read, or a copy of an in-memory entry."
+        t = self[key]
+        return t.clone() if t is self._entries[key] else t
 
     def info(self, key:str) -> TensorInfo:
         "dtype, shape and bytes of `key` without reading it."

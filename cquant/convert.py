@@ -120,13 +120,15 @@ def _out_err(x, ref:torch.Tensor, approx:torch.Tensor, start:int=0) -> tuple:
 # %% ../nbs/17_quantize_checkpoint.ipynb #ea6e6673
 def _write_quantized(writer:StreamingWriter, w:torch.Tensor|LazyRows, key:str, prefix:str, fmt:str, options:dict,
                      measure:bool=True, rounding:dict|None=None, x:torch.Tensor|None=None, ref:torch.Tensor|None=None,
-                     elems:int|None=None) -> dict:
+                     elems:int|None=None, parts=None) -> dict:
     """Quantize `w` (with `rounding`'s keywords), stream its tensors and comfy_quant under `prefix`; returns config,
-    bytes, weight error sums (against `ref`, rows aligned with `w`, if given) and, with inputs `x`, output error sums."""
+    bytes, weight error sums (against `ref`, rows aligned with `w`, if given) and, with inputs `x`, output error sums.
+    `parts(energies)`: the `(QuantizedTensor, rows)` blocks made elsewhere (their error energies appended), in place of
+    `quantize_rows`."""
     stream, bufs, config, sig, noise, mx, out, row = None, {}, None, 0.0, 0.0, 0.0, [0.0, 0.0], 0
     how = _rowwise(fmt, options) or {}
     energies = [] if measure and x is None and ref is None else None   # filled where the encoder measures its own error
-    for qt, part in quantize_rows(w, fmt, options, key, elems, rounding, energies):
+    for qt, part in parts(energies) if parts is not None else quantize_rows(w, fmt, options, key, elems, rounding, energies):
         tensors = qt.state_dict('')
         if config is None:
             config = qt.config

@@ -359,7 +359,7 @@ def int8_grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
     def runtime(x): q, sx = quantize_rows_int8(inputs(x)); return q.float() * sx    # `int8_linear`: per-token INT8
     return Grid(w.shape[1] if per_row else None, scale, lambda c, s: codes(c, s) * s, pack,
                 (lambda v: rotate(v.float(), g, as_weight=True)) if rot else as_fp32,
-                inputs, tensor_scale=not per_row, runtime_inputs=runtime)
+                inputs, tensor_scale=not per_row, runtime_inputs=runtime, stored=lambda q, p: q.float().mul_(p.scale.float()))
 
 # %% ../nbs/05_int8.ipynb #bfc4ac49
 INT8_TENSORWISE = register_format(FormatSpec(

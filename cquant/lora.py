@@ -12,13 +12,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from .numerics import energy_db
-from .tensor import load_quantized, quantize
+from .tensor import QuantizedTensor, get_format, load_quantized, quantize
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, ShardedWriter, StreamingWriter, open_checkpoint, split_key,
                                sha256_file)
 from .modules import lora_delta, requantize_options
 from .policy import layer_source
-from .convert import (LazyRows, Report, LayerRow, block_elems, check_outputs, malloc_arenas, quantize_checkpoint, trim_heap, _err,
-                             _label, _rowwise, _source_names, _totals, _write_quantized)
+from .convert import (LazyRows, Report, LayerRow, block_elems, check_outputs, malloc_arenas, quantize_checkpoint, row_blocks, trim_heap,
+                             _err, _label, _rowwise, _source_names, _totals, _write_quantized)
 
 # %% auto #0
 __all__ = ['LORA_SUFFIXES', 'LORA_EXTRAS', 'UNSUPPORTED', 'BASE_PREFIXES', 'FLUX_DOUBLE', 'FLUX_SINGLE', 'FLUX_TOP', 'MERGE_ROWS',
@@ -372,13 +372,20 @@ def _merge_block_(blk:torch.Tensor, c:int, parts:list) -> torch.Tensor:
             if a <= r < a + n: _add_rows_(sub[:min(len(sub), a + n - r)], up, down, r - a, min(MERGE_ROWS, a + n - r), s)
     return blk
 
-def _merged_float(m:str, patches:list, w:torch.Tensor) -> torch.Tensor:
-    """Weight `w` of module `m` (the caller's own: `Checkpoint.patches`) with its LoRAs merged in float32, in `w`'s dtype:
-    block by block into `w` itself where the LoRAs allow (one block in float32 at a time), with the bits of merging it whole."""
+def _merged_float(m:str, patches:list, w:torch.Tensor, energies:list|None=None) -> torch.Tensor:
+    """Weight `w` of module `m` (the caller's own) with its LoRAs merged in float32, in `w`'s dtype: block by block into
+    `w` itself where the LoRAs allow (one block in float32 at a time), with the bits of merging it whole; `energies`:
+    extended with each block's (Σmerge², Σ(merge - stored)², max |merge - stored|)."""
     if not _blockwise(patches) or not w.is_contiguous():
-        return _merge_into(m, patches, w.to(torch.float32, copy=True).contiguous()).to(w.dtype)
+        merged = _merge_into(m, patches, w.to(torch.float32, copy=True).contiguous())
+        out = merged.to(w.dtype)
+        if energies is not None: energies.append(_err(merged, out))
+        return out
     parts, rows = _plain_parts(m, patches, w), w.view(w.shape[0], -1)
-    for c in range(0, w.shape[0], MERGE_ROWS): rows[c:c + MERGE_ROWS] = _merge_block_(rows[c:c + MERGE_ROWS].float(), c, parts)
+    for c in range(0, w.shape[0], MERGE_ROWS):
+        blk = _merge_block_(rows[c:c + MERGE_ROWS].float(), c, parts)
+        rows[c:c + MERGE_ROWS] = blk
+        if energies is not None: energies.append(_err(blk, rows[c:c + MERGE_ROWS]))
     return w
 
 def _merged_rows(m:str, qt, patches:list, s) -> LazyRows|None:
@@ -417,6 +424,34 @@ def _reference_merge(ref, m:str, patches:list, s) -> torch.Tensor:
     buf = _merge_into(m, patches, ref.weight(m).to(torch.float32, copy=True).contiguous())
     return buf if s is None else buf.div_(s)
 
+def _basis_parts(m:str, qt, patches:list, s, elems:int):
+    """Stored module `m` (`qt`) merged in its format's basis and rounded there, row block by row block: `Grid.stored`
+    gives the codes x scales (a ConvRot weight still rotated), the LoRA's down factor is taken into the basis (r rows,
+    not N), the grid's nearest rounding packs the block; no basis change of the weight either way. `parts(energies)`
+    for `_write_quantized`; None where the format offers no stored basis, needs the whole weight, or `m` is smoothed."""
+    spec, opts = get_format(qt.format), requantize_options(qt)
+    if spec.grid is None or _rowwise(qt.format, opts) is None or qt.dim() != 2 or s is not None or not _blockwise(patches):
+        return None
+    N, K = qt.shape
+    grid = lambda n: spec.grid(torch.empty(n, K, dtype=qt.dtype, device='meta'), opts)
+    try: g = grid(N)
+    except (RuntimeError, NotImplementedError): return None        # a grid that needs the weight's values (W4A8's encoder)
+    if g is None or g.stored is None: return None
+    how, sd, cfg = _rowwise(qt.format, opts), qt.state_dict(''), qt.config
+    parts = [(up, g.basis(down), a, n, sc) for up, down, a, n, sc in _plain_parts(m, patches, torch.empty(N, K, device='meta'))]
+    def blocks(energies):
+        for i, j in row_blocks(N, K, elems):
+            cut = {k: t if how.get(k, 0) == 'shared' else t.narrow(how.get(k, 0), i, j - i) for k, t in sd.items()}
+            b, gb = load_quantized(cut, '', (j - i, K), qt.dtype, cfg), grid(j - i)
+            wb = _merge_block_(g.stored(b.qdata, b.params), i, parts)
+            cols = gb.slices(wb.shape[1])
+            scales = [gb.scale(wb[:, a:c], torch.ones(j - i, 1)) for a, c in cols]
+            if energies is not None:
+                err = torch.cat([gb.nearest(wb[:, a:c], sc) for (a, c), sc in zip(cols, scales)], 1).sub_(wb)
+                energies.append((float(wb.square().sum(dtype=torch.float64)), float(err.square().sum(dtype=torch.float64))))
+            yield QuantizedTensor(*gb.pack(wb, scales), spec), wb
+    return blocks
+
 def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches:list, ref, from_ref:bool=False) -> LayerRow:
     """Write module `m`'s weight (and, quantized, its scales and comfy_quant) with its LoRAs merged, as stored if they
     change nothing; its row: error against the float merge (of `ref`'s weight if given) and, with `ref`, the error of
@@ -425,7 +460,7 @@ def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches
     own = [k for x, k in keys.items() if x in _own(e)]
     info = ck.info(keys['weight'])
     qt = ck.quantized(m, e.shape) if quantized else None
-    stored = None if quantized else ck[keys['weight']]
+    stored = None if quantized else ck.own(keys['weight'])
     shape = tuple(qt.shape) if quantized else tuple(stored.shape)
     s = ck[keys['pre_quant_scale']].float() if 'pre_quant_scale' in keys else None
     target = None if ref is None else _reference_merge(ref, m, patches, s)
@@ -440,18 +475,26 @@ def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches
         for k in own: w.add(k, ck[k])
         now = qt.dequantize(torch.float32) if quantized else stored.float()
         return LayerRow.of(_err(now if target is None else target, now), tier='unchanged', bytes_after=row['bytes_before'], **row)
-    lazy = _merged_rows(m, qt, patches, s) if quantized and not from_ref else None
+    K = math.prod(shape[1:])
+    elems = MERGE_ROWS * K * max(1, block_elems(math.prod(shape)) // (MERGE_ROWS * K))   # row blocks of whole LoRA blocks
+    basis = _basis_parts(m, qt, patches, s, elems) if quantized and not from_ref else None
+    lazy = _merged_rows(m, qt, patches, s) if quantized and not from_ref and basis is None else None
+    if not quantized and target is None:                               # merged into the read weight, block by block
+        energies = []
+        new = _merged_float(m, patches, stored, energies)
+        w.add(prefix + 'weight', new)
+        err = tuple(math.fsum(x[i] for x in energies) for i in (0, 1)) + (max(x[2] for x in energies),)
+        return LayerRow.of(err, tier='merged', bytes_after=w.entry(prefix + 'weight').nbytes, **row)
     if from_ref: buf, qt = target, None
-    elif lazy is None:
+    elif lazy is None and basis is None:
         buf = qt.dequantize(torch.float32).contiguous() if quantized else stored.to(torch.float32, copy=True).contiguous()
         qt = None                                                      # its storage freed before the re-quantization
         if s is not None: buf.mul_(s)                                  # the real weight: the stored one carries 1/s
         _merge_into(m, patches, buf)
         if s is not None: buf.div_(s)
     if quantized:
-        K = math.prod(shape[1:])                                       # row blocks of whole LoRA blocks
-        got = _write_quantized(w, buf if lazy is None else lazy, prefix + 'weight', prefix, fmt, opts, ref=target,
-                               elems=MERGE_ROWS * K * max(1, block_elems(math.prod(shape)) // (MERGE_ROWS * K)))
+        got = _write_quantized(w, lazy if lazy is not None else None if basis is not None else buf, prefix + 'weight', prefix,
+                               fmt, opts, ref=target, elems=elems, parts=basis)
         if from_ref: row['direct_sqnr_db'] = energy_db(got['sig'], got['noise'])
         return LayerRow.of((got['sig'], got['noise'], got['max_abs']), tier='requantized' if from_ref else 'baked',
                            config=got['config'], bytes_after=got['bytes'], **row)

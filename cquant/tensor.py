@@ -366,6 +366,7 @@ class Grid:
     inputs: Callable = as_fp32 # x [M, K] -> fp32 [M, K'], so that x @ w.T == inputs(x) @ basis(w).T
     tensor_scale: bool = False # the hook's `tensor_clip` multiplies a per-tensor scale (the MSE search tries it)
     runtime_inputs: Callable|None = None # x [M, K] -> fp32 [M, K']: `inputs(x)` as the format's linear quantizes them at run time (None: not modelled)
+    stored: Callable|None = None # (qdata, params) -> the stored weight in the basis, fp32 [N, K'], without leaving it (None: not offered)
 
     def slices(self, K:int) -> list:
         "(start, stop) of each column group of a basis weight with `K` columns."

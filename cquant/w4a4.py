@@ -208,8 +208,9 @@ def w4a4_grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
     def runtime(x):                  # what the linear multiplies: rotated, per token int4 (or int8), dequantized
         q, sx = (quantize_rows_int4 if opts['linear_dtype'] == 'int4' else quantize_rows_int8)(inputs(x))
         return q.float() * sx
+    stored = lambda q, p: unpack_int4(q).float().mul_(p.scale.float().reshape(-1, 1))    # codes x scales: still rotated
     return Grid(w.shape[1], scale, lambda c, s: codes(c, s) * s, pack, lambda v: rotate(v.float(), g, as_weight=True),
-                inputs, runtime_inputs=runtime)
+                inputs, runtime_inputs=runtime, stored=stored)
 
 # %% ../nbs/06_convrot_w4a4.ipynb #35c0929a
 CONVROT_W4A4 = register_format(FormatSpec(

@@ -5,6 +5,7 @@ import pytest, torch
 import cquant as cq
 from cquant.lora import merge_patch, read_lora
 from cquant.modules import requantize_options
+from cquant.numerics import unpack_int4
 from cquant.tensor import test_bits as check_bits
 from test_cli import cquant
 
@@ -77,6 +78,20 @@ def expected(base_path, lora_sds, strengths):
     return out
 
 
+ROTATED = {'blocks.0.o', 'blocks.1.k'}   # merged in their rotated basis: the by-hand route rotates back and forth in fp32
+
+def same_as_by_hand(got, want):
+    """Bit for bit, except the ConvRot modules: merged in the basis, they may differ from the by-hand route (which
+    rotates back and forth in fp32) by one code step where a value sits on a rounding boundary, in few elements."""
+    for k, t in want.items():
+        if k.rpartition('.')[0] not in ROTATED: check_bits(got[k], t, k); continue
+        if k.endswith('.weight'):
+            a, b = (unpack_int4(x) if 'blocks.1.k' in k else x for x in (got[k], t))
+            d = (a.int() - b.int()).abs()
+            assert d.max() <= 1 and (d > 0).float().mean() < 1e-3, (k, int((d > 0).sum()))
+        else: assert torch.allclose(got[k].float(), t.float(), rtol=1e-5, atol=0), k
+
+
 def test_every_format_rebaked_in_its_own_format(base, tmp_path):
     l1, l2 = kohya(list(PLAN)), peft(['blocks.0.k', 'blocks.2.k'])
     cq.save_file(l1, tmp_path / 'k.safetensors'); cq.save_file(l2, tmp_path / 'p.safetensors')
@@ -88,7 +103,7 @@ def test_every_format_rebaked_in_its_own_format(base, tmp_path):
     assert rows['blocks.1.v'].endswith('k.safetensors x0.8') and rows['blocks.0.k'].endswith('k.safetensors x0.8, p.safetensors x1')
     got, src = cq.load_file(tmp_path / 'm.safetensors'), cq.load_file(base)
     assert sorted(got) == sorted(src)
-    for k, t in expected(base, [l1, l2], [0.8, 1.0]).items(): check_bits(got[k], t, k)
+    same_as_by_hand(got, expected(base, [l1, l2], [0.8, 1.0]))
     for m in PLAN:                      # comfy_quant, bias, input_scale, pre_quant_scale: the base's
         for s in ('comfy_quant', 'bias', 'input_scale', 'pre_quant_scale'):
             if f'{m}.{s}' in src: check_bits(got[f'{m}.{s}'], src[f'{m}.{s}'], f'{m}.{s}')
