@@ -324,8 +324,9 @@ def cmd_merge_lora(args) -> int:
     given = _policy_given(args)
     check_outputs('', {'BASE': args.base}, {'DST': None if args.shard_size else args.dst, '--report': args.report, '--plot': args.plot})
     rep = merge_loras(args.base, [p for p, _ in loras], args.dst, [s for _, s in loras], policy_from_args(args) if given else None,
-                      reference=args.reference, from_reference=args.from_reference, allow_unmatched=args.allow_unmatched, progress=given and not args.json,
-                      report=args.report, shard_size=args.shard_size)
+                      args.calibration, reference=args.reference, from_reference=args.from_reference,
+                      allow_unmatched=args.allow_unmatched, progress=given and not args.json, report=args.report,
+                      shard_size=args.shard_size)
     if args.plot: save_plot(rep, args.plot)
     if args.json: print(json.dumps(rep.to_dict(), indent=1)); return 0
     print(rep.table())
@@ -343,6 +344,8 @@ def add_merge_lora_parser(subparsers):
                    'module against its merge, beside quantizing that merge directly')
     p.add_argument('--from-reference', action='store_true', help="quantize each patched module from the reference's merge "
                    "(one rounding), in BASE's format and options, instead of re-quantizing BASE's stored weight")
+    p.add_argument('--calibration', metavar='FILE', help='with policy options: statistics recorded from the merged model (or '
+                   'layer inputs), as cquant quantize takes them: --rounding gptq, measured selection, input_scale / pre_quant_scale')
     p.add_argument('--shard-size', type=_size_arg, metavar='SIZE', help="write HF-style shards of at most SIZE (e.g. 5GB) and "
                    "an index into the new folder DST")
     p.add_argument('--report', metavar='JSON', help='also save the per-module report')

@@ -251,6 +251,7 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
                 dst, # the merged checkpoint (replaced atomically on success; never the base)
                 strengths=None, # one per LoRA (default 1.0 each)
                 policy=None, # a `Policy`: quantize a float base while merging (one pass, no float file in between)
+                calibration=None, # with a policy: recorded statistics (or their file) or {layer: inputs}, as `quantize_checkpoint` takes
                 *, reference=None, # the float checkpoint a quantized `base` was made from: measure against its merge
                 from_reference:bool=False, # quantize each patched module from `reference`'s merge, in the base's format and options
                 allow_unmatched:bool=False, # LoRA modules that match no module: skipped with a warning, else an error
@@ -266,6 +267,9 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
     if reference is not None and policy is not None:
         raise ValueError("merge_loras: reference= measures a bake into a quantized base against the float merge; with a "
                          "policy the base is the float model and the report already measures against its merge")
+    if calibration is not None and policy is None:
+        raise ValueError("merge_loras: calibration= calibrates while quantizing a float base (policy=); a bake keeps each "
+                         "module's input_scale and pre_quant_scale")
     if from_reference and reference is None:
         raise ValueError("merge_loras: from_reference=True needs reference=, the float checkpoint the base was made from")
     base, dst = os.fspath(base), os.fspath(dst)
@@ -293,7 +297,7 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
                                     f"quantized (first {stored[0]!r}): merge without a policy to keep their formats, or use the float base")
         patches = {groups[m]['weight']: functools.partial(_merged_float, m, per_module[m]) for m in per_module}
         rep = replace(quantize_checkpoint(base, dst, policy, progress, metadata={'cquant_loras': prov}, patches=patches,
-                                          shard_size=shard_size),
+                                          shard_size=shard_size, calibration=calibration),
                       kind='merge', seconds=time.time() - t0)
     rep.totals.update(loras=json.loads(prov), patched=sorted(per_module), unmatched=unmatched)
     rep.summary = '; '.join([*([rep.summary] if rep.summary else []), f"{len(per_module)} module(s) patched by LoRAs",

@@ -213,6 +213,29 @@ def test_reference_reports_what_the_bake_costs(base, tmp_path):
     assert not (tmp_path / 'x.safetensors').exists()
 
 
+def test_policy_route_with_calibration(tmp_path):
+    """--calibration on the policy route calibrates as quantize_checkpoint does (FP8 input_scale from the layer inputs):
+    the bytes of quantizing the float merge with the same calibration; a bake refuses it."""
+    w = float_weights()
+    cq.save_file({f'{m}.weight': t for m, t in w.items()}, tmp_path / 'f.safetensors')
+    cq.save_file(kohya(list(w)), tmp_path / 'l.safetensors')
+    g = torch.Generator().manual_seed(5)
+    cq.save_file({m: torch.randn(64, 256, generator=g) for m in w}, tmp_path / 'x.safetensors')
+    cq.merge_loras(tmp_path / 'f.safetensors', [tmp_path / 'l.safetensors'], tmp_path / 'fm.safetensors')
+    pol = cq.Policy(mode='fp8')
+    cq.quantize_checkpoint(tmp_path / 'fm.safetensors', tmp_path / 'a.safetensors', pol, progress=False,
+                           calibration=tmp_path / 'x.safetensors')
+    rc, out, err = cquant('merge-lora', tmp_path / 'f.safetensors', tmp_path / 'l.safetensors', tmp_path / 'b.safetensors',
+                          '--mode', 'fp8', '--calibration', tmp_path / 'x.safetensors')
+    assert rc == 0, err
+    a, b = cq.load_file(tmp_path / 'a.safetensors'), cq.load_file(tmp_path / 'b.safetensors')
+    assert sorted(a) == sorted(b) and sum(k.endswith('.input_scale') for k in b) == len(w)
+    for k in a: check_bits(b[k], a[k], k)
+    with pytest.raises(ValueError, match="calibration= calibrates while quantizing a float base"):
+        cq.merge_loras(tmp_path / 'a.safetensors', [tmp_path / 'l.safetensors'], tmp_path / 'c.safetensors',
+                       calibration=tmp_path / 'x.safetensors')
+
+
 def test_zero_lora_keeps_every_byte(base, tmp_path):
     zero = {k: torch.zeros_like(v) if k.endswith('lora_up.weight') else v for k, v in kohya(list(PLAN)).items()}
     r = cq.merge_loras(base, [zero], tmp_path / 'z.safetensors')
