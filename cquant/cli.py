@@ -338,7 +338,7 @@ def add_merge_lora_parser(subparsers):
     p = subparsers.add_parser('merge-lora', help='bake LoRA files into a checkpoint, each quantized module kept in its format')
     p.add_argument('base', help='a float or Comfy-quantized .safetensors checkpoint (or a sharded folder)')
     p.add_argument('loras', nargs='+', metavar='LORA[:STRENGTH]', help='LoRA files (kohya, diffusers/PEFT, ComfyUI names), applied in order')
-    p.add_argument('dst', help='output .safetensors (replaced only on success; never the base)')
+    p.add_argument('dst', help='output .safetensors (replaced only on success; never the base), or a new folder with --shard-size')
     p.add_argument('--allow-unmatched', action='store_true', help='skip LoRA modules that match no module (default: refuse)')
     p.add_argument('--reference', metavar='FLOAT', help='the float checkpoint a quantized BASE was made from: report each '
                    'module against its merge, beside quantizing that merge directly')
