@@ -25,6 +25,7 @@ from .convert import (check_outputs, convert_checkpoint, demo, plan_table, prese
                             report_error, save_plot)
 from .lora import merge_loras
 from .minilm import fetch_minilm
+from .numerics import is_power_of_4
 from .attention import attention_report, parse_preferences, set_attention
 
 # %% ../nbs/18_cli.ipynb #9b47e2c3
@@ -79,10 +80,22 @@ def add_validate_parser(subparsers):
 
 # %% ../nbs/18_cli.ipynb #b035a5e8
 def _group_arg(s:str):
-    "--convrot-groupsize: 'auto' or an integer (the policy checks it is a power of 4)."
+    "--convrot-groupsize: 'auto' or a power of 4."
     if s == 'auto': return s
-    try: return int(s)
-    except ValueError: raise argparse.ArgumentTypeError(f"expected 'auto' or a power of 4, found {s!r}") from None
+    try: g = int(s)
+    except ValueError: g = None
+    if g is None or not is_power_of_4(g):
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a power of 4 (16, 64, 256, 1024, ...), found {s!r}")
+    return g
+
+def _ratio_arg(s:str) -> float:
+    "--ratio: a share in [0, 1]."
+    try: r = float(s)
+    except ValueError: r = None
+    if r is None or not 0 <= r <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share of the W4-compatible layers in [0, 1] (0.2 keeps a fifth in INT8), "
+                                         f"found {s!r}")
+    return r
 
 # %% ../nbs/18_cli.ipynb #1e33f577
 from dataclasses import replace
@@ -97,7 +110,7 @@ def _add_policy_args(p):
     g.add_argument('--preset', type=_preset_arg, metavar='NAME',
                    help=f"architecture preset: auto (detect, the default), none, or one of {', '.join(k for k in PRESETS if k != 'none')} "
                         "(case, spaces, -, _ and . ignored: hidream_o1 works); `cquant presets` shows them")
-    g.add_argument('--ratio', type=float, help='int4_mixed_ratio: share of W4-compatible layers kept in INT8 (default: 0.2)')
+    g.add_argument('--ratio', type=_ratio_arg, help='int4_mixed_ratio: share of W4-compatible layers kept in INT8 (default: 0.2)')
     g.add_argument('--keep-float', action='append', default=[], metavar='PATTERN', help='keep layers whose name contains PATTERN float (repeatable)')
     g.add_argument('--int4-sensitive', action='append', default=[], metavar='PATTERN', help='layers the INT8 budget takes first (repeatable)')
     g.add_argument('--selection', choices=SELECTIONS, help='INT8 budget order: structural (Toolkit, the default) or measured')
@@ -450,6 +463,11 @@ def _drop_stdout():
     try: os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (OSError, ValueError): pass
 
+def _said(e:Exception) -> str:
+    "An error as a sentence: an OS error as its file and what went wrong, without `[Errno N]`."
+    if not isinstance(e, OSError) or not e.strerror: return str(e)
+    return f"{e.filename}: {e.strerror[:1].lower()}{e.strerror[1:]}" if e.filename else e.strerror
+
 class Terminated(KeyboardInterrupt):
     "SIGTERM, raised where the program is, so files being written are cleaned up as on Ctrl-C."
 
@@ -472,7 +490,7 @@ def main(argv=None) -> int:
             how = 'terminated' if isinstance(e, Terminated) else 'interrupted'
             print(f'cquant {args.command}: {how}', file=sys.stderr); return 143 if how == 'terminated' else 130
         except (ValueError, OSError) as e:
-            print(f'cquant {args.command}: error: {e}', file=sys.stderr); return 1
+            print(f'cquant {args.command}: error: {_said(e)}', file=sys.stderr); return 1
         finally:
             if old is not None: signal.signal(signal.SIGTERM, old)
 

@@ -761,12 +761,21 @@ def _error_row(m:str, info, sa, a:Checkpoint, b:Checkpoint, keys_a:dict, keys_b:
                        bytes_before=_weight_bytes(a, keys_a), bytes_after=_weight_bytes(b, keys_b))
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #49ffd2dc
+def _check_order(src, dst, a:Checkpoint, b:Checkpoint):
+    "Refuse a quantized `src` beside a `dst` with no quantized module: the two files given the other way round."
+    qa = sum(e.quantized for e in a.modules().values())
+    if qa and not any(e.quantized for e in b.modules().values()):
+        raise ValueError(f"report_error: the source {os.fspath(src)!r} stores {qa} quantized module(s) and {os.fspath(dst)!r} "
+                         "none: expected the float original first, then the quantized file made from it (swapped? "
+                         "cquant report SRC DST)")
+
 def report_error(src_float, # the float (or fp8) original
                  dst_quant, # a quantized file made from it
                 ) -> Report:
     "Per-layer error of the weights stored in `dst_quant` against `src_float`, and a check of every other tensor."
     t0 = time.time()
     with open_checkpoint(src_float) as a, open_checkpoint(dst_quant) as b:
+        _check_order(src_float, dst_quant, a, b)
         sa, ga, gb = layer_source(a), a.groups(), b.groups()
         rows, identical, differ, missing = [], [], [], []
         mods_b = b.modules({m: sa.infos[m].shape for m in gb if m in sa.infos and 'comfy_quant' in gb[m]})

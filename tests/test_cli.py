@@ -281,3 +281,19 @@ def test_quantize_svdquant_with_calibration_file(tmp_path, capsys):
     assert any(not torch.all(sd[x['name'] + '.weight_smooth_factor'] == 1) for x in svdq)   # calibrated (data-free: 1)
     assert main(['inspect', str(dst)]) == 0
     assert "which ComfyUI's core loader does not register" in capsys.readouterr().out
+
+
+def test_messages_name_the_flag_and_the_file(dit, quantized, tmp_path):
+    """Errors a CLI user can trigger name the flag or the file and say what would work: --ratio and
+    --convrot-groupsize at parse time (exit 2, usage), a missing file without `[Errno N]`, `report` with its two files
+    swapped."""
+    rc, out, err = cquant('plan', dit, '--ratio', '2')
+    assert rc == 2 and "argument --ratio: expected a share of the W4-compatible layers in [0, 1]" in err and "found '2'" in err
+    rc, out, err = cquant('plan', dit, '--convrot-groupsize', '100')
+    assert rc == 2 and "argument --convrot-groupsize: expected 'auto' or a power of 4 (16, 64, 256, 1024, ...), found '100'" in err
+    rc, out, err = cquant('plan', dit, '--convrot-groupsize', '64', '--ratio', '0.5', '--json')
+    assert rc == 0, err
+    rc, out, err = cquant('inspect', tmp_path / 'missing.safetensors')
+    assert rc == 1 and err.strip() == f"cquant inspect: error: {tmp_path / 'missing.safetensors'}: no such file or directory"
+    rc, out, err = cquant('report', quantized[0], dit)
+    assert rc == 1 and out == '' and 'expected the float original first, then the quantized file made from it (swapped?' in err
