@@ -19,11 +19,11 @@ from .comfy import expert_tensors, file_value, split_bank
 # %% auto #0
 __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'INDEX_SUFFIX', 'LEGACY_QMETA', 'LEGACY_MARKER', 'ATTENTION_KEY',
            'ATTENTION_METHODS', 'PROVENANCE_KEYS', 'CheckpointError', 'CheckpointWarning', 'TensorInfo', 'read_header',
-           'shard_index', 'convert_legacy', 'Checkpoint', 'open_checkpoint', 'AttentionChoice', 'attention_entries',
-           'encode_attention', 'decode_attention', 'select_attention', 'attention_available', 'sol_applicable',
-           'split_key', 'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'stale_temp_files', 'save_file',
-           'comfy_unread', 'load_file', 'StreamingWriter', 'ShardedWriter', 'sha256_file', 'write_sha256', 'provenance',
-           'inspect_checkpoint', 'size_ratio', 'text_table', 'format_inspect']
+           'checkpoint_path', 'shard_index', 'convert_legacy', 'Checkpoint', 'open_checkpoint', 'AttentionChoice',
+           'attention_entries', 'encode_attention', 'decode_attention', 'select_attention', 'attention_available',
+           'sol_applicable', 'split_key', 'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'stale_temp_files',
+           'save_file', 'comfy_unread', 'load_file', 'StreamingWriter', 'ShardedWriter', 'sha256_file', 'write_sha256',
+           'provenance', 'inspect_checkpoint', 'size_ratio', 'text_table', 'format_inspect']
 
 # %% ../nbs/11_checkpoint.ipynb #5a7c0e11
 from .tensor import check_stray_scales
@@ -151,14 +151,24 @@ def read_header(path) -> tuple[dict, dict]:
 # %% ../nbs/11_checkpoint.ipynb #sh01a002
 INDEX_SUFFIX = '.safetensors.index.json'
 
+def checkpoint_path(path) -> str:
+    """`path`, or for a folder without a shard index the one `*.safetensors` file in it (the folder `cquant
+    fetch-minilm` writes, a model folder)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path) or glob.glob(os.path.join(glob.escape(path), '*' + INDEX_SUFFIX)): return path
+    files = [f for f in glob.glob(os.path.join(glob.escape(path), '*.safetensors')) if os.path.isfile(f)]
+    return files[0] if len(files) == 1 else path
+
 def shard_index(path) -> str|None:
     "The index file of a sharded checkpoint given as its folder or its `*.safetensors.index.json`; None for one file."
     path = os.fspath(path)
     if path.endswith(INDEX_SUFFIX): return path
     if not os.path.isdir(path): return None
     found = sorted(glob.glob(os.path.join(glob.escape(path), '*' + INDEX_SUFFIX)))
-    if not found: raise CheckpointError(path, f"expected a regular file, found a directory (with no '*{INDEX_SUFFIX}': "
-                                              "not a sharded checkpoint folder)")
+    if not found:
+        n = sum(os.path.isfile(f) for f in glob.glob(os.path.join(glob.escape(path), '*.safetensors')))
+        raise CheckpointError(path, f"expected a checkpoint file, found a directory with no '*{INDEX_SUFFIX}' (not a sharded "
+                                    f"checkpoint folder) and {n} '.safetensors' files: name the file")
     if len(found) > 1: raise CheckpointError(path, f"expected a sharded checkpoint folder with one '*{INDEX_SUFFIX}' "
                                                    f"(weight_map of its shards), found {len(found)}: {[os.path.basename(f) for f in found]}")
     return found[0]
@@ -338,7 +348,8 @@ class Checkpoint(Mapping):
     @classmethod
     def open(cls, path, device='cpu', convert:bool=True, mmap:bool=False) -> 'Checkpoint':
         "Validate the header of `path` (a file, or a sharded folder / its index), convert legacy markings; a lazy `Checkpoint`."
-        path, index = os.fspath(path), shard_index(path)
+        path = checkpoint_path(path)
+        index = shard_index(path)
         if index is None:
             state, (infos, meta) = file_state(path), read_header(path)
             ck = cls(infos, meta, path, None, path, device, mmap, state)

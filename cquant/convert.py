@@ -17,7 +17,7 @@ from .tensor import FORMATS, QuantizedTensor, check_finite, decode_json, encode_
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, TensorInfo, open_checkpoint, save_file,
                                split_key, scale_keys,
                                size_ratio, text_table, _fmt_bytes, read_header,
-                               ShardedWriter, shard_index, read_shards, write_sha256)
+                               ShardedWriter, checkpoint_path, shard_index, read_shards, write_sha256)
 from ._version import __version__
 from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, Plan, layer_source
 from .models import dit_state_dict
@@ -594,8 +594,9 @@ def check_device(device, caller:str) -> torch.device:
 # %% ../nbs/17_quantize_checkpoint.ipynb #sh17a001
 def source_files(src) -> list:
     "The files a source path reads: the file, or a sharded checkpoint's index and shards (for the overwrite checks)."
+    src = checkpoint_path(src)
     index = shard_index(src)
-    return [os.fspath(src)] if index is None else [index, *dict.fromkeys(read_shards(index)[2].values())]
+    return [src] if index is None else [index, *dict.fromkeys(read_shards(index)[2].values())]
 
 def _source_names(src) -> dict:
     "`{name: path}` of the files of `src` for `check_outputs`: 'source' (a sharded one's index), 'source shard <name>'."
@@ -824,7 +825,8 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
     from collections import Counter
     src, dst = os.fspath(src), os.fspath(dst)
     check_outputs('convert_checkpoint', _source_names(src), {'destination': dst})
-    raw = set(read_header(src)[0] if shard_index(src) is None else read_shards(shard_index(src))[0])
+    index = shard_index(checkpoint_path(src))
+    raw = set(read_header(checkpoint_path(src))[0] if index is None else read_shards(index)[0])
     with open_checkpoint(src) as ck:
         (fixed, repaired), errors = _zero_weight_repairs(ck), {}
         mods = ck.modules(errors=errors)

@@ -297,3 +297,16 @@ def test_messages_name_the_flag_and_the_file(dit, quantized, tmp_path):
     assert rc == 1 and err.strip() == f"cquant inspect: error: {tmp_path / 'missing.safetensors'}: no such file or directory"
     rc, out, err = cquant('report', quantized[0], dit)
     assert rc == 1 and out == '' and 'expected the float original first, then the quantized file made from it (swapped?' in err
+
+
+def test_a_folder_holding_one_checkpoint_is_read(dit, tmp_path):
+    "A model folder with one .safetensors file (what `fetch-minilm` writes) reads as that file; two are named as ambiguous."
+    d = tmp_path / 'model'; d.mkdir()
+    (d / 'model.safetensors').write_bytes(Path(dit).read_bytes()); (d / 'vocab.txt').write_text('x')
+    rc, out, err = cquant('inspect', d)
+    assert rc == 0 and out.startswith(f"{d / 'model.safetensors'}:"), err
+    rc, out, err = cquant('quantize', d, tmp_path / 'q.safetensors', '--mode', 'int8', '--quiet')
+    assert rc == 0 and (tmp_path / 'q.safetensors').exists(), err
+    (d / 'other.safetensors').write_bytes(Path(dit).read_bytes())
+    rc, out, err = cquant('inspect', d)
+    assert rc == 1 and "a directory with no '*.safetensors.index.json' (not a sharded checkpoint folder) and 2 '.safetensors' files: name the file" in err

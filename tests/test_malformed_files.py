@@ -156,7 +156,7 @@ def test_leading_dot_names(tmp_path, capsys):
 def test_fifo_refused(tmp_path, capsys):
     p = tmp_path / 'pipe.safetensors'; os.mkfifo(p)
     assert_all_fail(p, 'expected a regular file, found a FIFO', capsys)
-    assert_all_fail(tmp_path, 'expected a regular file, found a directory', capsys)
+    assert_all_fail(tmp_path, 'expected a checkpoint file, found a directory', capsys)
 
 # 7. _quantization_metadata layer names with a prefix the tensors lack: linear time, one warning
 @pytest.mark.writes_invalid
