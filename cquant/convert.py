@@ -645,6 +645,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                        ) -> Report:
     "Quantize checkpoint `src` into `dst` following `policy`, streaming tensor by tensor; returns the per-layer `Report`."
     from tqdm import tqdm
+    tty = sys.stderr.isatty()
     src, dst, policy = os.fspath(src), os.fspath(dst), _as_policy(policy)
     sums = dst + '.sha256' if hash_output else None
     check_outputs('quantize_checkpoint', _source_names(src), {'destination': None if shard_size else dst, 'report': report, 'hash file': sums})
@@ -673,7 +674,8 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
         pf = _Prefetcher(layers.weight, todo, {m: _weight_host_bytes(layers.infos[m]) for m in todo},
                          device if cal is None else 'cpu')     # calibration adjusts the weight on the host first
         with pf, w, tqdm(total=sum(ck.info(k).nbytes for k in ck), unit='B', unit_scale=True, unit_divisor=1024,
-                     desc='quantize', disable=not progress, file=sys.stderr, leave=False) as bar:
+                     desc='quantize', disable=not progress, file=sys.stderr, leave=False,
+                     mininterval=0.1 if tty else 10) as bar:     # a log (stderr not a terminal): a line per 10 s
             for n, key in enumerate(ck.file_order()):
                 info = ck.info(key); before += info.nbytes
                 m, s = split_key(key)
@@ -681,7 +683,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                 d = plan.get(m)
                 if d is not None and d.format and s == 'weight':
                     bar.set_postfix_str(f'{n + 1}/{len(ck)} tensors, {m}: {d.label}'
-                                        + ('' if d.rounding == 'nearest' else f' ({d.rounding})'))
+                                        + ('' if d.rounding == 'nearest' else f' ({d.rounding})'), refresh=tty)
                     rows[m] = _quantize_layer(w, ck, key, m, d, pf.get(m), cal, [groups[m][x] for x in drop[m]], measure,
                                                 device)
                     pf.release(m)
@@ -691,7 +693,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                     if s == 'weight' and d is not None:
                         nb = info.nbytes + sum(ck.info(groups[m][x]).nbytes for x in groups[m] if x in stored)
                         rows[m] = _plan_row(m, d, info, nb, nb, (0.0, 0.0, 0.0), config=None)
-                bar.update(info.nbytes); bar.set_postfix_str(f'{n + 1}/{len(ck)} tensors')
+                bar.update(info.nbytes); bar.set_postfix_str(f'{n + 1}/{len(ck)} tensors', refresh=tty)
             bar.set_description('writing')
             after = w.nbytes
             rows = [rows[m] for m in plan if m in rows]

@@ -310,3 +310,10 @@ def test_a_folder_holding_one_checkpoint_is_read(dit, tmp_path):
     (d / 'other.safetensors').write_bytes(Path(dit).read_bytes())
     rc, out, err = cquant('inspect', d)
     assert rc == 1 and "a directory with no '*.safetensors.index.json' (not a sharded checkpoint folder) and 2 '.safetensors' files: name the file" in err
+
+
+def test_progress_is_quiet_in_a_log(tmp_path):
+    "With stderr not a terminal (a log, CI) the progress bar draws at most every 10 s, not once per tensor."
+    cq.save_file(dit_state_dict(0, torch.bfloat16, depth=2), tmp_path / 'd.safetensors')
+    rc, out, err = cquant('quantize', tmp_path / 'd.safetensors', tmp_path / 'q.safetensors')
+    assert rc == 0 and err.count('%|') <= 4 and err.count('tensors,') == 0, err
