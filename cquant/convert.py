@@ -827,8 +827,9 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
     from collections import Counter
     src, dst = os.fspath(src), os.fspath(dst)
     check_outputs('convert_checkpoint', _source_names(src), {'destination': dst})
-    index = shard_index(checkpoint_path(src))
-    raw = set(read_header(checkpoint_path(src))[0] if index is None else read_shards(index)[0])
+    path = checkpoint_path(src)
+    index = shard_index(path)
+    raw = set(read_header(path)[0] if index is None else read_shards(index)[0])
     with open_checkpoint(src) as ck:
         (fixed, repaired), errors = _zero_weight_repairs(ck), {}
         mods = ck.modules(errors=errors)

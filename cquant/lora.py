@@ -345,12 +345,15 @@ def _apply_(w:torch.Tensor, p:LoraPatch, strength:float, t:LoraTarget):
     out = merge_patch(_swap(rows) if t.swap else rows, p, strength)
     rows.copy_(_swap(out) if t.swap else out)
 
+def _misfit(m:str, p:LoraPatch, t:LoraTarget, err:ValueError) -> CheckpointError:
+    "The error of LoRA `p` that does not fit checkpoint module `m` (rows `t.rows`)."
+    return CheckpointError(p.source, f"{err} (checkpoint module {m!r}{f' rows {t.rows}' if t.rows else ''})")
+
 def _merge_into(m:str, patches:list, w:torch.Tensor) -> torch.Tensor:
     "Merge the LoRAs `[(patch, strength, target)]` of module `m` into `w` (float32, owned) in place; `w`."
     for p, strength, t in patches:
         try: _apply_(w, p, strength, t)
-        except ValueError as err:
-            raise CheckpointError(p.source, f"{err} (checkpoint module {m!r}{f' rows {t.rows}' if t.rows else ''})") from None
+        except ValueError as err: raise _misfit(m, p, t, err) from None
     return w
 
 def _blockwise(patches:list) -> bool:
@@ -363,8 +366,7 @@ def _plain_parts(m:str, patches:list, w:torch.Tensor) -> list:
     for p, strength, t in patches:
         a, n = t.rows or (0, w.shape[0])
         try: up, down = _factors(p, rows[a:a + n])
-        except ValueError as err:
-            raise CheckpointError(p.source, f"{err} (checkpoint module {m!r}{f' rows {t.rows}' if t.rows else ''})") from None
+        except ValueError as err: raise _misfit(m, p, t, err) from None
         parts.append((up, down, a, n, _scale(p, strength)))
     return parts
 
@@ -392,16 +394,21 @@ def _merged_float(m:str, patches:list, w:torch.Tensor, energies:list|None=None) 
         if energies is not None: energies.append(_err(blk, rows[c:c + MERGE_ROWS]))
     return w
 
-def _merged_rows(m:str, qt, patches:list, s) -> LazyRows|None:
-    """Stored module `m` (`qt`) with its LoRAs merged, made row block by row block as `quantize_rows` asks (its storage
-    cut by the format's `row_assembly`, dequantized, merged): None where the format or the LoRAs need the whole weight."""
-    how = _rowwise(qt.format, requantize_options(qt))
-    if how is None or qt.dim() != 2 or not _blockwise(patches): return None
-    N, K = qt.shape
-    parts, sd, cfg = _plain_parts(m, patches, torch.empty(N, K, device='meta')), qt.state_dict(''), qt.config
+def _stored_rows(qt, how:dict):
+    "`rows(i, j)`: rows i..j-1 of stored weight `qt` as a `QuantizedTensor`, its storage cut by the row rules `how` (`_rowwise`)."
+    sd, cfg, K = qt.state_dict(''), qt.config, qt.shape[1]
     def rows(i, j):
         cut = {k: t if how.get(k, 0) == 'shared' else t.narrow(how.get(k, 0), i, j - i) for k, t in sd.items()}
-        blk = load_quantized(cut, '', (j - i, K), qt.dtype, cfg).dequantize(torch.float32).contiguous()
+        return load_quantized(cut, '', (j - i, K), qt.dtype, cfg)
+    return rows
+
+def _merged_rows(m:str, qt, how:dict, patches:list, s) -> LazyRows:
+    """Stored module `m` (`qt`, row rules `how`) with its LoRAs merged, made row block by row block as `quantize_rows`
+    asks (the stored rows dequantized, merged): the weight is never whole in float32."""
+    N, K = qt.shape
+    parts, stored = _plain_parts(m, patches, torch.empty(N, K, device='meta')), _stored_rows(qt, how)
+    def rows(i, j):
+        blk = stored(i, j).dequantize(torch.float32).contiguous()
         if s is not None: blk.mul_(s)
         _merge_block_(blk, i, parts)
         return blk if s is None else blk.div_(s)
@@ -428,25 +435,22 @@ def _reference_merge(ref, m:str, patches:list, s) -> torch.Tensor:
     buf = _merge_into(m, patches, ref.weight(m).to(torch.float32, copy=True).contiguous())
     return buf if s is None else buf.div_(s)
 
-def _basis_parts(m:str, qt, patches:list, s, elems:int):
-    """Stored module `m` (`qt`) merged in its format's basis and rounded there, row block by row block: `Grid.stored`
-    gives the codes x scales (a ConvRot weight still rotated), the LoRA's down factor is taken into the basis (r rows,
-    not N), the grid's nearest rounding packs the block; no basis change of the weight either way. `parts(energies)`
-    for `_write_quantized`; None where the format offers no stored basis, needs the whole weight, or `m` is smoothed."""
-    spec, opts = get_format(qt.format), requantize_options(qt)
-    if spec.grid is None or _rowwise(qt.format, opts) is None or qt.dim() != 2 or s is not None or not _blockwise(patches):
-        return None
-    N, K = qt.shape
+def _basis_parts(m:str, qt, opts:dict, how:dict, patches:list, elems:int):
+    """Stored module `m` (`qt`, re-quantized with `opts`, row rules `how`) merged in its format's basis and rounded
+    there, row block by row block: `Grid.stored` gives the codes x scales (a ConvRot weight still rotated), the LoRA's
+    down factor is taken into the basis (r rows, not N), the grid's nearest rounding packs the block; no basis change
+    of the weight either way. `parts(energies)` for `_write_quantized`; None where the format offers no stored basis."""
+    spec, (N, K) = get_format(qt.format), qt.shape
+    if spec.grid is None: return None
     grid = lambda n: spec.grid(torch.empty(n, K, dtype=qt.dtype, device='meta'), opts)
     try: g = grid(N)
     except (RuntimeError, NotImplementedError): return None        # a grid that needs the weight's values (W4A8's encoder)
     if g is None or g.stored is None: return None
-    how, sd, cfg = _rowwise(qt.format, opts), qt.state_dict(''), qt.config
+    stored = _stored_rows(qt, how)
     parts = [(up, g.basis(down), a, n, sc) for up, down, a, n, sc in _plain_parts(m, patches, torch.empty(N, K, device='meta'))]
     def blocks(energies):
         for i, j in row_blocks(N, K, elems):
-            cut = {k: t if how.get(k, 0) == 'shared' else t.narrow(how.get(k, 0), i, j - i) for k, t in sd.items()}
-            b, gb = load_quantized(cut, '', (j - i, K), qt.dtype, cfg), grid(j - i)
+            b, gb = stored(i, j), grid(j - i)
             wb = _merge_block_(g.stored(b.qdata, b.params), i, parts)
             cols = gb.slices(wb.shape[1])
             scales = [gb.scale(wb[:, a:c], torch.ones(j - i, 1)) for a, c in cols]
@@ -479,26 +483,27 @@ def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches
         for k in own: w.add(k, ck[k])
         now = qt.dequantize(torch.float32) if quantized else stored.float()
         return LayerRow.of(_err(now if target is None else target, now), tier='unchanged', bytes_after=row['bytes_before'], **row)
-    K = math.prod(shape[1:])
-    elems = MERGE_ROWS * K * max(1, block_elems(math.prod(shape)) // (MERGE_ROWS * K))   # row blocks of whole LoRA blocks
-    basis = _basis_parts(m, qt, patches, s, elems) if quantized and not from_ref else None
-    lazy = _merged_rows(m, qt, patches, s) if quantized and not from_ref and basis is None else None
     if not quantized and target is None:                               # merged into the read weight, block by block
         energies = []
         new = _merged_float(m, patches, stored, energies)
         w.add(prefix + 'weight', new)
         err = tuple(math.fsum(x[i] for x in energies) for i in (0, 1)) + (max(x[2] for x in energies),)
         return LayerRow.of(err, tier='merged', bytes_after=w.entry(prefix + 'weight').nbytes, **row)
-    if from_ref: buf, qt = target, None
-    elif lazy is None and basis is None:
+    K = math.prod(shape[1:])
+    elems = MERGE_ROWS * K * max(1, block_elems(math.prod(shape)) // (MERGE_ROWS * K))   # row blocks of whole LoRA blocks
+    how = _rowwise(fmt, opts) if quantized and not from_ref and qt.dim() == 2 and _blockwise(patches) else None
+    basis = None if how is None or s is not None else _basis_parts(m, qt, opts, how, patches, elems)
+    if from_ref: buf = target                                          # what is quantized: the reference's merge,
+    elif basis is not None: buf = None                                 # the stored rows merged in the format's basis,
+    elif how is not None: buf = _merged_rows(m, qt, how, patches, s)   # or in the weight's, block by block,
+    else:                                                              # or the whole weight in float32
         buf = qt.dequantize(torch.float32).contiguous() if quantized else stored.to(torch.float32, copy=True).contiguous()
         qt = None                                                      # its storage freed before the re-quantization
         if s is not None: buf.mul_(s)                                  # the real weight: the stored one carries 1/s
         _merge_into(m, patches, buf)
         if s is not None: buf.div_(s)
     if quantized:
-        got = _write_quantized(w, lazy if lazy is not None else None if basis is not None else buf, prefix + 'weight', prefix,
-                               fmt, opts, ref=target, elems=elems, parts=basis)
+        got = _write_quantized(w, buf, prefix + 'weight', prefix, fmt, opts, ref=target, elems=elems, parts=basis)
         if from_ref: row['direct_sqnr_db'] = energy_db(got['sig'], got['noise'])
         return LayerRow.of((got['sig'], got['noise'], got['max_abs']), tier='requantized' if from_ref else 'baked',
                            config=got['config'], bytes_after=got['bytes'], **row)
