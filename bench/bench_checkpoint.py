@@ -109,6 +109,9 @@ def child(src:str, dst:str, mode:str, sqnr:bool, job:str, device:str):
     t0, c0 = time.perf_counter(), cpu()
     if job == 'kitchen': formats, db = None, kitchen_job(src, dst, mode, sqnr, device)
     else:
+        if job == 'kernels':
+            from cquant.kernels import dispatch
+            dispatch.enable(strict=True)
         rep = quantize_checkpoint(src, dst, Policy(mode, preset='none'), progress=True, measure=sqnr, device=device)
         formats, db = {k: v['layers'] for k, v in rep.totals['formats'].items()}, rep.totals['sqnr_db'] if sqnr else None
     dt, dc = time.perf_counter() - t0, cpu() - c0
@@ -156,6 +159,7 @@ def main():
     ap.add_argument('--no-peer', action='store_true', help="skip the kitchen peer run")
     ap.add_argument('--sqnr-cost', action='store_true', help="also run without SQNR and print what the SQNR costs")
     ap.add_argument('--repeats', type=int, default=1, help="cquant runs per setting, alternating; the median is reported")
+    ap.add_argument('--kernels', action='store_true', help="register cquant's Triton kernels as fast paths (a GPU)")
     ap.add_argument('--compare-cpu', action='store_true', help="also run the job on the CPU and compare the outputs' bytes")
     ap.add_argument('--out', default=str(Path(__file__).resolve().parent / 'out' / 'checkpoint.json'))
     ap.add_argument('--child', nargs=6, metavar=('SRC', 'DST', 'MODE', 'SQNR', 'JOB', 'DEVICE'), help=argparse.SUPPRESS)
@@ -173,17 +177,17 @@ def main():
         cost_on = a.sqnr_cost and not a.no_sqnr
         a_off, ons, offs = argparse.Namespace(**{**vars(a), 'no_sqnr': True}), [], []
         for _ in range(max(1, a.repeats)):
-            ons.append(_run('cquant', src, dst, a))
+            ons.append(_run('kernels' if a.kernels else 'cquant', src, dst, a))
             if cost_on: offs.append(_run('cquant', src, dst, a_off))
         r = dict(_median(ons), memcpy_gb_s=memcpy_gb_s())
         L, base, peak = info['largest_tensor_bytes'], r['baseline_rss'], r['peak_rss']
         gbs = info['file_bytes'] / 1e9 / r['seconds']
         res = dict(machine=dict(cpus=os.cpu_count(), torch=torch.__version__, python=platform.python_version(), threads=r['threads']),
-                   mode=a.mode, sqnr=not a.no_sqnr, device=a.device, **info, **r, throughput_gb_s=gbs,
+                   mode=a.mode, sqnr=not a.no_sqnr, device=a.device, kernels=a.kernels, **info, **r, throughput_gb_s=gbs,
                    fraction_of_memcpy=gbs / r['memcpy_gb_s'],
                    ratio_peak_minus_baseline_to_largest=(peak - base) / L, target_met=peak - base <= 2 * L)
         print(f"{a.mode}: {info['file_bytes'] / 1e9:.2f} GB -> {r['dst_bytes'] / 1e9:.2f} GB in {r['seconds']:.1f} s = "
-              f"{gbs:.3f} GB/s = {res['fraction_of_memcpy']:.3f} of memcpy ({r['memcpy_gb_s']:.1f} GB/s) on {a.device} "
+              f"{gbs:.3f} GB/s = {res['fraction_of_memcpy']:.3f} of memcpy ({r['memcpy_gb_s']:.1f} GB/s) on {a.device}{' (Triton kernels)' if a.kernels else ''} "
               f"({os.cpu_count()} CPUs, {r['threads']} torch threads, load average {r['load_avg']:.1f})"
               f"{'' if a.no_sqnr else ', per-layer SQNR on'}; CPU time {r['cpu_seconds']:.1f} s = {info['file_bytes'] / 1e9 / r['cpu_seconds']:.3f} GB per CPU-second"
               + (f"; median of {len(ons)} runs: {r['all_seconds']} s" if len(ons) > 1 else ''))

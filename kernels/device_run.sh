@@ -4,6 +4,7 @@
 #   2. bench/bench_checkpoint.py: quantize_checkpoint(device='cuda') on a 2 GB bf16 checkpoint, against the CPU path
 #      (GB/s, SHA-256 of both outputs, peak GPU memory);
 #   3. bench/bench_record.py device: the FLUX-shaped block recorded and GPTQ-quantized from its statistics on the GPU.
+# `bash kernels/device_run.sh rerun` is the second run (at most 7.5 minutes): the cases the first left out or failed.
 # Each step has its own time limit, so one that fails or hangs leaves the others their time.
 # The machine has torch and triton but not fastcore or comfy-kitchen: put them in .dev/ (ignored by git) and carry it:
 #   .dev/fastcore-*.whl (pip download fastcore), .dev/ck.tar.gz (comfy-kitchen's cp312 wheel unpacked, without
@@ -20,6 +21,21 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
   python3 -c "import os; print('cpus', os.cpu_count())"
   python3 -c "import comfy_kitchen as ck; print('comfy_kitchen', ck.__file__); print(ck.list_backends() if hasattr(ck, 'list_backends') else '')"
   git log -1 --format='commit %H' 2>/dev/null; } > "$OUT/env.txt" 2>&1
+if [ "${1:-}" = rerun ]; then    # the second run: what the first left out (over its budget) or failed, then the job with the kernels
+  step "1. harness: attention"
+  timeout 130 python3 kernels/harness.py --quick --formats sol_attention,int8_attention --budget 90 \
+      --out "$OUT/harness_attention.json" > "$OUT/harness_attention.log" 2>&1
+  step "harness attention rc=$?"
+  step "2. harness: the rotated formats, w6a8 and the low-bit kernels"
+  timeout 190 python3 kernels/harness.py --quick --formats int8_convrot,w4a4,w4a4_a8,w6a8,awq_w4a16,svdquant_w4a4,svdquant_tiled \
+      --budget 140 --out "$OUT/harness_rest.json" > "$OUT/harness_rest.log" 2>&1
+  step "harness rest rc=$?"
+  step "3. quantize_checkpoint on cuda with the Triton kernels vs cpu, 2 GB"
+  timeout 100 python3 bench/bench_checkpoint.py --gb 2 --device cuda --kernels --no-peer --compare-cpu --dir /tmp/cq_ckpt \
+      --out "$OUT/checkpoint_kernels.json" > "$OUT/checkpoint_kernels.log" 2>&1
+  step "checkpoint kernels rc=$?"
+  exit 0
+fi
 step "1. kernels/harness.py --quick"
 timeout 220 python3 kernels/harness.py --quick --budget 170 --out "$OUT/harness.json" > "$OUT/harness.log" 2>&1
 step "harness rc=$?"

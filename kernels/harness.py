@@ -137,7 +137,13 @@ def main(argv=None):
 
     def tensors_equal(a, b):
         ta, tb = a.state_dict(''), b.state_dict('')
-        return ta.keys() == tb.keys() and all(same_bits(ta[k], tb[k]) for k in ta)
+        return ta.keys() == tb.keys() and all(same_bits(ta[k].cpu(), tb[k].cpu()) for k in ta)
+
+    def cpu_bits(ref_cpu, **got):
+        "On a GPU: whether each result has the bits of the CPU's eager path (the bits a file quantized there holds)."
+        if ref_cpu is None: return {}
+        eq = lambda a, b: same_bits(a.cpu(), b) if isinstance(a, torch.Tensor) else tensors_equal(a, b)
+        return {f'{k}_as_cpu': eq(v, ref_cpu) for k, v in got.items()}
 
     def kitchen_quantize(fmt, w):
         if ck is None: return None
@@ -166,13 +172,14 @@ def main(argv=None):
         dispatch.disable()
         qe = cq.quantize(w, fmt, **opts)
         t_e = bench(lambda: cq.quantize(w, fmt, **opts)) if covered(spec.layout, 'quantize') else None
+        qc = cq.quantize(w.cpu(), fmt, **opts) if cuda or args.smoke else None     # smoke: checks this path
         dispatch.enable(cpu=args.smoke, strict=True)
-        attempt(f'{label} quantize N=K={NK}', quantize_op, label, fmt, opts, NK, w, spec, qe, t_e)
-        attempt(f'{label} dequantize N=K={NK}', dequantize_op, label, NK, spec, qe)
+        attempt(f'{label} quantize N=K={NK}', quantize_op, label, fmt, opts, NK, w, spec, qe, t_e, qc)
+        attempt(f'{label} dequantize N=K={NK}', dequantize_op, label, NK, spec, qe, qc)
         if covered(spec.layout, 'linear'):
             for M in Ms: attempt(f'{label} linear M={M} N=K={NK}', linear_op, label, fmt, M, NK, w, bias, spec, qe)
 
-    def quantize_op(label, fmt, opts, NK, w, spec, qe, t_e):
+    def quantize_op(label, fmt, opts, NK, w, spec, qe, t_e, qc):
         if covered(spec.layout, 'quantize') and fits(spec.layout, 'quantize', w, stochastic_rounding=0, **spec.layout_kwargs,
                                                      **spec.resolve(None, **opts)):
             qk = cq.quantize(w, fmt, **opts)
@@ -182,9 +189,10 @@ def main(argv=None):
             t_ck = peer(kq) if kq else None
             rec(kernel='quantize', case=label, N=NK, K=NK, exact=tensors_equal(qk, qe), ms=t_k, eager_ms=t_e,
                 GBps=mb / t_k / 1e6, hbm_frac=(mb / t_k / 1e-3 / peaks['hbm']) if peaks else None,
-                speedup_vs_eager=t_e / t_k if t_e else None, speedup_vs_kitchen=t_ck / t_k if t_ck else None)
+                speedup_vs_eager=t_e / t_k if t_e else None, speedup_vs_kitchen=t_ck / t_k if t_ck else None,
+                **cpu_bits(qc, kernel=qk, eager=qe))
 
-    def dequantize_op(label, NK, spec, qe):
+    def dequantize_op(label, NK, spec, qe, qc):
         if covered(spec.layout, 'dequantize') and fits(spec.layout, 'dequantize', qe.qdata, qe.params, torch.bfloat16):
             dk = qe.dequantize(torch.bfloat16)
             t_k = bench(lambda: qe.dequantize(torch.bfloat16))
@@ -192,8 +200,10 @@ def main(argv=None):
             de = qe.dequantize(torch.bfloat16); t_e = bench(lambda: qe.dequantize(torch.bfloat16))
             dispatch.enable(cpu=args.smoke, strict=True)
             mb = nbytes(de, *qe.state_dict('').values())
+            dc = qc.dequantize(torch.bfloat16) if qc is not None and tensors_equal(qe, qc) else None
             rec(kernel='dequantize', case=label, N=NK, K=NK, exact=same_bits(dk, de), ms=t_k, eager_ms=t_e,
-                GBps=mb / t_k / 1e6, hbm_frac=(mb / t_k / 1e-3 / peaks['hbm']) if peaks else None, speedup_vs_eager=t_e / t_k)
+                GBps=mb / t_k / 1e6, hbm_frac=(mb / t_k / 1e-3 / peaks['hbm']) if peaks else None, speedup_vs_eager=t_e / t_k,
+                **cpu_bits(dc, kernel=dk, eager=de))
 
     def linear_op(label, fmt, M, NK, w, bias, spec, qe):
         x = torch.randn(M, NK, device=dev, generator=g, dtype=torch.bfloat16)

@@ -40,3 +40,20 @@ def written_files_validate(request):
     bad = [e for f in written_checkpoints(folder) for e in validate(f).errors]
     if bad: pytest.fail('cquant validate: errors in files this test wrote (mark it writes_invalid if on purpose):\n'
                         + '\n'.join(bad[:10]), pytrace=False)
+
+
+@pytest.fixture
+def compile_offline(tmp_path):
+    """Run a script that `triton.compile`s kernels for a GPUTarget with triton's own ptxas (no GPU), in a fresh
+    process without the interpreter and with a fresh cache; returns its stdout. Skips where ptxas is missing."""
+    import pathlib, subprocess, sys, triton
+    if not (pathlib.Path(triton.__file__).parent / 'backends' / 'nvidia' / 'bin' / 'ptxas').exists():
+        pytest.skip("triton's bundled ptxas is missing")
+    def run(script:str, *argv:str) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ('TRITON_INTERPRET', 'CQUANT_TRITON_INTERPRET')}
+        env['TRITON_CACHE_DIR'] = str(tmp_path)                    # a fresh cache: really compiled here
+        env['PYTHONPATH'] = os.pathsep.join([str(pathlib.Path(__file__).parents[1]), env.get('PYTHONPATH', '')])
+        r = subprocess.run([sys.executable, '-c', script, *argv], env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+    return run

@@ -360,3 +360,32 @@ def test_quantize_cuda_division_variant(dtype):
     if dtype == torch.float32:                  # about 4% of the /127 scales and half of the /7 ones differ
         assert (s8.reshape(-1) != C._convrot_quant(x.to(DEV), 16, 0, cuda_div=False)[1].cpu()).any()
         assert (s4.reshape(-1) != C._convrot_quant(x.to(DEV), 16, 1, cuda_div=False)[1].cpu()).any()
+
+
+_AOT = r'''
+import inspect, sys
+import triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+import cquant.kernels.convrot as C
+from cquant.kernels.base import KIND_TINY
+names = list(inspect.signature(C._convrot_quant_kernel.fn).parameters)
+ptrs = dict(x_ptr='*bf16', h_ptr='*fp32', q_ptr='*i8', s_ptr='*fp32', M='i32', K='i32', FLOOR='fp32')
+for mode, pack in [(0, False), (1, True)]:
+    KC, NGT, BJ, bm = C._tiles(256, 3072, 4096, 'dot')
+    consts = dict(G=256, KC=KC, NGT=NGT, BJ=BJ, BLOCK_M=bm, KIND=2, MODE=mode, PACK=pack, FIX16=False,
+                  TINY=KIND_TINY[2], ROT=1, INTERP=False, CUDA_DIV=True)
+    sig = {n: 'constexpr' if n in consts else ptrs[n] for n in names}
+    src = ASTSource(C._convrot_quant_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget('cuda', int(sys.argv[1]), 32), options={'enable_fp_fusion': False})
+    print(mode, 'ok', k.metadata.shared)
+'''
+
+
+def test_activation_rotation_fits_shared_memory(compile_offline):
+    """The activation quantizer of both rotated linears with `tl.dot` (G = 256, bf16, the largest row block) compiles
+    for sm_89 within its shared memory: unrolled, its chunks needed over 500 KiB, more than even an H200 has (227 KiB: it failed there)."""
+    from test_kernels_lowbit import SHARED_SM89
+    out = compile_offline(_AOT, '89')
+    shared = [int(l.split()[2]) for l in out.splitlines() if ' ok ' in l]
+    assert len(shared) == 2 and max(shared) <= SHARED_SM89, out

@@ -66,32 +66,38 @@ def _rot_tile(src_ptr, scale, rows, rmask, stride, t0, j0, h_ptr, G: tl.constexp
     gofs = t0 + tl.arange(0, NGT) * G                           # first column of each group of the tile
     cols = j0 + tl.arange(0, BJ)
     acc = tl.zeros([BLOCK_M, NGT, BJ], dtype=tl.float32)
-    for c in tl.static_range(G // KC):
-        if ROT == 0:                                            # the FMA chain, one k at a time
-            part = tl.zeros([BLOCK_M, NGT, BJ], dtype=tl.float32)
-            hp = h_ptr + c * KC * G + cols
-            for k in range(c * KC, c * KC + KC):
-                v = _src(src_ptr, (rows * stride)[:, None], rmask[:, None], (gofs + k)[None, :],
-                         scale[:, None], SRC, KIND)
-                h = tl.load(hp)
-                hp += G
-                part += v[:, :, None] * h[None, None, :]
-        else:
+    if ROT == 1:               # a runtime loop: one chunk's operands in shared memory at a time (unrolled, > 200 KiB)
+        for c in range(G // KC):
             ks = c * KC + tl.arange(0, KC)
             xt = _src(src_ptr, (rows * stride)[:, None, None], rmask[:, None, None],
                       (gofs[:, None] + ks[None, :])[None, :, :],
                       scale[:, None, None], SRC, KIND)          # [BLOCK_M, NGT, KC]
             ht = tl.load(h_ptr + ks[:, None] * G + cols[None, :])   # [KC, BJ]
-            if ROT == 2:      # interpreter only: numpy sums a non-inner axis slice after slice, the loop's order
+            p2 = dot_acc(tl.reshape(xt, [BLOCK_M * NGT, KC]), ht, tl.zeros([BLOCK_M * NGT, BJ], dtype=tl.float32),
+                          KIND, INTERP)                         # a fresh product per chunk, operands in x's dtype
+            acc += tl.reshape(p2, [BLOCK_M, NGT, BJ])
+    else:
+        for c in tl.static_range(G // KC):
+            if ROT == 0:                                        # the FMA chain, one k at a time
+                part = tl.zeros([BLOCK_M, NGT, BJ], dtype=tl.float32)
+                hp = h_ptr + c * KC * G + cols
+                for k in range(c * KC, c * KC + KC):
+                    v = _src(src_ptr, (rows * stride)[:, None], rmask[:, None], (gofs + k)[None, :],
+                             scale[:, None], SRC, KIND)
+                    h = tl.load(hp)
+                    hp += G
+                    part += v[:, :, None] * h[None, None, :]
+            else:             # interpreter only: numpy sums a non-inner axis slice after slice, the loop's order
+                ks = c * KC + tl.arange(0, KC)
+                xt = _src(src_ptr, (rows * stride)[:, None, None], rmask[:, None, None],
+                          (gofs[:, None] + ks[None, :])[None, :, :],
+                          scale[:, None, None], SRC, KIND)
+                ht = tl.load(h_ptr + ks[:, None] * G + cols[None, :])
                 part = tl.sum(xt[:, :, :, None] * ht[None, None, :, :], axis=2) + 0.0
+            if c == 0:
+                acc = part
             else:
-                p2 = dot_acc(tl.reshape(xt, [BLOCK_M * NGT, KC]), ht, tl.zeros([BLOCK_M * NGT, BJ], dtype=tl.float32),
-                              KIND, INTERP)                     # a fresh product per chunk, operands in x's dtype
-                part = tl.reshape(p2, [BLOCK_M, NGT, BJ])
-        if c == 0:
-            acc = part
-        else:
-            acc += part
+                acc += part
     return acc
 
 # %% ../../nbs/33_kernels_convrot.ipynb #3c7edab5
@@ -105,7 +111,7 @@ def _convrot_quant_kernel(x_ptr, h_ptr, q_ptr, s_ptr, M, K, FLOOR,
     rows = rows.to(tl.int64)
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
     for t0 in range(0, K, NGT * G):                             # pass 1: absmax of the rotated row, in x's dtype
-        for jc in tl.static_range(G // BJ):
+        for jc in range(G // BJ):
             r = round_to(_rot_tile(x_ptr, amax, rows, rmask, K, t0, jc * BJ, h_ptr, G, KC, NGT, BJ,
                                    BLOCK_M, 0, ROT, KIND,
                                     INTERP), KIND)
@@ -122,7 +128,7 @@ def _convrot_quant_kernel(x_ptr, h_ptr, q_ptr, s_ptr, M, K, FLOOR,
     d3 = d[:, None, None]
     m3 = rmask[:, None, None]
     for t0 in range(0, K, NGT * G):                             # pass 2: the same tiles again, quantized
-        for jc in tl.static_range(G // BJ):
+        for jc in range(G // BJ):
             r = round_to(_rot_tile(x_ptr, amax, rows, rmask, K, t0, jc * BJ, h_ptr, G, KC, NGT, BJ,
                                    BLOCK_M, 0, ROT, KIND,
                                     INTERP), KIND)
@@ -165,7 +171,7 @@ def _rot_code(rot):
 def _tiles(group, K, rows, rot, block_m=None):
     "(KC, NGT, BJ, BLOCK_M): chunk, groups per tile, columns per group tile, rows per program."
     KC = min(group, ROT_CHUNK)
-    BJ = min(group, 128) if rot == 'dot' else min(group, 1024)
+    BJ = min(group, 64) if rot == "dot" else min(group, 1024)
     width = 1024 if interpreting() else (128 if rot == 'dot' else 256)     # columns per tile, from whole small groups
     NGT = math.gcd(K // group, max(1, width // group))
     # interpreter: products <= 2**20
