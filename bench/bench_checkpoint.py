@@ -128,14 +128,17 @@ def sha256(path:str) -> str:
     return h.hexdigest()
 
 def differing(a:str, b:str) -> list:
-    "Keys whose tensors (or presence) differ between two safetensors files, and 'header metadata' if that does."
+    """Keys whose tensors (or presence) differ between two safetensors files, with how many of their bytes differ,
+    and 'header metadata' if that does."""
     from safetensors import safe_open
     with safe_open(a, 'pt') as fa, safe_open(b, 'pt') as fb:
         out = ['header metadata'] if fa.metadata() != fb.metadata() else []
         for k in sorted(set(fa.keys()) | set(fb.keys())):
             if k not in fa.keys() or k not in fb.keys(): out.append(k); continue
             x, y = fa.get_tensor(k), fb.get_tensor(k)
-            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.view(torch.uint8), y.view(torch.uint8)): out.append(k)
+            if x.dtype != y.dtype or x.shape != y.shape: out.append(k); continue
+            n = int((x.reshape(-1).view(torch.uint8) != y.reshape(-1).view(torch.uint8)).sum())
+            if n: out.append(f'{k} ({n} of {x.numel() * x.element_size()} bytes)')
     return out
 
 def _median(runs:list) -> dict:

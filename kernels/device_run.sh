@@ -4,7 +4,8 @@
 #   2. bench/bench_checkpoint.py: quantize_checkpoint(device='cuda') on a 2 GB bf16 checkpoint, against the CPU path
 #      (GB/s, SHA-256 of both outputs, peak GPU memory);
 #   3. bench/bench_record.py device: the FLUX-shaped block recorded and GPTQ-quantized from its statistics on the GPU.
-# `bash kernels/device_run.sh rerun` is the second run (at most 7.5 minutes): the cases the first left out or failed.
+# `bash kernels/device_run.sh rerun` is the second run (at most 7.5 minutes): the cases the first left out or failed;
+# `bash kernels/device_run.sh modes` the third (at most 4 minutes): the GPU job's bytes against the CPU's, per mode.
 # Each step has its own time limit, so one that fails or hangs leaves the others their time.
 # The machine has torch and triton but not fastcore or comfy-kitchen: put them in .dev/ (ignored by git) and carry it:
 #   .dev/fastcore-*.whl (pip download fastcore), .dev/ck.tar.gz (comfy-kitchen's cp312 wheel unpacked, without
@@ -21,6 +22,15 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
   python3 -c "import os; print('cpus', os.cpu_count())"
   python3 -c "import comfy_kitchen as ck; print('comfy_kitchen', ck.__file__); print(ck.list_backends() if hasattr(ck, 'list_backends') else '')"
   git log -1 --format='commit %H' 2>/dev/null; } > "$OUT/env.txt" 2>&1
+if [ "${1:-}" = modes ]; then    # the third run: the GPU job's bytes against the CPU's, per mode (which formats differ)
+  for m in fp8 nvfp4 mxfp8 int8 int8_convrot int4_mixed; do
+    step "quantize_checkpoint --mode $m on cuda vs cpu, 1 GB"
+    timeout 40 python3 bench/bench_checkpoint.py --gb 1 --mode $m --device cuda --no-peer --compare-cpu --dir /tmp/cq_ckpt \
+        --out "$OUT/checkpoint_$m.json" > "$OUT/checkpoint_$m.log" 2>&1
+    step "$m rc=$?"
+  done
+  exit 0
+fi
 if [ "${1:-}" = rerun ]; then    # the second run: what the first left out (over its budget) or failed, then the job with the kernels
   step "1. harness: attention"
   timeout 130 python3 kernels/harness.py --quick --formats sol_attention,int8_attention --budget 90 \
