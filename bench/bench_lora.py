@@ -13,10 +13,10 @@ direct route (`merge_loras(float, policy=)`, which equals quantizing the float m
 
 `cost`: the FLUX-shaped DiT of `cq.flux_model` at FLUX's widths, quantized `int4_mixed`; a rank-32 LoRA on every linear.
 Wall time and peak RSS, each in a fresh process: `quantize_checkpoint` of the float file, `merge_loras` into the
-quantized file, `merge_loras(float, policy=)`. Peak: the RSS sampled every 2 ms, less the RSS
-before the job, over the largest tensor of the checkpoint (target: <= 3x), time against `quantize_checkpoint` (target: <= 1.5x).
+quantized file, `merge_loras(float, policy=)`. Peak: the kernel's peak RSS (VmHWM, restarted just before the job),
+less the RSS before the job, over the largest tensor of the checkpoint (target: <= 3x), time against `quantize_checkpoint` (target: <= 1.5x).
 """
-import argparse, dataclasses, json, os, resource, subprocess, sys, tempfile, time
+import argparse, atexit, dataclasses, json, os, resource, shutil, subprocess, sys, tempfile, time
 import torch
 import cquant as cq
 from cquant.lora import read_lora, merge_patch
@@ -54,7 +54,7 @@ def quality(args):
     try: loads.append(('minilm', cq.minilm_workload()))
     except Exception as e: print(f'minilm skipped: {e}')
     for name, wl in loads:
-        d = tempfile.mkdtemp()
+        d = tempfile.mkdtemp(); atexit.register(shutil.rmtree, d, True)
         sd = {k: v for k, v in wl.model().state_dict().items() if 'comfy_attention' not in k}
         cq.save_file(sd, f'{d}/float.safetensors')
         lora = lora_for(sd, args.rank, args.rel)
@@ -82,24 +82,25 @@ JOBS = {'quantize': "cq.quantize_checkpoint(f'{d}/float.safetensors', f'{d}/out.
         'bake': "cq.merge_loras(f'{d}/q.safetensors', [f'{d}/lora.safetensors'], f'{d}/out.safetensors')",
         'direct': "cq.merge_loras(f'{d}/float.safetensors', [f'{d}/lora.safetensors'], f'{d}/out.safetensors', policy=cq.Policy(mode='int4_mixed'))"}
 
-POLL = """
-import os, threading, time, json, torch, cquant as cq
-page, peak, stop = os.sysconf('SC_PAGE_SIZE'), [0], threading.Event()
+PEAK = """
+import os, time, json, torch, cquant as cq
+page = os.sysconf('SC_PAGE_SIZE')
 rss = lambda: int(open('/proc/self/statm').read().split()[1]) * page
-def poll():
-    while not stop.is_set(): peak[0] = max(peak[0], rss()); time.sleep(0.002)
-r0 = rss(); th = threading.Thread(target=poll, daemon=True); th.start()
+hwm = lambda: next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM')) * 1024
+r0 = rss(); open('/proc/self/clear_refs', 'w').write('5')      # the peak RSS (VmHWM) restarts from here
 """
 
 def run_job(job:str, d:str) -> tuple:
-    "(seconds, peak RSS bytes, RSS before the job) of one job in a fresh process (RSS sampled every 2 ms)."
-    code = (POLL + f"d = {d!r}; t = time.perf_counter()\n{JOBS[job]}\nt = time.perf_counter() - t; stop.set(); th.join()\n"
-            "print(json.dumps([t, max(peak[0], rss()), r0]))")
+    "(seconds, peak RSS bytes, RSS before the job) of one job in a fresh process (the kernel's VmHWM: nothing missed)."
+    code = (PEAK + f"d = {d!r}; t = time.perf_counter()\n{JOBS[job]}\nt = time.perf_counter() - t\n"
+            "print(json.dumps([t, hwm(), r0]))")
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout
     return tuple(json.loads(out.strip().splitlines()[-1]))
 
 def cost(args):
-    d = tempfile.mkdtemp()
+    with tempfile.TemporaryDirectory() as d: _cost(args, d)
+
+def _cost(args, d:str):
     sd = cq.flux_model(depth=args.depth, single_depth=args.depth).state_dict()
     cq.save_file(sd, f'{d}/float.safetensors')
     cq.save_file(lora_for(sd, 32, 0.03), f'{d}/lora.safetensors')

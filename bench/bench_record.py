@@ -43,7 +43,7 @@ on the device (and with `--compare-cpu` on the CPU too); prints the times, the p
 SQNR of each file against round-to-nearest and whether the two outputs are the same bytes (GPTQ's float sums run in
 another order on a GPU, so they need not be).
 """
-import argparse, json, os, re, subprocess, sys, time
+import argparse, atexit, json, os, re, shutil, subprocess, sys, tempfile, time
 import torch
 import torch.nn as nn
 
@@ -169,7 +169,7 @@ def share(shares):
     import cquant as cq
     from cquant.evaluate import Workload, CALIBRATION_SENTENCES, minilm_workload, dit_workload, evaluate
     warnings.simplefilter('ignore')
-    split, tmp = 600, tempfile.mkdtemp()
+    split, tmp = 600, tempfile.mkdtemp(); atexit.register(shutil.rmtree, tmp, True)
     A = minilm_workload(calibration=CALIBRATION_SENTENCES[:split])           # held out: EVAL_SENTENCES
     B = replace(A, evaluation=cq.sentence_batches(CALIBRATION_SENTENCES[split:], 8), embed=None)   # and the other 135
     def quantized(rounding, calibration=None):
@@ -230,7 +230,7 @@ def device_run(device:str, n:int, tokens:int, compare_cpu:bool, hidden:int=3072)
     from cquant.evaluate import Workload, evaluate
     from bench_checkpoint import sha256, differing
     warnings.simplefilter('ignore')
-    tmp = tempfile.mkdtemp()
+    tmp = tempfile.mkdtemp(); atexit.register(shutil.rmtree, tmp, True)
     mk = lambda k, seed: cq.flux_batches(k, img_tokens=tokens, seed=seed)
     wl = Workload('flux', lambda: cq.flux_model(0, hidden=hidden, heads=hidden // 128), mk(n, 1), mk(4, 2), lambda m, b: m(*b))
     model, src = wl.model(), os.path.join(tmp, 'flux.safetensors')
@@ -290,7 +290,7 @@ def select():
     import cquant as cq
     from cquant.evaluate import CALIBRATION_SENTENCES, minilm_workload, evaluate, subset_scores
     warnings.simplefilter('ignore')
-    split, tmp = 600, tempfile.mkdtemp()
+    split, tmp = 600, tempfile.mkdtemp(); atexit.register(shutil.rmtree, tmp, True)
     A = minilm_workload(calibration=CALIBRATION_SENTENCES[:split])
     B = replace(A, evaluation=cq.sentence_batches(CALIBRATION_SENTENCES[split:], 8), embed=None)
     model, files = cq.minilm_model(), {}
