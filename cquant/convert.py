@@ -8,7 +8,7 @@ Docs: https://cquant-dev.github.io/cquant/quantize_checkpoint.html.md"""
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #02a0f22e
 from __future__ import annotations
-import contextlib, ctypes, dataclasses, json, math, os, sys, tempfile, threading, time, warnings
+import collections, contextlib, ctypes, dataclasses, json, math, os, sys, tempfile, textwrap, threading, time, warnings
 from dataclasses import dataclass, field
 from typing import Callable
 import torch
@@ -19,7 +19,7 @@ from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, Streami
                                size_ratio, text_table, _fmt_bytes, read_header,
                                ShardedWriter, checkpoint_path, shard_index, read_shards, write_sha256)
 from ._version import __version__
-from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, Plan, layer_source
+from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, PolicyWarning, Plan, layer_source
 from .models import dit_state_dict
 from .calibrate import Calibration, gptq_layers, rounding_kwargs
 from .record import TokenCounts, open_calibration
@@ -256,15 +256,29 @@ _EXTRA_COLUMNS = (('output_sqnr_db', 'out dB', ''), ('rounding_gain_db', 'gain d
 
 def _db_cell(v, sign:str='') -> str: return '-' if v is None or v == math.inf else f"{v:{sign}.2f}"
 
+_FOOTNOTE_LEAST = 3      # a reason this many rows give is printed once, under the table
+
+def _footnotes(rows:list, # table rows whose last cell is the reason (replaced in place by a mark [n])
+                     width:int=70, wide:bool=False, # wrap the notes at words to width + 30 (not with `wide`)
+                    ) -> list: # the notes: each such reason once, with how many rows give it
+    "Print each reason that `_FOOTNOTE_LEAST` or more rows give once: the rows show `[n]`, the note under the table says it."
+    counts = collections.Counter(r[-1] for r in rows if len(r[-1]) > 12)
+    marks = {why: i + 1 for i, why in enumerate(w for w, n in counts.items() if n >= _FOOTNOTE_LEAST)}
+    for r in rows:
+        if r[-1] in marks: r[-1] = f"[{marks[r[-1]]}]"
+    notes = [f"[{i}] {counts[why]} layers: {why}" for why, i in marks.items()]
+    return [''] + [l for n in notes for l in ([n] if wide else textwrap.wrap(n, width + 30, subsequent_indent='    '))] if notes else []
+
 def _report_table(rep:Report, width:int=70, wide:bool=False) -> str:
     "`Report.table`: output SQNR, rounding gains and a merge's direct SQNR as columns where some row has them."
     extra = [c for c in _EXTRA_COLUMNS if any(c[0] in r for r in rep.layers)]
     rows = [[r['name'], 'x'.join(map(str, r['shape'])), r['label'], _db_cell(r['sqnr_db']),
              *(_db_cell(r.get(k), s) for k, _, s in extra),
              _fmt_bytes(r['bytes_before']), _fmt_bytes(r['bytes_after']), r.get('reason', '')] for r in rep.layers]
+    notes = _footnotes(rows, width, wide)
     out = text_table(['layer', 'shape', 'format', 'SQNR dB', *(t for _, t, _ in extra), 'before', 'after', 'reason'], rows,
                      '<><>' + '>' * len(extra) + '>><', None if wide else width)
-    return '\n'.join(out + ['', rep.totals_text()])
+    return '\n'.join(out + notes + ['', rep.totals_text()])
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #bca5cfce
 def _totals_text(rep:Report) -> str:
@@ -278,7 +292,10 @@ def _totals_text(rep:Report) -> str:
                      f"{_fmt_bytes(c['bytes_after'])}")
     if 'bytes_before' in t:
         lines.append(f"all tensors: {_fmt_bytes(t['bytes_before'])} -> {_fmt_bytes(t['bytes_after'])} "
-                     f"({size_ratio(t['bytes_before'], t['bytes_after'])}); {t['quantized']} of {t['layers']} weights "
+                     f"({size_ratio(t['bytes_before'], t['bytes_after'])}"
+                     + (f", {size_ratio(t['bytes_bf16'], t['bytes_after'], 'a bf16 copy')}"     # when that is another size
+                        if t.get('bytes_bf16', t['bytes_before']) != t['bytes_before'] else '')
+                     + f"); {t['quantized']} of {t['layers']} weights "
                      "quantized; "
                      + (f"aggregate SQNR {t['sqnr_db']:.2f} dB" if t.get('sqnr_db') is not None
                         else 'aggregate SQNR not measured')
@@ -308,7 +325,7 @@ def _totals(rows:list, # `LayerRow`s
     for c in fm.values():
         dbs = [x for x in c.pop('dbs') if x is not None]
         c['sqnr_mean'], c['sqnr_min'] = (sum(dbs) / len(dbs), min(dbs)) if dbs else (None, None)
-    agg = [r for r in rows if r.format or r.noise]       # aggregate over the weights that changed
+    agg = [r for r in rows if r.format or (r.noise and r.tier == 'merged')]   # the quantized and the merged weights
     sig = sum(r.sig for r in agg); noise = sum(r.noise for r in agg)
     return dict(layers=len(rows), quantized=sum(1 for r in rows if r.format), bytes_before=bytes_before,
                 bytes_after=bytes_after, compression=bytes_before / bytes_after if bytes_after else math.inf,
@@ -628,6 +645,19 @@ def _weight_host_bytes(info) -> int:
     return math.prod(info.shape) * max(2, torch.empty(0, dtype=info.dtype).element_size())
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #18e66f85
+_FLOAT32_NOTE = 1 << 20     # float32 bytes a job writes unconverted before it suggests float_dtype
+_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+def _as_written(t:torch.Tensor, suffix:str, policy:Policy) -> torch.Tensor:
+    """Tensor `t` (key suffix `suffix`) as a job writes it unquantized: in `policy.float_dtype` where that is set and `t`
+    is a 16- or 32-bit float that is not a stored quantization's scale."""
+    if policy.float_dtype is None or t.dtype not in _CASTABLE or suffix in scale_keys(): return t
+    return t.to(getattr(torch, policy.float_dtype))
+
+def _bf16_bytes(infos) -> int:
+    "The bytes of a bf16 copy of tensors `infos` (`TensorInfo`s): 16- and 32-bit floats at 2 bytes, the rest as stored."
+    return sum(math.prod(i.shape) * 2 if i.dtype in _CASTABLE else i.nbytes for i in infos)
+
 def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors file, or a sharded folder / its index
                         dst, # output file (replaced atomically on success; never the source); a new folder with shard_size
                         policy:Policy|None=None, # default Policy(): int4_mixed, preset auto, ratio 0.2
@@ -664,7 +694,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
         meta = {**ck.metadata, **(metadata or {}), 'cquant_policy': policy.to_json(), 'cquant_recipe': policy.to_recipe(),
                 'cquant_version': __version__}
         drop = {m: _module_drop(groups[m]) for m, d in plan.items() if d.format and m in groups}
-        rows, before, stored = {}, 0, scale_keys() | {'comfy_quant'}
+        rows, before, kept32, stored = {}, 0, 0, scale_keys() | {'comfy_quant'}
         reserve = max(1 << 16, 512 * len(ck) + len(json.dumps(meta)) + 8192 + 256 * len(ck.files))   # header written in place
         w = (ShardedWriter(dst, shard_size, meta, reserve=reserve) if shard_size is not None
              else StreamingWriter(dst, meta, reserve=reserve))
@@ -689,18 +719,27 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                     pf.release(m)
                 elif d is not None and d.format and s in drop[m]: pass
                 else:
-                    w.add(key, ck[key])
+                    t = ck[key]
+                    out = _as_written(t, s, policy)
+                    kept32 += info.nbytes if out.dtype == torch.float32 and s not in stored else 0
+                    w.add(key, out)
                     if s == 'weight' and d is not None:
                         nb = info.nbytes + sum(ck.info(groups[m][x]).nbytes for x in groups[m] if x in stored)
-                        rows[m] = _plan_row(m, d, info, nb, nb, (0.0, 0.0, 0.0), config=None)
+                        rows[m] = _plan_row(m, d, info, nb, nb - info.nbytes + w.entry(key).nbytes,
+                                            (0.0, 0.0, 0.0) if out is t else _err(t, out), config=None)
                 bar.update(info.nbytes); bar.set_postfix_str(f'{n + 1}/{len(ck)} tensors', refresh=tty)
             bar.set_description('writing')
             after = w.nbytes
             rows = [rows[m] for m in plan if m in rows]
+            ck_infos = [ck.info(k) for k in ck]
             w.metadata.update(cquant_sources=json.dumps(ck.file_hashes(), separators=(',', ':')),
                               cquant_summary=json.dumps(_summary(rows, before, after), separators=(',', ':')))
     if hash_output: write_sha256(source_files(dst) if shard_size is not None else [dst], sums)
-    rep = Report(src, dst, [r.to_dict() for r in rows], _totals(rows, before, after, measure), policy.to_dict(),
+    if kept32 >= _FLOAT32_NOTE:
+        warnings.warn(f"{_fmt_bytes(kept32)} of float tensors are written as float32, as in the source; "
+                      "float_dtype='bfloat16' (--float-dtype bfloat16) would halve them", PolicyWarning, stacklevel=2)
+    rep = Report(src, dst, [r.to_dict() for r in rows],
+                 {**_totals(rows, before, after, measure), 'bytes_bf16': _bf16_bytes(ck_infos)}, policy.to_dict(),
                  plan.summary(), time.time() - t0, 'quantize')
     if report is not None: rep.save(report)
     return rep
@@ -872,7 +911,8 @@ def plan_table(plan:Plan, # from `Policy.plan`
     shape = lambda s: 'x'.join(map(str, s)) if s else '-'
     cols = ['layer', 'shape', 'format'] + (['stored'] if stored else []) + ['reason']
     rows = [[k, shape(d.shape), d.label] + ([stored.get(k, '')] if stored else []) + [d.reason] for k, d in plan.items()]
-    out = text_table(cols, rows, '<><' + ('<' if stored else '') + '<', None if wide else width) + ['', plan.summary()]
+    notes = _footnotes(rows, width, wide)
+    out = text_table(cols, rows, '<><' + ('<' if stored else '') + '<', None if wide else width) + notes + ['', plan.summary()]
     again = [m for m in stored if m in plan and plan[m].format]
     if stored:
         out.append(f"{len(stored)} layer(s) stored quantized in the source"
@@ -889,6 +929,10 @@ def _demo_minilm(file) -> str|None:
     except OSError as e: print(f"note: {e}; the demo uses the DiT-shaped model instead", file=file); return None
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #09e22d60
+_DEMO_WHY = """# convrot_groupsize='auto': each layer gets the largest ConvRot group (256, 64, 16, 4) that divides its K, so a
+# model whose K is not a multiple of 256 (MiniLM's 384) still gets both int4_mixed tiers, W4A4 and ConvRot INT8;
+# float_dtype='bfloat16': the layers kept float (MiniLM's embeddings, float32 in the source) are written in bf16"""
+
 def demo(out='cquant-demo', # output folder
          source:str='auto', # 'auto' (MiniLM, fetched if needed; else DiT), 'minilm' or 'dit'
          progress:bool=True, # progress bar
@@ -906,8 +950,8 @@ def demo(out='cquant-demo', # output folder
         name, src = 'dit', os.path.join(out, 'dit_bf16.safetensors')
         save_file(dit_state_dict(0, torch.bfloat16), src, {'source': 'cquant.models.dit_state_dict(seed=0), bf16'})
     dst = os.path.join(out, f'{name}_int4_mixed.safetensors')
-    policy = Policy()
-    print(f"# cquant demo: {name} ({src})\n# policy: {policy.to_json()}\n", file=file)
+    policy = Policy(convrot_groupsize='auto', float_dtype='bfloat16')
+    print(f"# cquant demo: {name} ({src})\n# policy: {policy.to_json()}\n{_DEMO_WHY}\n", file=file)
     with warnings.catch_warnings(record=True) as ws:
         warnings.simplefilter('always')
         plan = policy.plan(src)

@@ -567,6 +567,7 @@ class Policy:
     rounding: str = 'nearest'           # 'nearest' (kitchen's bytes), 'mse' (data-free clipping) or 'gptq' (calibration)
     svdquant_rank: int|None = None      # svdquant mode: rank of the low-rank branch (None: min(32, N, K) per layer)
     fallback: str|None = None           # an override's format rejects the shape: None (fail), 'keep_float' or 'int8'
+    float_dtype: str|None = None        # the dtype float tensors are written in: 'bfloat16', 'float16', 'float32' (None: as read)
     origins: tuple = field(default=(), compare=False, repr=False)   # where each override came from ('file:line'), or ()
 
     def __post_init__(self): _validate(self)
@@ -578,7 +579,7 @@ class Policy:
                     keep_float=list(self.keep_float), int4_sensitive=list(self.int4_sensitive), selection=self.selection,
                     overrides=[dict(pattern=p, format=f, options=dict(o)) for p, f, o in self.overrides],
                     convrot_groupsize=self.convrot_groupsize, rounding=self.rounding, svdquant_rank=self.svdquant_rank,
-                    fallback=self.fallback)
+                    fallback=self.fallback, float_dtype=self.float_dtype)
     @classmethod
     def from_dict(cls, d:Mapping) -> 'Policy':
         "The policy of `to_dict`'s data (unknown fields refused)."
@@ -612,6 +613,7 @@ def rounding_names() -> tuple:
     return ('nearest', *sorted(ROUNDINGS))
 
 FALLBACKS = {'keep_float': None, 'int8': _INT8}   # Policy.fallback -> the choice a rejected override falls back to
+FLOAT_WRITE_DTYPES = ('bfloat16', 'float16', 'float32')   # Policy.float_dtype: what float tensors may be written as
 
 # %% ../nbs/16_policy.ipynb #be7243c4
 def _validate(p:Policy):
@@ -638,6 +640,8 @@ def _validate(p:Policy):
         raise ValueError(f"Policy.svdquant_rank: expected None or a positive int (16, 32, 64, ...), found {r!r}")
     if p.fallback is not None and p.fallback not in FALLBACKS:
         raise ValueError(f"Policy.fallback: expected None or one of {list(FALLBACKS)}, found {p.fallback!r}")
+    if p.float_dtype is not None and p.float_dtype not in FLOAT_WRITE_DTYPES:
+        raise ValueError(f"Policy.float_dtype: expected None or one of {list(FLOAT_WRITE_DTYPES)}, found {p.float_dtype!r}")
     s('origins', tuple(p.origins))
     if p.origins and (len(p.origins) != len(p.overrides) or not all(isinstance(o, str) for o in p.origins)):
         raise ValueError(f"Policy.origins: expected one string per override ({len(p.overrides)}), found {p.origins!r}")
@@ -646,7 +650,7 @@ def _policy_fields(d:Mapping) -> Mapping:
     "`d` checked to be a mapping of `Policy` fields."
     if not isinstance(d, Mapping): raise ValueError(f"Policy.from_dict: expected an object, found {type(d).__name__}")
     known = {'mode', 'preset', 'int4_mixed_ratio', 'keep_float', 'int4_sensitive', 'selection', 'overrides',
-             'convrot_groupsize', 'rounding', 'svdquant_rank', 'fallback'}
+             'convrot_groupsize', 'rounding', 'svdquant_rank', 'fallback', 'float_dtype'}
     extra = sorted(set(d) - known)
     if extra: raise ValueError(f"Policy.from_dict: unknown field(s) {extra}; expected some of {sorted(known)}")
     return d
@@ -818,12 +822,21 @@ def _short(msg:str, prefix:str='') -> str:
     return f"{where}: {m.group(3)}; expected {m.group(2)}"
 
 # %% ../nbs/16_policy.ipynb #4d55f8dc
+def _misfit(c:Choice, shape, name:str, msg:str, group) -> str:
+    """Why `c` does not fit, said for planning: a ConvRot group that does not divide K names the group 'auto' would
+    take; else the registry's message, shortened."""
+    g, K = c.opts.get('convrot_groupsize'), shape[-1] if len(shape) else 0
+    if g and group != 'auto' and K % g and (a := grouped(c, shape, name, 'auto')).check(shape, name + '.') is None:
+        return (f"ConvRot group {g} does not divide K={K}; convrot_groupsize='auto' (--convrot-groupsize auto) fits "
+                f"{a.opts['convrot_groupsize']}")
+    return _short(msg, name + '.')
+
 def _walk(chain, info:LayerInfo, name:str, mode:str, why:str|None, in_budget:bool, group=DEFAULT_GROUP) -> Decision:
     "The first choice of `chain` (with the ConvRot `group`) that fits `info.shape` (asking the registry), with the reason."
     first, chain = None, [grouped(c, info.shape, name, group) for c in chain]
     for i, c in enumerate(chain):
         msg = c.check(info.shape, name + '.')
-        if msg is not None: msg = _short(msg, name + '.')
+        if msg is not None: msg = _misfit(c, info.shape, name, msg, group)
         if msg is None:
             tier = 'int8_budget' if in_budget else ('mode' if i == 0 else 'fallback')
             r = f"{mode}: {_glabel(c, group)}" + (f" ({why})" if why else '')

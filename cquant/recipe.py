@@ -27,7 +27,8 @@ class RecipeError(ValueError):
 # %% ../nbs/16a_recipe.ipynb #9ea11950
 BASE_KEYS = {'mode': 'mode', 'preset': 'preset', 'ratio': 'int4_mixed_ratio', 'selection': 'selection',
              'rounding': 'rounding', 'convrot_groupsize': 'convrot_groupsize', 'svdquant_rank': 'svdquant_rank',
-             'int4_sensitive': 'int4_sensitive', 'keep_float': 'keep_float', 'fallback': 'fallback'}  # recipe -> Policy
+             'int4_sensitive': 'int4_sensitive', 'keep_float': 'keep_float', 'fallback': 'fallback',
+             'float_dtype': 'float_dtype'}  # recipe -> Policy
 RECIPE_KEYS = (*BASE_KEYS, 'exclude', 'rules')
 RULE_KEYS = ('match', 'contains', 'format', 'options')
 FLOAT = 'float'                          # the rule format that keeps layers float

@@ -317,3 +317,45 @@ def test_progress_is_quiet_in_a_log(tmp_path):
     cq.save_file(dit_state_dict(0, torch.bfloat16, depth=2), tmp_path / 'd.safetensors')
     rc, out, err = cquant('quantize', tmp_path / 'd.safetensors', tmp_path / 'q.safetensors')
     assert rc == 0 and err.count('%|') <= 4 and err.count('tensors,') == 0, err
+
+
+def test_every_help_teaches():
+    """Every subcommand's --help has a description and an example that parses (issue 42); the top-level help and the
+    README give the exit statuses."""
+    import shlex
+    from cquant.cli import EXAMPLES, build_parser
+    p = build_parser()
+    sub = next(a for a in p._actions if a.dest == 'command')
+    assert set(sub.choices) == set(EXAMPLES)
+    for name, f in sub.choices.items():
+        text = f.format_help()
+        assert f.description and f.description.endswith('.'), name
+        assert f'example:\n  {EXAMPLES[name]}' in text, name
+        argv = shlex.split(EXAMPLES[name])
+        assert argv[:2] == ['cquant', name] and p.parse_args(argv[1:]).command == name
+    rc, out, _ = cquant('--help')
+    assert rc == 0 and 'exit status:' in out and '2    usage' in out
+    rc, out, _ = cquant('plan', '--help')
+    assert rc == 0 and all(f'{k}: ' in ' '.join(out.split()) for k in ('int8', 'int4_mixed', 'nvfp4', 'svdquant'))
+    readme = (ROOT / 'README.md').read_text()
+    assert 'The exit status is 0' in readme and '2 for a wrong flag' in readme
+
+
+def test_plan_says_each_reason_once(tmp_path):
+    """On MiniLM's shapes (K = 384, which ConvRot group 256 does not divide) `plan` says each cause once: repeated
+    reasons become marks [n] with one note each, and the fallback names the group that would fit (issue 42)."""
+    import re
+    from collections import Counter
+    from cquant.minilm import minilm_model
+    from cquant.convert import _FOOTNOTE_LEAST as FOOTNOTE_LEAST
+    cq.save_file({k: v.contiguous() for k, v in minilm_model().state_dict().items()}, tmp_path / 'm.safetensors')
+    rc, out, err = cquant('plan', tmp_path / 'm.safetensors', '--wide')
+    assert rc == 0, err
+    lines = out.splitlines()
+    rows = lines[2:lines.index('')]
+    reasons = Counter(re.split(r'\s{2,}', l.strip(), maxsplit=3)[-1] for l in rows)
+    assert all(n < FOOTNOTE_LEAST or re.fullmatch(r'\[\d+\]', r) for r, n in reasons.items()), reasons
+    notes = [l for l in lines if re.match(r'\[\d+\] ', l)]
+    assert len(notes) == sum(1 for r in reasons if r.startswith('[')) >= 1
+    why = "W4A4 does not fit: ConvRot group 256 does not divide K=384; convrot_groupsize='auto' (--convrot-groupsize auto) fits 64"
+    assert out.count(why) == 1 and any(why in n for n in notes)

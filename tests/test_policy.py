@@ -151,7 +151,10 @@ def test_modes_and_fallbacks():
     assert counts('fp8') == {'FP8': 18} and counts('nvfp4') == {'NVFP4': 18} and counts('mxfp8') == {'MXFP8': 18}
     d = Policy('int8_convrot', 'none').plan(MINI)['encoder.layer.0.attention.self.query']
     assert (d.format, d.options, d.tier) == ('int8_tensorwise', {'per_row': True}, 'fallback')
-    assert "(K % 256 = 128)" in d.reason          # the registry's own message (int8 layout)
+    assert "INT8 ConvRot does not fit: ConvRot group 256 does not divide K=384; convrot_groupsize='auto' " \
+           "(--convrot-groupsize auto) fits 64" in d.reason        # said for planning, with what would fit
+    d = Policy('int8_convrot', 'none').plan({'odd': (16, 102)})['odd']       # no power of 4 divides 102: the registry's
+    assert d.format == 'int8_tensorwise' and "expected a power of 4" in d.reason and 'auto' not in d.reason
 
 
 def test_w4a8_mode():

@@ -196,6 +196,49 @@ def test_demo_dit(tmp_path):
     assert sorted(os.listdir(tmp_path / 'demo')) == ['dit_bf16.safetensors', 'dit_int4_mixed.safetensors', 'report.json', 'report.png']
 
 
+def test_demo_minilm_both_tiers_smaller_than_bf16(tmp_path):
+    """The demo on the real MiniLM (issue 42): both int4_mixed tiers (W4A4 and ConvRot INT8), no layer falling back for
+    a ConvRot group another group would fit, and a file smaller than a bf16 copy of the source."""
+    from cquant.minilm import minilm_path
+    if minilm_path() is None: pytest.skip('the MiniLM weights are not fetched (cquant fetch-minilm; .ci/run does)')
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', PolicyWarning)
+        paths = cq.demo(tmp_path / 'demo', 'minilm', progress=False, file=io.StringIO())
+    rep = Report.load(paths['report'])
+    labels = [r['label'] for r in rep.layers]
+    assert labels.count('W4A4') >= 20 and labels.count('INT8 ConvRot') >= 5 and 'INT8' not in labels
+    assert not [r['reason'] for r in rep.layers if 'does not fit' in r.get('reason', '')]
+    src = cq.load_file(paths['src'])
+    bf16 = sum(t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in src.values())
+    assert os.path.getsize(paths['dst']) < bf16 == rep.totals['bytes_bf16']
+
+
+def test_float_dtype(tmp_path):
+    """`Policy.float_dtype` writes the layers kept float (and every bias) in that dtype, never a quantized layer's scales;
+    the rows count the cast's error and the bytes written; without it a float32 source gets a note."""
+    g = torch.Generator().manual_seed(0)
+    sd = {'emb.weight': torch.randn(64, 32, generator=g), 'fc.weight': torch.randn(64, 256, generator=g),
+          'fc.bias': torch.randn(64, generator=g), 'norm.weight': torch.ones(32)}
+    cq.save_file(sd, tmp_path / 's.safetensors')
+    pol = Policy('int8', 'none', keep_float=('emb',), float_dtype='bfloat16')
+    rep = quantize_checkpoint(tmp_path / 's.safetensors', tmp_path / 'q.safetensors', pol, progress=False)
+    out = cq.load_file(tmp_path / 'q.safetensors')
+    assert {k: t.dtype for k, t in out.items() if not k.endswith('comfy_quant')} == {
+        'emb.weight': torch.bfloat16, 'fc.weight': torch.int8, 'fc.weight_scale': torch.float32, 'fc.bias': torch.bfloat16,
+        'norm.weight': torch.bfloat16}
+    check_bits(out['emb.weight'], sd['emb.weight'].bfloat16())
+    row = next(r for r in rep.layers if r['name'] == 'emb')
+    assert row['bytes_after'] == row['bytes_before'] // 2 and 45 < row['sqnr_db'] < 60      # bf16's 8 bits: about 52 dB
+    assert rep.totals['bytes_bf16'] == sum(t.numel() * 2 for t in sd.values())
+    with pytest.warns(PolicyWarning, match="written as float32, as in the source; float_dtype='bfloat16'"):
+        big = {'emb.weight': torch.randn(1024, 512, generator=g)}                 # 2 MiB of float32 kept
+        cq.save_file(big, tmp_path / 'b.safetensors')
+        quantize_checkpoint(tmp_path / 'b.safetensors', tmp_path / 'b8.safetensors', Policy('int8', 'none', keep_float=('emb',)),
+                            progress=False)
+    with pytest.raises(ValueError, match=r"Policy.float_dtype: expected None or one of \['bfloat16', 'float16', 'float32'\], found 'fp8'"):
+        Policy(float_dtype='fp8')
+
+
 @pytest.mark.skipif('asym_w4a8_int8' not in cq.FORMATS, reason='the W4A8 layout is not registered')
 def test_w4a8_mode_convert(tmp_path):
     g = torch.Generator().manual_seed(0)
