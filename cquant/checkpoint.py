@@ -7,6 +7,7 @@ Docs: https://cquant-dev.github.io/cquant/checkpoint.html.md"""
 # %% ../nbs/11_checkpoint.ipynb #4006f88f
 from __future__ import annotations
 import errno, glob, hashlib, itertools, json, math, os, re, shutil, socket, stat, struct, tempfile, textwrap, threading, warnings
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -1372,6 +1373,19 @@ def text_table(head:list, # column titles
     body = [l for r in cells[1:] for l in fmt(r)]
     head_line = fmt(cells[0])[0]
     return [head_line, '-' * max([len(head_line)] + [len(l) for l in body])] + body
+
+_FOOTNOTE_LEAST = 3      # a reason this many rows give is printed once, under the table
+
+def _footnotes(rows:list, # table rows whose last cell is the reason (replaced in place by a mark [n])
+               width:int=70, wide:bool=False, # wrap the notes at words to width + 30 (not with `wide`)
+              ) -> list: # the notes: each such reason once, with how many rows give it
+    "Print each reason that `_FOOTNOTE_LEAST` or more rows give once: the rows show `[n]`, the note under the table says it."
+    counts = Counter(r[-1] for r in rows if len(r[-1]) > 12)
+    marks = {why: i + 1 for i, why in enumerate(w for w, n in counts.items() if n >= _FOOTNOTE_LEAST)}
+    for r in rows:
+        if r[-1] in marks: r[-1] = f"[{marks[r[-1]]}]"
+    notes = [f"[{i}] {counts[why]} layers: {why}" for why, i in marks.items()]
+    return [''] + [l for n in notes for l in ([n] if wide else textwrap.wrap(n, width + 30, subsequent_indent='    '))] if notes else []
 
 # %% ../nbs/11_checkpoint.ipynb #ce3ad167
 def markdown_table(head:list, # column titles

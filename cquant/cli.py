@@ -490,9 +490,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 # %% ../nbs/18_cli.ipynb #a79744f0
-def _one_line(message, category, filename, lineno, file=None, line=None):
-    "Show a warning as one line on stderr."
-    print(f"{'note' if issubclass(category, PolicyWarning) else 'warning'}: {message}", file=sys.stderr)
+class _Warnings:
+    """Warnings as one line each on stderr; the same warning about another layer (`'<layer>: <text>'`) is only counted,
+    and `summary` says once how many more layers it concerned."""
+    def __init__(self): self.seen = {}
+    @staticmethod
+    def _kind(category): return 'note' if issubclass(category, PolicyWarning) else 'warning'
+    def show(self, message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        name, sep, rest = text.partition(': ')
+        layer = bool(sep) and ' ' not in name                    # a layer's name leads the message
+        names = self.seen.setdefault((category, rest if layer else text), [])
+        names.append(name if layer else '')
+        if len(names) == 1: print(f"{self._kind(category)}: {text}", file=sys.stderr)
+    def summary(self):
+        for (category, text), names in self.seen.items():
+            if len(names) < 2: continue
+            more = [n for n in names[1:] if n]
+            which = f" ({', '.join(more[:4])}{', ...' if len(more) > 4 else ''})" if more else ''
+            print(f"{self._kind(category)}: the same for {len(names) - 1} more{' layers' if more else ' times'}{which}: "
+                  f"{text[:80]}{'...' if len(text) > 80 else ''}", file=sys.stderr)
 
 def _drop_stdout():
     "Point stdout at /dev/null, so the interpreter's last flush of a closed pipe is silent."
@@ -514,8 +531,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     main_thread = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    said = _Warnings()
     with warnings.catch_warnings():
-        warnings.showwarning = _one_line
+        warnings.showwarning = said.show
         try:
             rc = args.func(args)
             sys.stdout.flush()
@@ -528,6 +546,7 @@ def main(argv=None) -> int:
         except (ValueError, OSError) as e:
             print(f'cquant {args.command}: error: {_said(e)}', file=sys.stderr); return 1
         finally:
+            said.summary()
             if old is not None: signal.signal(signal.SIGTERM, old)
 
 # %% ../nbs/18_cli.ipynb #ea14cdb8

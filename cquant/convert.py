@@ -8,7 +8,7 @@ Docs: https://cquant-dev.github.io/cquant/quantize_checkpoint.html.md"""
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #02a0f22e
 from __future__ import annotations
-import collections, contextlib, ctypes, dataclasses, json, math, os, sys, tempfile, textwrap, threading, time, warnings
+import contextlib, ctypes, dataclasses, json, math, os, sys, tempfile, threading, time, warnings
 from dataclasses import dataclass, field
 from typing import Callable
 import torch
@@ -16,7 +16,7 @@ from .numerics import in_workers
 from .tensor import FORMATS, QuantizedTensor, check_finite, decode_json, encode_json, format_color, get_format, quantize, same_bits, _zero_weight
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, TensorInfo, open_checkpoint, save_file,
                                split_key, scale_keys,
-                               size_ratio, text_table, _fmt_bytes, read_header,
+                               size_ratio, text_table, _footnotes, _fmt_bytes, read_header,
                                ShardedWriter, checkpoint_path, shard_index, read_shards, write_sha256)
 from ._version import __version__
 from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, PolicyWarning, Plan, layer_source
@@ -256,19 +256,6 @@ _EXTRA_COLUMNS = (('output_sqnr_db', 'out dB', ''), ('rounding_gain_db', 'gain d
 
 def _db_cell(v, sign:str='') -> str: return '-' if v is None or v == math.inf else f"{v:{sign}.2f}"
 
-_FOOTNOTE_LEAST = 3      # a reason this many rows give is printed once, under the table
-
-def _footnotes(rows:list, # table rows whose last cell is the reason (replaced in place by a mark [n])
-                     width:int=70, wide:bool=False, # wrap the notes at words to width + 30 (not with `wide`)
-                    ) -> list: # the notes: each such reason once, with how many rows give it
-    "Print each reason that `_FOOTNOTE_LEAST` or more rows give once: the rows show `[n]`, the note under the table says it."
-    counts = collections.Counter(r[-1] for r in rows if len(r[-1]) > 12)
-    marks = {why: i + 1 for i, why in enumerate(w for w, n in counts.items() if n >= _FOOTNOTE_LEAST)}
-    for r in rows:
-        if r[-1] in marks: r[-1] = f"[{marks[r[-1]]}]"
-    notes = [f"[{i}] {counts[why]} layers: {why}" for why, i in marks.items()]
-    return [''] + [l for n in notes for l in ([n] if wide else textwrap.wrap(n, width + 30, subsequent_indent='    '))] if notes else []
-
 def _report_table(rep:Report, width:int=70, wide:bool=False) -> str:
     "`Report.table`: output SQNR, rounding gains and a merge's direct SQNR as columns where some row has them."
     extra = [c for c in _EXTRA_COLUMNS if any(c[0] in r for r in rep.layers)]
@@ -281,6 +268,9 @@ def _report_table(rep:Report, width:int=70, wide:bool=False) -> str:
     return '\n'.join(out + notes + ['', rep.totals_text()])
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #bca5cfce
+_SQNR_MEANS = ("SQNR: 10·log10(Σw² / Σ(w - ŵ)²) in dB, the weight's energy over its error's; higher is better, "
+               "about 6 dB per bit")
+
 def _totals_text(rep:Report) -> str:
     "`Report.totals_text`."
     t = rep.totals
@@ -303,6 +293,7 @@ def _totals_text(rep:Report) -> str:
     for k in ('identical', 'differ', 'missing'):
         if t.get(k):
             lines.append(f"other tensors {k}: {len(t[k])} ({', '.join(t[k][:4])}{', ...' if len(t[k]) > 4 else ''})")
+    if t.get('sqnr_db') is not None: lines.append(_SQNR_MEANS)
     return '\n'.join(lines)
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #65895d08

@@ -16,7 +16,7 @@ from .formats import FORMATS
 from .tensor import DeviceClass, Option, QuantFormatError, QuantFormatWarning
 from .comfy import FPMM, nested_params
 from .checkpoint import (ATTENTION_KEY, ATTENTION_METHODS, Checkpoint, CheckpointError, CheckpointWarning, attention_entries,
-                               comfy_unread, _comfy_unloadable, open_checkpoint, scale_keys, text_table, _read_json,
+                               comfy_unread, _comfy_unloadable, open_checkpoint, scale_keys, text_table, _footnotes, _read_json,
                                _scan_module)
 from .modules import comfy_disabled_formats
 
@@ -252,6 +252,7 @@ def format_validation(r:ValidationReport) -> str:
             for x in r.rows for m in x['messages']]
     t = r.totals()
     out = [f"{r.file}: checked against the ComfyUI loader of {r.comfyui}{' (strict)' if r.strict else ''}"]
-    if rows: out += [''] + text_table(['module', 'format', 'status', 'message'], rows, wrap=90)
+    notes = _footnotes(rows, 90)                      # one message about many modules: said once, as a note
+    if rows: out += [''] + text_table(['module', 'format', 'status', 'message'], rows, wrap=90) + notes
     return '\n'.join(out + ['', f"{len(r.rows)} modules: {t['ok']} ok, {t['warning']} with warnings, {t['error']} with "
                                  f"errors: {'OK' if r.ok else 'FAILED'}"])

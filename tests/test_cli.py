@@ -347,7 +347,7 @@ def test_plan_says_each_reason_once(tmp_path):
     import re
     from collections import Counter
     from cquant.minilm import minilm_model
-    from cquant.convert import _FOOTNOTE_LEAST as FOOTNOTE_LEAST
+    from cquant.checkpoint import _FOOTNOTE_LEAST as FOOTNOTE_LEAST
     cq.save_file({k: v.contiguous() for k, v in minilm_model().state_dict().items()}, tmp_path / 'm.safetensors')
     rc, out, err = cquant('plan', tmp_path / 'm.safetensors', '--wide')
     assert rc == 0, err
@@ -359,3 +359,25 @@ def test_plan_says_each_reason_once(tmp_path):
     assert len(notes) == sum(1 for r in reasons if r.startswith('[')) >= 1
     why = "W4A4 does not fit: ConvRot group 256 does not divide K=384; convrot_groupsize='auto' (--convrot-groupsize auto) fits 64"
     assert out.count(why) == 1 and any(why in n for n in notes)
+
+
+def test_repeated_warnings_are_counted(dit, tmp_path):
+    """The same warning about many layers is one line and a count (issue 42): svdquant without calibration warns per
+    layer that it uses its data-free variant."""
+    rc, out, err = cquant('quantize', dit, tmp_path / 's.safetensors', '--mode', 'svdquant', '--quiet', '--no-sqnr')
+    assert rc == 0, err
+    said = [l for l in err.splitlines() if "calibrates on the layer's inputs and none were given" in l]
+    plan = json.loads(cquant('plan', dit, '--mode', 'svdquant', '--json')[1])['layers']
+    n = sum(1 for d in plan.values() if d['format'] == 'svdquant_w4a4')
+    assert n > 2 and len(said) == 2, err
+    assert said[0].startswith('warning: ') and said[1].startswith(f'warning: the same for {n - 1} more layers ('), err
+
+
+def test_validate_says_a_message_once(quantized):
+    """`validate` on a file whose modules share a warning prints it once, as a note the rows point to (issue 42)."""
+    import re
+    rc, out, err = cquant('validate', quantized[0])
+    assert rc == 0, err
+    notes = [l for l in out.splitlines() if re.match(r'\[\d+\] \d+ layers: ', l)]
+    assert notes and all(out.count(n.split(' layers: ', 1)[1]) == 1 for n in notes)
+    assert sum(int(n.split()[1]) for n in notes) == sum(1 for l in out.splitlines() if re.search(r'warning\s+\[\d+\]$', l))

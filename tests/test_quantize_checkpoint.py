@@ -230,6 +230,7 @@ def test_float_dtype(tmp_path):
     row = next(r for r in rep.layers if r['name'] == 'emb')
     assert row['bytes_after'] == row['bytes_before'] // 2 and 45 < row['sqnr_db'] < 60      # bf16's 8 bits: about 52 dB
     assert rep.totals['bytes_bf16'] == sum(t.numel() * 2 for t in sd.values())
+    assert rep.table().count('SQNR: 10·log10(Σw² / Σ(w - ŵ)²) in dB') == 1          # said once, under the totals
     with pytest.warns(PolicyWarning, match="written as float32, as in the source; float_dtype='bfloat16'"):
         big = {'emb.weight': torch.randn(1024, 512, generator=g)}                 # 2 MiB of float32 kept
         cq.save_file(big, tmp_path / 'b.safetensors')
