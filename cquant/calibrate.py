@@ -527,7 +527,8 @@ def gptq_layers(roundings:dict, calibration, caller:str) -> set:
     want = {k for k, r in roundings.items() if r == 'gptq'}
     if want and calibration is None:
         raise ValueError(f"{caller}: rounding='gptq' for {len(want)} layer(s) (e.g. {sorted(want)[0]!r}) needs "
-                         "calibration inputs: batches for the model, or {layer: inputs [rows, K]}")
+                         "calibration inputs: calibration= statistics recorded with record_calibration (or their file), "
+                         "batches for the model, or {layer: inputs [rows, K]}; on the command line --calibration FILE")
     return want
 
 # %% ../nbs/15_calibrate.ipynb #62159452
