@@ -19,7 +19,7 @@ from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, Streami
                                size_ratio, text_table, _footnotes, _fmt_bytes, read_header,
                                ShardedWriter, checkpoint_path, shard_index, read_shards, write_sha256)
 from ._version import __version__
-from .policy import CHOICES, PRESETS, PRESET_ALIASES, Policy, PolicyWarning, Plan, layer_source
+from .policy import CHOICES, FLOAT_WRITE_DTYPES, PRESETS, PRESET_ALIASES, Policy, PolicyWarning, Plan, layer_source
 from .models import dit_state_dict
 from .calibrate import Calibration, gptq_layers, rounding_kwargs
 from .record import TokenCounts, open_calibration
@@ -637,7 +637,7 @@ def _weight_host_bytes(info) -> int:
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #18e66f85
 _FLOAT32_NOTE = 1 << 20     # float32 bytes a job writes unconverted before it suggests float_dtype
-_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+_CASTABLE = tuple(getattr(torch, n) for n in FLOAT_WRITE_DTYPES)   # the floats a policy may write
 
 def _as_written(t:torch.Tensor, suffix:str, policy:Policy) -> torch.Tensor:
     """Tensor `t` (key suffix `suffix`) as a job writes it unquantized: in `policy.float_dtype` where that is set and `t`

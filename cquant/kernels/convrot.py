@@ -66,38 +66,29 @@ def _rot_tile(src_ptr, scale, rows, rmask, stride, t0, j0, h_ptr, G: tl.constexp
     gofs = t0 + tl.arange(0, NGT) * G                           # first column of each group of the tile
     cols = j0 + tl.arange(0, BJ)
     acc = tl.zeros([BLOCK_M, NGT, BJ], dtype=tl.float32)
-    if ROT == 1:               # a runtime loop: one chunk's operands in shared memory at a time (unrolled, > 200 KiB)
-        for c in range(G // KC):
+    for c in range(G // KC):   # a runtime loop: one chunk's operands live at a time (unrolled, tl.dot's need > 200 KiB)
+        if ROT == 0:                                            # the FMA chain, one k at a time
+            part = tl.zeros([BLOCK_M, NGT, BJ], dtype=tl.float32)
+            hp = h_ptr + c * KC * G + cols
+            for k in range(c * KC, c * KC + KC):
+                v = _src(src_ptr, (rows * stride)[:, None], rmask[:, None], (gofs + k)[None, :],
+                         scale[:, None], SRC, KIND)
+                h = tl.load(hp)
+                hp += G
+                part += v[:, :, None] * h[None, None, :]
+        else:
             ks = c * KC + tl.arange(0, KC)
             xt = _src(src_ptr, (rows * stride)[:, None, None], rmask[:, None, None],
                       (gofs[:, None] + ks[None, :])[None, :, :],
                       scale[:, None, None], SRC, KIND)          # [BLOCK_M, NGT, KC]
             ht = tl.load(h_ptr + ks[:, None] * G + cols[None, :])   # [KC, BJ]
-            p2 = dot_acc(tl.reshape(xt, [BLOCK_M * NGT, KC]), ht, tl.zeros([BLOCK_M * NGT, BJ], dtype=tl.float32),
-                          KIND, INTERP)                         # a fresh product per chunk, operands in x's dtype
-            acc += tl.reshape(p2, [BLOCK_M, NGT, BJ])
-    else:
-        for c in tl.static_range(G // KC):
-            if ROT == 0:                                        # the FMA chain, one k at a time
-                part = tl.zeros([BLOCK_M, NGT, BJ], dtype=tl.float32)
-                hp = h_ptr + c * KC * G + cols
-                for k in range(c * KC, c * KC + KC):
-                    v = _src(src_ptr, (rows * stride)[:, None], rmask[:, None], (gofs + k)[None, :],
-                             scale[:, None], SRC, KIND)
-                    h = tl.load(hp)
-                    hp += G
-                    part += v[:, :, None] * h[None, None, :]
-            else:             # interpreter only: numpy sums a non-inner axis slice after slice, the loop's order
-                ks = c * KC + tl.arange(0, KC)
-                xt = _src(src_ptr, (rows * stride)[:, None, None], rmask[:, None, None],
-                          (gofs[:, None] + ks[None, :])[None, :, :],
-                          scale[:, None, None], SRC, KIND)
-                ht = tl.load(h_ptr + ks[:, None] * G + cols[None, :])
+            if ROT == 2:      # interpreter only: numpy sums a non-inner axis slice after slice, the loop's order
                 part = tl.sum(xt[:, :, :, None] * ht[None, None, :, :], axis=2) + 0.0
-            if c == 0:
-                acc = part
             else:
-                acc += part
+                p2 = dot_acc(tl.reshape(xt, [BLOCK_M * NGT, KC]), ht, tl.zeros([BLOCK_M * NGT, BJ], dtype=tl.float32),
+                              KIND, INTERP)                     # a fresh product per chunk, operands in x's dtype
+                part = tl.reshape(p2, [BLOCK_M, NGT, BJ])
+        acc += part            # exact for the first chunk too: a part is never -0.0 (its sums start at +0.0)
     return acc
 
 # %% ../../nbs/33_kernels_convrot.ipynb #3c7edab5
