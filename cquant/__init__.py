@@ -20,38 +20,37 @@ Modules:
 - `cquant.w4a4`: ConvRot W4A4: Hadamard-rotated weights with one symmetric int4 scale per output row, packed two per byte, and the two linears ComfyUI runs on them (int4 or int8 activations).
 - `cquant.w4a8`: Grouped 4-bit (Lloyd-Max codebook, uniform or asymmetric) and 6-bit weights on ConvRot-rotated rows, decoded exactly onto the int8 grid the GEMM multiplies, with an encoder that beats kitchen's."""
 
-# Hand-written (no notebook exports this file; nbdev writes only the docstring above): the version (from `_version`),
-# and each module's `__all__`, so that `import cquant as cq` reaches the public API. Helpers shared between modules are
-# exported with `#| exporti` (in their module, not in its `__all__`); the CLI (`cquant.cli`) is not re-exported.
+# Hand-written (no notebook exports this file; nbdev writes only the docstring above). `import cquant` is cheap (the CLI
+# answers --help and argument errors without torch); the first public name asked of it (`cq.quantize`, `dir(cq)`,
+# `from cquant import *`) imports the API (each module's `__all__` below, in this order) and registers the Triton kernels
+# as fast paths when a CUDA GPU and triton are present (CQUANT_KERNELS=0 opts out). Helpers shared between modules
+# are exported with `#| exporti` (in their module, not in its `__all__`); the CLI (`cquant.cli`) is not re-exported.
 # Importing a layout module registers its formats in `FORMATS`; `cquant.formats` finds and imports every format module
 # (by its declaration), so no list of format modules is kept here.
+import importlib as _importlib, sys as _sys, types as _types
 from ._version import __version__
 
-from .tensor import *
-from .numerics import *
-from .formats import FORMAT_MODULES
-for _module in FORMAT_MODULES: globals().update({n: getattr(_module, n) for n in _module.__all__})  # every format's API
-del _module
-from .sol_attention import *
-from .int8_attention import int8_attention, prequantize_int8_attention, int8_attention_from_prequantized
-from .comfy import *
-from .checkpoint import *
-from .attention import *
-from .quality import *
-from .modules import *
-from .models import *
-from .policy import *
-from .recipe import *
-from .convert import *
-from .lora import merge_loras, read_lora
-from .validate import *
-from .explore import *
-from .attention_explore import *
-from .evaluate import *
-from .rounding import *
-from .calibrate import *
-from .record import *
-from .minilm import *
+_API = ('plain', 'tensor', 'numerics', 'formats', 'sol_attention', 'int8_attention', 'comfy', 'checkpoint', 'attention',
+        'quality', 'modules', 'models', 'policy', 'recipe', 'convert', 'lora', 'validate', 'explore', 'attention_explore',
+        'evaluate', 'rounding', 'calibrate', 'record', 'minilm')
+_SOME = {'formats': ('FORMAT_MODULES',), 'int8_attention': ('int8_attention', 'prequantize_int8_attention', 'int8_attention_from_prequantized'),
+         'lora': ('merge_loras', 'read_lora')}   # modules of which cq shows only these names (formats: its format modules)
+_SHADOWED = frozenset(('calibrate', 'evaluate', 'explore', 'int8_attention', 'sol_attention', 'validate'))  # a function and a module
+_loaded = False
+
+def _load():
+    "Import the API into the package, once."
+    global _loaded
+    if _loaded: return
+    api = {}
+    for name in _API:
+        module = _importlib.import_module(f'.{name}', __name__)
+        api.update({n: getattr(module, n) for n in _SOME.get(name, module.__all__)})
+        if name == 'formats':
+            for m in module.FORMAT_MODULES: api.update({n: getattr(m, n) for n in m.__all__})   # every format's API
+    globals().update(api)
+    _loaded = True
+    _enable_kernels()
 
 def _enable_kernels():
     "Register the Triton kernels as fast paths when a CUDA GPU and triton are present (CQUANT_KERNELS=0 opts out)."
@@ -61,4 +60,20 @@ def _enable_kernels():
     except ImportError: return          # triton is not installed: the eager layouts run
     enable()
 
-_enable_kernels()
+class _Package(_types.ModuleType):
+    "The package, importing its API on first use; a name that is both a submodule and a function is the function, as before."
+    def __getattribute__(self, name):
+        if name in _SHADOWED and not _loaded: _load()
+        return super().__getattribute__(name)
+    def __getattr__(self, name):
+        if name == '__all__':
+            _load()
+            return [n for n, v in globals().items() if not n.startswith('_') and not isinstance(v, _types.ModuleType)]
+        if name.startswith('__') or _loaded: raise AttributeError(f"module 'cquant' has no attribute {name!r}")
+        _load()
+        return super().__getattribute__(name)
+    def __dir__(self):
+        _load()
+        return list(globals())
+
+_sys.modules[__name__].__class__ = _Package

@@ -16,6 +16,7 @@ from .formats import FORMATS
 from .tensor import (FormatSpec, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
                            get_format, load_quantized, unique_keys, check_activations)
 from .comfy import expert_tensors, file_value, split_bank
+from .plain import parse_size, _fmt_bytes, size_ratio, text_table, _footnotes, markdown_table
 
 # %% auto #0
 __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'INDEX_SUFFIX', 'LEGACY_QMETA', 'LEGACY_MARKER', 'ATTENTION_KEY',
@@ -24,7 +25,7 @@ __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'INDEX_SUFFIX', 'L
            'attention_entries', 'encode_attention', 'decode_attention', 'select_attention', 'attention_available',
            'sol_applicable', 'split_key', 'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'stale_temp_files',
            'save_file', 'comfy_unread', 'load_file', 'StreamingWriter', 'ShardedWriter', 'sha256_file', 'write_sha256',
-           'provenance', 'inspect_checkpoint', 'size_ratio', 'text_table', 'format_inspect']
+           'provenance', 'inspect_checkpoint', 'format_inspect']
 
 # %% ../nbs/11_checkpoint.ipynb #5a7c0e11
 from .tensor import check_stray_scales
@@ -1179,15 +1180,6 @@ def _commit(self:StreamingWriter) -> str:
 
 StreamingWriter.commit, StreamingWriter._shift = _commit, _shift
 
-# %% ../nbs/11_checkpoint.ipynb #sh01c002
-def parse_size(s) -> int:
-    "Bytes of a size like `5GB`, `500MB`, `2GiB` or `1000000` (GB = 10**9 as Hugging Face counts, GiB = 2**30)."
-    if isinstance(s, int) and not isinstance(s, bool) and s > 0: return s
-    m = re.fullmatch(r'\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*', str(s), re.I)
-    n = int(float(m[1]) * (1024 if m[3] else 1000) ** ' kmgt'.index(m[2].lower() or ' ')) if m and (m[2] or not m[3]) else 0
-    if n <= 0: raise ValueError(f"shard_size: expected a positive size like '5GB', '500MB', '2GiB' or a byte count, found {s!r}")
-    return n
-
 # %% ../nbs/11_checkpoint.ipynb #sh01c003
 class ShardedWriter:
     "`StreamingWriter`'s interface over HF-style shards in a new folder; a module's tensors share a shard; atomic."
@@ -1343,58 +1335,6 @@ def inspect_checkpoint(src, # a path, a `Checkpoint` or a state dict
     finally:
         if own: ck.close()
 
-
-# %% ../nbs/11_checkpoint.ipynb #820b8e62
-def _fmt_bytes(n:int) -> str:
-    for u in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
-        if n < 1024 or u == 'TiB': return f"{n:.0f} {u}" if u == 'B' else f"{n:.2f} {u}"
-        n /= 1024
-
-def size_ratio(before:int, after:int, what:str='the source') -> str:
-    "A size change in words: '3.56x smaller than {what}', '1.27x larger than {what}'."
-    if not before or not after: return '-'
-    if before == after: return f"the same size as {what}"
-    return f"{before / after:.2f}x smaller than {what}" if after < before else f"{after / before:.2f}x larger than {what}"
-
-def text_table(head:list, # column titles
-               rows:list, # one list of values per row
-               align:str='', # '<' or '>' per column (default all '<')
-               wrap:int|None=None, # wrap the last column at words to this width (None: never)
-              ) -> list: # the lines: head, a rule, the rows
-    "A plain-text table whose column widths come from the data; the last column is free text."
-    cells = [[str(x) for x in r] for r in [head, *rows]]
-    align = align or '<' * len(head)
-    w = [max(len(r[i]) for r in cells) for i in range(len(head) - 1)]
-    pad = sum(w) + 2 * len(w)
-    def fmt(r):
-        first = '  '.join(f"{x:{a}{n}}" for x, a, n in zip(r, align, w))
-        last = (textwrap.wrap(r[-1], wrap, break_long_words=False, break_on_hyphens=False) if wrap else None) or [r[-1]]
-        return [(first + '  ' + last[0]).rstrip()] + [' ' * pad + l for l in last[1:]]
-    body = [l for r in cells[1:] for l in fmt(r)]
-    head_line = fmt(cells[0])[0]
-    return [head_line, '-' * max([len(head_line)] + [len(l) for l in body])] + body
-
-_FOOTNOTE_LEAST = 3      # a reason this many rows give is printed once, under the table
-
-def _footnotes(rows:list, # table rows whose last cell is the reason (replaced in place by a mark [n])
-               width:int=70, wide:bool=False, # wrap the notes at words to width + 30 (not with `wide`)
-              ) -> list: # the notes: each such reason once, with how many rows give it
-    "Print each reason that `_FOOTNOTE_LEAST` or more rows give once: the rows show `[n]`, the note under the table says it."
-    counts = Counter(r[-1] for r in rows if len(r[-1]) > 12)
-    marks = {why: i + 1 for i, why in enumerate(w for w, n in counts.items() if n >= _FOOTNOTE_LEAST)}
-    for r in rows:
-        if r[-1] in marks: r[-1] = f"[{marks[r[-1]]}]"
-    notes = [f"[{i}] {counts[why]} layers: {why}" for why, i in marks.items()]
-    return [''] + [l for n in notes for l in ([n] if wide else textwrap.wrap(n, width + 30, subsequent_indent='    '))] if notes else []
-
-# %% ../nbs/11_checkpoint.ipynb #ce3ad167
-def markdown_table(head:list, # column titles
-                   rows:list, # one list of cells per row (already formatted)
-                   align:str, # per column: '<' left, '>' right
-                  ) -> str: # a markdown table
-    "`text_table`'s sibling for the docs: the rows as a markdown table."
-    line = lambda cells: '| ' + ' | '.join(map(str, cells)) + ' |'
-    return '\n'.join([line(head), '|' + '|'.join('---:' if a == '>' else '---' for a in align) + '|', *map(line, rows)])
 
 # %% ../nbs/11_checkpoint.ipynb #sh01d002
 def _provenance_lines(p:dict) -> list:

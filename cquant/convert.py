@@ -25,6 +25,7 @@ from .calibrate import Calibration, gptq_layers, rounding_kwargs
 from .record import TokenCounts, open_calibration
 from .rounding import GPTQWarning
 from .minilm import minilm_path, fetch_minilm
+from .plain import canonical_name, spelling_key
 
 # %% auto #0
 __all__ = ['Report', 'plot_report', 'quantize_checkpoint', 'report_error', 'convert_checkpoint', 'plan_table', 'demo']
@@ -873,16 +874,14 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
                 removed=sorted(raw - keys), added=sorted(keys - raw))
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #48a1c2a9
-def _norm(name:str) -> str: return ''.join(ch for ch in name.lower() if ch not in ' -_.')
+def preset_spellings() -> dict:
+    "`spelling_key` -> canonical name, for every preset, 'auto', 'auto-conservative' and the aliases."
+    known = {spelling_key(k): k for k in [*PRESETS, 'auto', 'auto-conservative']}
+    return known | {spelling_key(k): v for k, v in PRESET_ALIASES.items()}
 
 def preset_name(name:str) -> str:
     "The canonical preset for a spelling, ignoring case, spaces, hyphens, underscores, dots ('hidream_o1' -> 'hidream o1')."
-    known = {_norm(k): k for k in [*PRESETS, 'auto', 'auto-conservative']}
-    known.update({_norm(k): v for k, v in PRESET_ALIASES.items()})
-    if not isinstance(name, str) or _norm(name) not in known:
-        raise ValueError(f"unknown preset {name!r}: expected 'auto' or one of {', '.join(sorted(PRESETS))}, "
-                         "auto-conservative")
-    return known[_norm(name)]
+    return canonical_name(name, preset_spellings(), 'preset')
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #6227a35e
 def save_plot(rep:Report, path:str):

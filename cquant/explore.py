@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from fastcore.basics import patch
 import torch
 import torch.nn.functional as F
-from .formats import FORMATS
+from .formats import FORMATS, storage_bytes, _nbytes
 from .tensor import FormatSpec, QuantizedTensor, get_format, quantize, same_bits
 from .numerics import rotate
-from .convert import layer_ticks
+from .convert import layer_ticks, _SQNR_MEANS
 from .modules import plan_entry
 from .checkpoint import Checkpoint, open_checkpoint
 from .policy import Policy
@@ -159,25 +159,6 @@ def sample_rows(w:torch.Tensor, # 2-D weight
     mn, mx = torch.aminmax(w, dim=1)
     top = torch.maximum(mx.float(), mn.float().neg()).argmax()
     return torch.unique(torch.cat([idx, top[None]]))
-
-# %% ../nbs/20_explore.ipynb #2b385fde
-def _nbytes(tensors:dict) -> int: return sum(v.numel() * v.element_size() for v in tensors.values())
-
-# %% ../nbs/20_explore.ipynb #92d05d03
-def storage_bytes(w:torch.Tensor, # the full 2-D weight
-                  fmt, # format name or `FormatSpec`
-                  quantizer=None, # optional fn(rows) -> {key: tensor} (default: cquant's file entries)
-                  **opts, # format options
-                 ) -> int: # bytes of every file entry of the quantized weight (not comfy_quant)
-    """Bytes a format stores for all of `w`, from two small slabs of rows (exact: sizes are linear in rows past the
-    padding)."""
-    spec = get_format(fmt)
-    q = quantizer or (lambda x: quantize(x, spec, **opts).state_dict(''))
-    N = w.shape[0]
-    if N <= 256: return _nbytes(q(w))
-    n1 = (N - 1) % 128 + 1
-    b1, b2 = _nbytes(q(w[:n1])), _nbytes(q(w[:n1 + 128]))
-    return b1 + (b2 - b1) * ((N - n1) // 128)
 
 # %% ../nbs/20_explore.ipynb #cbb80ae8
 def _rotation(opts:dict) -> int|None:
@@ -921,7 +902,7 @@ class Explorer:
         self.max_elems, self.size = max_elems, (int(width), int(height))
         self.updates, self.calls, self.error = 0, {}, None
         self.numbers, self.analysis, self.grid, self._drawn = {}, None, None, None
-        self._hold, self._cache, self._weights, self._bytes = 0, {}, {}, {}
+        self._hold, self._cache, self._weights, self._bytes, self._compared = 0, {}, {}, {}, {}
         layer = layer or default_layer(self.layers)
         if layer not in self.layers: raise KeyError(f"no layer {layer!r}; layers: {list(self.layers)[:10]}...")
         self._make_widgets(layer, width)
@@ -1105,6 +1086,18 @@ def _analyze(self:Explorer) -> Analysis:
         self._cache[key] = a
     return self._cache[key]
 
+# %% ../nbs/20_explore.ipynb #ex20c002
+COMPARE_ELEMS = 2**18     # values of the layer each format of the comparison table quantizes
+
+@patch(as_prop=True)
+def comparison(self:Explorer) -> Comparison:
+    "Every format that fits the current layer, measured on its rows (`compare_formats`; cached per layer)."
+    if self.layer not in self._compared:
+        if len(self._compared) >= 4: self._compared.pop(next(iter(self._compared)))
+        cap = COMPARE_ELEMS if self.max_elems is None else min(self.max_elems, COMPARE_ELEMS)
+        self._compared[self.layer] = compare_formats(self._weight(self.layer), kitchen=False, max_elems=cap, name=self.layer)
+    return self._compared[self.layer]
+
 # %% ../nbs/20_explore.ipynb #15abd50f
 @patch
 def _update(self:Explorer):
@@ -1114,7 +1107,8 @@ def _update(self:Explorer):
         a = self.analysis = self._analyze()
         self.grid = block_grid(a, a.position(self.controls['row'].value), self.controls['block'].value)
         self.numbers = dict(a.numbers, row=a.row_index(self.grid.row), block=self.grid.block,
-                            grid_values=None if self.grid.values is None else len(self.grid.values), error=self.error)
+                            grid_values=None if self.grid.values is None else len(self.grid.values), error=self.error,
+                            compared=len(self.comparison))
         t1 = time.perf_counter()
         self._render(a)
         self.numbers['draw_s'] = time.perf_counter() - t1
@@ -1203,10 +1197,26 @@ def _show(self:Explorer):
                  ('bytes', f"{n['bytes']:,}"), ('bits/weight', f"{n['bits_per_weight']:.3f}"),
                  ('quantize', f"{n['quantize_s'] * 1e3:.0f} ms"),
                  ('grid', f"{n['grid_values']} values" if n['grid_values'] else '–')]
-        self._html.value = ('<table style="font-family:monospace"><tr>' + ''.join(f'<th style="padding:0 10px">{k}</th>' for k, _ in cells)
-                            + '</tr><tr>' + ''.join(f'<td style="padding:0 10px">{v}</td>'
-                                                    for _, v in cells) + '</tr></table>')
+        self._html.value = (_html_table([k for k, _ in cells], [[v for _, v in cells]]) + self._comparison_html()
+                            + f"<p style='font-size:90%'>{_SQNR_MEANS}</p>")
     else: self._html.value = ''
+
+def _html_table(head:list, rows:list, bold:int|None=None) -> str:
+    "A small monospace HTML table; row `bold` in bold."
+    td = lambda v, i: f"<td style='padding:0 10px'>{'<b>' + str(v) + '</b>' if i == bold else v}</td>"
+    return ('<table style="font-family:monospace"><tr>' + ''.join(f'<th style="padding:0 10px">{h}</th>' for h in head) + '</tr>'
+            + ''.join('<tr>' + ''.join(td(v, i) for v in r) + '</tr>' for i, r in enumerate(rows)) + '</table>')
+
+@patch
+def _comparison_html(self:Explorer) -> str:
+    "The comparison table: every fitting format on this layer, the chosen one in bold."
+    rows = self.comparison
+    mine = next((i for i, r in enumerate(rows) if r['format'] == self.format), None)
+    sampled = f", on {rows[0]['rows_analysed']} of {rows[0]['rows_total']} rows" if rows and rows[0].get('sampled') else ''
+    return (f"<p style='margin:6px 0 0 0'>every format on this layer (options fitted to its shape{sampled}):</p>"
+            + _html_table(['format', 'SQNR', 'bits/weight', 'rel. error'],
+                          [[r['label'] + (' ◀' if i == mine else ''), f"{r['sqnr_db']:.2f} dB", f"{r['bits_per_weight']:.3f}",
+                            f"{r['rel_error']:.4f}"] for i, r in enumerate(rows)], bold=mine))
 
 # %% ../nbs/20_explore.ipynb #774abf1b
 @patch

@@ -10,8 +10,9 @@ __all__ = []
 # %% ../nbs/08_formats.ipynb #35876421
 import importlib, re
 from pathlib import Path
+import torch
 from . import tensor
-from .tensor import FORMATS
+from .tensor import FORMATS, get_format, quantize
 
 # %% ../nbs/08_formats.ipynb #352cfcfc
 _NOTEBOOK = re.compile(r"File to edit: \S*?nbs/(\S+?)\.ipynb")
@@ -33,3 +34,22 @@ def format_module_names(folder:Path=None, # default: the cquant package
 
 # %% ../nbs/08_formats.ipynb #5d2f8d27
 FORMAT_MODULES = tuple(importlib.import_module(f'cquant.{n}') for n in format_module_names())
+
+# %% ../nbs/08_formats.ipynb #2b385fde
+def _nbytes(tensors:dict) -> int: return sum(v.numel() * v.element_size() for v in tensors.values())
+
+# %% ../nbs/08_formats.ipynb #92d05d03
+def storage_bytes(w:torch.Tensor, # the full 2-D weight
+                  fmt, # format name or `FormatSpec`
+                  quantizer=None, # optional fn(rows) -> {key: tensor} (default: cquant's file entries)
+                  **opts, # format options
+                 ) -> int: # bytes of every file entry of the quantized weight (not comfy_quant)
+    """Bytes a format stores for all of `w`, from two small slabs of rows (exact: sizes are linear in rows past the
+    padding)."""
+    spec = get_format(fmt)
+    q = quantizer or (lambda x: quantize(x, spec, **opts).state_dict(''))
+    N = w.shape[0]
+    if N <= 256: return _nbytes(q(w))
+    n1 = (N - 1) % 128 + 1
+    b1, b2 = _nbytes(q(w[:n1])), _nbytes(q(w[:n1 + 128]))
+    return b1 + (b2 - b1) * ((N - n1) // 128)

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .plain import is_power_of_4
+
 # %% ../nbs/00_numerics.ipynb #023be53d
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # float dtypes accepted for a stored scale
@@ -254,10 +256,6 @@ def from_blocked(buf:torch.Tensor, # swizzled scales: (Rp, Cp) or any shape with
 
 # %% ../nbs/00_numerics.ipynb #75faf497
 _H4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
-
-def is_power_of_4(n) -> bool:
-    "True for a Python int that is a power of 4 and at least 4 (4, 16, 64, ...): a valid Hadamard / ConvRot group size."
-    return isinstance(n, int) and n >= 4 and (n & (n - 1)) == 0 and (n.bit_length() - 1) % 2 == 0
 
 # %% ../nbs/00_numerics.ipynb #ffa46683
 @_constant_cache()

@@ -11,6 +11,7 @@ from cquant.formats import format_module_names
 
 PKG = Path(cq.__file__).parent
 FORMAT_MODULES = {f'{m}.py' for m in format_module_names()} | {'tensor.py', '_modidx.py'}   # found by their declarations
+GENERATED = {'_modidx.py', '_cli_facts.py'}   # written by tools from the registries (nbdev's index, the CLI's facts)
 # (file, top-level name assigned) -> why a format name may appear there as a string constant
 ALLOWED = set()      # none: the policy modes named after a format take the name from its declaration (NVFP4.name)
 
@@ -26,7 +27,7 @@ def format_name_constants() -> list:
     "`file:line: name` of every string constant equal to a registered format name outside the format modules."
     names, hits = set(cq.FORMATS), []
     for p in sorted(PKG.glob('*.py')):
-        if p.name in FORMAT_MODULES: continue
+        if p.name in FORMAT_MODULES | GENERATED: continue
         for stmt in ast.parse(p.read_text(), str(p)).body:
             if any((p.name, n) in ALLOWED for n in _assigned(stmt)): continue
             hits += [f'{p.name}:{n.lineno}: {n.value!r}' for n in ast.walk(stmt)
@@ -116,7 +117,7 @@ def test_smoothing_search_needs_a_declared_format():
 # Layers, lowest first. A module may import modules of its own layer or of a lower one (and no cycle), never a higher one;
 # the package itself (`import cquant`, i.e. `__init__`) is above every layer.
 LAYERS = (
-    ('core', {'_version', 'numerics', 'tensor'}),
+    ('core', {'_version', 'plain', 'numerics', 'tensor'}),
     ('formats', {*format_module_names(), 'formats'}),
     ('attention methods', {'sol_attention', 'int8_attention'}),
     ('comfy vocabulary', {'comfy'}),
@@ -125,13 +126,17 @@ LAYERS = (
     ('validation', {'validate'}),
     ('calibration and policy', {'calibrate', 'record', 'policy', 'recipe', 'rounding'}),
     ('jobs', {'convert', 'lora'}),
-    ('cli', {'cli'}),
+    ('cli', {'cli', '_cli_facts'}),
     ('on top', {'explore', 'quality', 'evaluate', 'attention_explore'}),
     ('package', {'__init__'}),
 )
 RANK = {m: i for i, (_, ms) in enumerate(LAYERS) for m in ms}
 # (file, imported cquant module) allowed inside a function: the Triton fast paths, enabled only where triton and CUDA are
-FUNCTION_LEVEL_OK = {('__init__', 'kernels.dispatch')}
+FUNCTION_LEVEL_OK = {('__init__', 'kernels.dispatch'),
+                     ('cli', '__init__')}     # main, once the arguments parse: the whole API, as `import cquant as cq` gives it
+# modules whose function-level imports are their design (still held to the layers): the CLI imports what a command runs
+# when it runs, so --help, --version and usage errors answer without torch (issue 42)
+DEFERRING = {'cli'}
 
 
 def _targets(node, here:str) -> list:
@@ -156,8 +161,8 @@ def import_graph(pkg:Path=None) -> tuple:
         for n in ast.walk(tree):
             if not isinstance(n, (ast.Import, ast.ImportFrom)): continue
             for t in _targets(n, here):
-                if id(n) in in_fn:
-                    if (here, t) not in FUNCTION_LEVEL_OK: inner.append(f'{p.name}:{n.lineno}: {t}')
+                if id(n) in in_fn and (here, t) in FUNCTION_LEVEL_OK: continue
+                if id(n) in in_fn and here not in DEFERRING: inner.append(f'{p.name}:{n.lineno}: {t}')
                 else: graph[here].add(t.split('.')[0])
     return graph, inner
 

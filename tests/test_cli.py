@@ -57,7 +57,7 @@ def test_presets_listed_and_spellings_accepted(dit):
         rc, out, err = cquant('plan', dit, '--preset', spelling, '--json')
         assert rc == 0 and json.loads(out)['preset'] == name, (spelling, err)
     rc, out, err = cquant('plan', dit, '--preset', 'fluxx')
-    assert rc == 2 and "unknown preset 'fluxx': expected 'auto' or one of anima, boogu" in err
+    assert rc == 2 and "argument --preset: unknown preset 'fluxx': expected one of anima, auto, auto-conservative, boogu" in err
 
 
 def test_no_architecture_note_is_one_line(dit):
@@ -336,9 +336,33 @@ def test_every_help_teaches():
     rc, out, _ = cquant('--help')
     assert rc == 0 and 'exit status:' in out and '2    usage' in out
     rc, out, _ = cquant('plan', '--help')
-    assert rc == 0 and all(f'{k}: ' in ' '.join(out.split()) for k in ('int8', 'int4_mixed', 'nvfp4', 'svdquant'))
+    table = out[out.index('modes (bits per weight'):].split('\n\n')[0]
+    rows = {l.split()[0]: l.split() for l in table.splitlines()[3:] if l[:3].strip()}
+    from cquant.policy import MODES
+    assert set(rows) == set(MODES)
+    assert rows['nvfp4'][1:5] == ['NVFP4', '4.50', 'CUDA', 'sm'] and rows['int4_mixed'][1:3] == ['W4A4', '4.01'], rows
+    assert 'INT8 ConvRot   8.01' in out and '--calibration feeds its' in out   # int4_mixed's INT8 share; svdquant's encoder
     readme = (ROOT / 'README.md').read_text()
     assert 'The exit status is 0' in readme and '2 for a wrong flag' in readme
+
+
+def test_answers_without_torch():
+    """--version, every --help and argument errors are answered before torch is imported (issue 42: well under half a
+    second; `bench/README.md` has the times), and cquant/_cli_facts.py, what the parser shows of the registries, is current."""
+    code = """import sys, contextlib, io
+from cquant.cli import main
+for argv in (['--version'], ['--help'], ['quantize', '--help'], ['merge-lora', '--help'], ['quantize', 'a', 'b', '--ratio', '2'],
+             ['plan', 'x', '--preset', 'fluxx'], ['validate', 'x', '--comfyui', '2020'], ['quantize', 'a', 'b', '--shard-size', '5XB']):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try: code = main(argv)
+        except SystemExit as e: code = e.code
+    print(argv, code)
+print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'safetensors')))"""
+    rc, out, err = cquant(code=code)
+    assert rc == 0 and out.splitlines()[-1] == '[]', (out, err)
+    assert [l.rsplit(' ', 1)[1] for l in out.splitlines()[:-1]] == ['0'] * 4 + ['2'] * 4
+    from cquant.cli import FACTS, _facts
+    assert _facts() == FACTS, 'cquant/_cli_facts.py is stale: python -c "from cquant.cli import write_facts; write_facts()"'
 
 
 def test_plan_says_each_reason_once(tmp_path):
@@ -347,7 +371,7 @@ def test_plan_says_each_reason_once(tmp_path):
     import re
     from collections import Counter
     from cquant.minilm import minilm_model
-    from cquant.checkpoint import _FOOTNOTE_LEAST as FOOTNOTE_LEAST
+    from cquant.plain import _FOOTNOTE_LEAST as FOOTNOTE_LEAST
     cq.save_file({k: v.contiguous() for k, v in minilm_model().state_dict().items()}, tmp_path / 'm.safetensors')
     rc, out, err = cquant('plan', tmp_path / 'm.safetensors', '--wide')
     assert rc == 0, err

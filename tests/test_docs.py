@@ -258,7 +258,7 @@ class _Chromium:
             f'--user-data-dir={self.prof.name}', 'about:blank'],
             preexec_fn=fds, close_fds=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.close(to_r); os.close(from_w)
-        self.w, self.r, self.n, self.buf = to_w, from_r, 0, b''
+        self.w, self.r, self.n, self.buf, self.events = to_w, from_r, 0, b'', []
     def send(self, method, session=None, **params):
         self.n += 1
         msg = {'id': self.n, 'method': method, 'params': params} | ({'sessionId': session} if session else {})
@@ -270,6 +270,7 @@ class _Chromium:
                 self.buf += chunk
             raw, self.buf = self.buf.split(b'\0', 1)
             m = json.loads(raw)
+            if 'method' in m: self.events.append(m)
             if m.get('id') == self.n:
                 if 'error' in m: raise RuntimeError(f'{method}: {m["error"]}')
                 return m['result']
@@ -288,6 +289,7 @@ class _Page:
         self.target = b.send('Target.createTarget', url='about:blank')['targetId']
         self.s = b.send('Target.attachToTarget', targetId=self.target, flatten=True)['sessionId']
         b.send('Emulation.setDeviceMetricsOverride', self.s, width=width, height=height, deviceScaleFactor=1, mobile=False)
+        b.send('Network.enable', self.s)
         b.send('Page.navigate', self.s, url=url)
         assert self.wait("document.readyState === 'complete'"), f'{url} did not load'
     def js(self, expr):
@@ -305,6 +307,11 @@ class _Page:
         self.js("document.querySelector('.md-search__input').focus()")
         self.b.send('Input.insertText', self.s, text=query)
         return self.wait("[...document.querySelectorAll('.md-search-result__item a')].map(a => a.href)") or []
+    def requests(self) -> list:
+        "Every URL the page asked for so far (documents, scripts, styles, images, fetches, workers)"
+        self.js('1')   # read the events Chromium sent meanwhile
+        return [e['params']['request']['url'] for e in self.b.events
+                if e.get('sessionId') == self.s and e['method'] == 'Network.requestWillBeSent']
     def screenshot(self, path):
         Path(path).write_bytes(base64.b64decode(self.b.send('Page.captureScreenshot', self.s, format='png')['data']))
     def close(self): self.b.send('Target.closeTarget', targetId=self.target)
@@ -396,3 +403,55 @@ def test_signatures_fit_the_page(site, browser):
         n = p.js(f"document.querySelectorAll({sel}).length")
         assert n and not over, f'{page}: of {n} signatures these are wider than the page: {over}'
         p.close()
+
+
+_LOCAL = ('file:', 'data:', 'blob:', 'about:', 'http://127.0.0.1')
+
+
+@needs_chromium
+def test_pages_offline_in_browser(site, browser):
+    """Every page opened from file:// with no network: no request leaves the machine, the math is MathML (no TeX
+    left as text), code in the prose wraps, and no cell of checks only (`test_eq`, `assert`) is shown (issue 42)"""
+    sys.path.insert(0, str(ROOT/'tools'))
+    from build_docs import _checks_only
+    problems = []
+    for page in PAGES.values():
+        p = browser.page((site/page).as_uri())
+        outside = [u for u in p.requests() if not u.startswith(_LOCAL)]
+        text = p.js("[...document.querySelectorAll('.jp-RenderedMarkdown')].map(e => e.innerText).join('\\n')")
+        tex = re.findall(r'\$[^$\s][^$]{0,80}?\$|\\(?:frac|mathrm|cdot|sum)\b', text)
+        shown = p.js("""[...document.querySelectorAll('.jp-CodeCell')].filter(c => !c.querySelector('.jp-OutputArea-output'))
+                        .map(c => (c.querySelector('.jp-InputArea pre') || {}).textContent || '')""")
+        checks = [c[:60] for c in shown if c.strip() and _checks_only(c)]
+        over = p.js("""[...document.querySelectorAll('.jp-RenderedMarkdown .highlight pre')].filter(e => e.scrollWidth > e.clientWidth + 1)
+                       .map(e => e.textContent.slice(0, 60))""")
+        problems += ([f'{page}: requests {outside[:3]}'] if outside else []) + ([f'{page}: raw TeX {tex[:3]}'] if tex else [])
+        problems += ([f'{page}: shows cells of checks only {checks[:2]}'] if checks else []) + ([f'{page}: code runs off {over[:2]}'] if over else [])
+        p.close()
+    assert not problems, '\n'.join(problems)
+
+
+def test_figures_legible():
+    "every PNG saved in a notebook is drawn at 100 dpi or more (issue 42: the 64 dpi ones were hard to read)"
+    import base64, struct
+    low = []
+    for nb in NBS:
+        for c in read_nb(nb).cells:
+            for o in c.get('outputs', []) if c.cell_type == 'code' else []:
+                png = o.get('data', {}).get('image/png')
+                if not png: continue
+                b = base64.b64decode(png if isinstance(png, str) else ''.join(png))
+                i = b.find(b'pHYs')
+                dpi = round(struct.unpack('>I', b[i + 4:i + 8])[0] * 0.0254) if i > 0 else None
+                if dpi is None or dpi < 100: low.append(f'{nb.name}: {dpi} dpi')
+    assert not low, low
+
+
+def test_description_renders_code(site):
+    "a frontmatter description with `code` shows it as code, not as backticks (the NVFP4 page)"
+    from fastcore.nbio import nb_frontmatter
+    for nb, page in PAGES.items():
+        desc = str(nb_frontmatter(read_nb(nb)).get('description') or '')
+        if '`' not in desc: continue
+        shown = re.search(r'<p class="cq-description">(.*?)</p>', (site/page).read_text(encoding='utf-8'), re.S)
+        assert shown and '`' not in shown.group(1) and '<code>' in shown.group(1), f'{page}: {shown and shown.group(1)[:80]}'

@@ -22,13 +22,15 @@ What it does:
    show_doc signatures show classes as `class X(Bases):` with their `__init__` (fastcore writes `def X(...)`)
    and break long lines between parameters; headings get the ids nbdev's doc links and MkDocs' TOC expect;
    links to notebooks (also as `nbs/x.ipynb`, as README.md has them) and to the hosted docs point at the
-   local pages; TeX becomes MathML when `latex2mathml` is installed; execnb's float
-   `metadata.execution` (rejected by nbformat) and widget state (needs a CDN) are dropped.
+   local pages; TeX becomes MathML (`latex2mathml`); cells of checks only (`test_eq`, `assert`) are left out
+   of the page (they still run under nbdev-test and pytest); execnb's float `metadata.execution` (rejected by
+   nbformat) and widget state (needs a CDN) are dropped.
 3. Render with MkDocs + Material + mkdocs-jupyter (config: `mkdocs.yml` at the repo root, inherited by a
    generated config that adds the pages and the nav, in nbdev's sidebar order). The site needs no network,
    opened from `file://` or served (`python -m http.server -d _docs`): search runs on a local index (under
-   file:// its worker runs in an iframe, by a small shim written here), scripts from CDNs never block a
-   page, and 404.html links relative to the site root.
+   file:// its worker runs in an iframe, by a small shim written here), no page requests anything from the
+   network (no MathJax: the math is MathML; the repository is a plain link, not Material's widget that asks
+   the GitHub API), and 404.html links relative to the site root.
 
 Notebooks are not executed to build the site: pages show the outputs saved in the committed notebooks
 (plots included). The only cells that run are those nbdev's processing runs to render `show_doc` (exported
@@ -144,22 +146,40 @@ _MATH_RE = re.compile(
     r'(?P<fence>^[ ]{0,3}(?P<f>`{3,}|~{3,})[^\n]*\n.*?^[ ]{0,3}(?P=f)[ \t]*$)'   # fenced code: leave alone
     r'|(?P<code>(?P<bt>`+)[^`].*?(?P=bt))'                                    # inline code: leave alone
     r'|\$\$(?P<dtex>.+?)\$\$'                                                  # $$display$$
-    r'|(?<![\\$\w])\$(?=[^\s$])(?P<itex>[^$\n]+?)(?<=[^\s\\])\$(?!\d)',            # $inline$
+    r'|(?<![\\$\w])\$(?=[^\s$])(?P<itex>(?:[^$\n]|\n(?![ \t]*\n))+?)(?<=[^\s\\])\$(?!\d)',   # $inline$ (within a paragraph)
     re.S | re.M)
 
 
 def _tex_to_mathml(md: str) -> str:
-    """TeX math (`$...$`, `$$...$$`) as MathML, which browsers render with no script and no network.
-    Needs the `latex2mathml` package; without it (or for TeX it cannot convert) the TeX stays for MathJax,
-    which is loaded from a CDN and so only typesets when the reader is online."""
+    """TeX math (`$...$`, `$$...$$`, a span may break a line) as MathML, which browsers render with no script and
+    no network (`latex2mathml`, a docs dependency). TeX it cannot convert stays as written, and tests/test_docs.py
+    fails on it."""
     try: from latex2mathml.converter import convert
     except ImportError: return md
     def sub(m):
         tex, display = (m.group('dtex'), 'block') if m.group('dtex') is not None else (m.group('itex'), 'inline')
         if tex is None: return m.group(0)
-        try: return convert(tex.strip(), display=display)
+        try: return convert(' '.join(tex.split()), display=display)
         except Exception: return m.group(0)
     return _MATH_RE.sub(sub, md)
+
+
+_CHECK_NAMES = re.compile(r'test_\w+|test$')   # fastcore.test's checks (test_eq, test_fail, test_close, ...)
+
+
+def _checks_only(src: str) -> bool:
+    """A cell of checks only (`test_eq(...)`, `assert ...`, loops and `with` blocks of them): it runs under nbdev-test
+    and the tests, and is not shown on the page"""
+    import ast
+    try: body = ast.parse(src).body
+    except SyntaxError: return False
+    def check(st) -> bool:
+        if isinstance(st, ast.Assert): return True
+        if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and isinstance(st.value.func, ast.Name):
+            return bool(_CHECK_NAMES.fullmatch(st.value.func.id))
+        if isinstance(st, (ast.For, ast.With)): return all(map(check, st.body))
+        return False
+    return bool(body) and all(map(check, body))
 
 
 def _map_headings(md: str, f) -> str:
@@ -317,6 +337,7 @@ def _stage_notebook(src: Path, dst: Path, links: dict[str, str], site_url: str) 
                 continue
             tags = list(c.get('metadata', {}).get('tags', []))
             if d.get('include') == 'false': continue
+            if not c.get('outputs') and _checks_only(c.source): continue
             if d.get('echo') == 'false' or not c.source.strip(): tags.append('remove_input')
             if d.get('output') == 'false': tags.append('remove_output')
             outs = []
@@ -326,6 +347,7 @@ def _stage_notebook(src: Path, dst: Path, links: dict[str, str], site_url: str) 
                     if _WIDGET_MIME in data: continue  # live widgets need a kernel; their plots are separate outputs
                     for k in ('text/markdown', 'text/html'):
                         if isinstance(data.get(k), str): data[k] = _fix_links(data[k], links, site_url)
+                    if isinstance(data.get('text/markdown'), str): data['text/markdown'] = _tex_to_mathml(data['text/markdown'])
                 outs.append(o)
             c.outputs = outs
             if 'remove_input' in tags and not outs: continue  # nothing left to show
@@ -333,7 +355,8 @@ def _stage_notebook(src: Path, dst: Path, links: dict[str, str], site_url: str) 
         cells.append(c)
     _anchor_headings(cells, asis_ids)
     title, desc = fm.get('title') or dst.stem, fm.get('description')
-    head = f'# {title}' + (f'\n\n<p class="cq-description">{escape(str(desc))}</p>' if desc else '')
+    desc = re.sub(r'`([^`]+)`', r'<code>\1</code>', escape(str(desc))) if desc else ''   # as Quarto renders it
+    head = f'# {title}' + (f'\n\n<p class="cq-description">{desc}</p>' if desc else '')
     nb.cells = [mk_cell(head, 'markdown')] + cells
     md = nb.setdefault('metadata', {})
     md.pop('widgets', None)  # widget state makes nbconvert pull the widget manager from a CDN
@@ -428,9 +451,9 @@ def _relative_404(html: str) -> str:
     return html.replace('"base": "/"', '"base": "."').replace('__md_scope=new URL("/"', '__md_scope=new URL("."')
 
 
-def _async_external_scripts(html: str) -> str:
-    "Scripts from the network (MathJax, for TeX latex2mathml left) load async: offline they must not block a page"
-    return re.sub(r'<script (src="https?://[^"]*")>', r'<script async \1>', html)
+def _no_mathjax(html: str) -> str:
+    "Without mkdocs-jupyter's MathJax (from a CDN): the TeX is MathML already, and no request leaves the page"
+    return re.sub(r'<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->', '', html, flags=re.S)
 
 
 def finish_site(out: Path) -> None:
@@ -443,7 +466,7 @@ def finish_site(out: Path) -> None:
         (out/'search'/'search_index.js').write_text('var __index = ' + text, encoding='utf-8')
     for page in out.glob('**/*.html'):
         html = page.read_text(encoding='utf-8')
-        new = _async_external_scripts(_relative_404(html) if page == out/'404.html' else html)
+        new = _no_mathjax(_relative_404(html) if page == out/'404.html' else html)
         if new != html: page.write_text(new, encoding='utf-8')
 
 
@@ -466,7 +489,8 @@ def build(out: Path, n_workers: int | None = None, quiet: bool = False) -> Path:
         (src/_FILE_WORKER).write_text(_FILE_WORKER_JS)
         site_cfg['extra'] = {'polyfills': [_FILE_WORKER]}  # in <head>, before Material starts its search worker
         if (src/'styles.css').exists(): site_cfg['extra_css'] = ['styles.css']
-        if cfg.get('git_url'): site_cfg['repo_url'] = cfg.git_url
+        # the repository as a footer link: `repo_url` would make every page ask the GitHub API for its stars
+        if cfg.get('git_url'): site_cfg['extra']['social'] = [{'icon': 'fontawesome/brands/github', 'link': cfg.git_url}]
         cfg_file = Path(tmp)/'mkdocs.yml'
         cfg_file.write_text(yaml.safe_dump(site_cfg, sort_keys=False))
         cmd = [sys.executable, '-m', 'mkdocs', 'build', '--clean', '-f', str(cfg_file)] + (['-q'] if quiet else [])

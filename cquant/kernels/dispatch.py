@@ -1,4 +1,4 @@
-"""Registers the Triton kernels as the layouts' fast paths: on CUDA tensors (automatically at `import cquant` when a GPU and triton are present) or, for tests, on CPU through Triton's interpreter.
+"""Registers the Triton kernels as the layouts' fast paths: on CUDA tensors (automatically when cquant's API loads, at the first `cq.<name>`, when a GPU and triton are present) or, for tests, on CPU through Triton's interpreter.
 
 Docs: https://cquant-dev.github.io/cquant/kernels_dispatch.html.md"""
 
