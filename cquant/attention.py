@@ -1,5 +1,4 @@
-"""`ComfyAttention`: the child module that reads `<m>.comfy_attention.config`, picks the method ComfyUI would pick, runs
-it (cquant's references on any device, comfy-kitchen's kernels where they run) and says which one ran and why.
+"""`ComfyAttention`: the child module that reads `<m>.comfy_attention.config`, picks the method ComfyUI would pick, runs it (cquant's references on any device, comfy-kitchen's kernels where they run) and says which one ran and why.
 
 Docs: https://cquant-dev.github.io/cquant/attention.html.md"""
 

@@ -1,6 +1,4 @@
-"""What `comfy_kitchen_sol` and `comfy_kitchen_int8` do to attention, and to a model's output: error against exact
-attention as a function of tau, sequence length, head dim and K outliers; SOL's routed blocks; an interactive
-explorer; and the end-to-end cost of each preference on the DiT and on MiniLM.
+"""What `comfy_kitchen_sol` and `comfy_kitchen_int8` do to attention, and to a model's output: error against exact attention as a function of tau, sequence length, head dim and K outliers; SOL's routed blocks; an interactive explorer; and the end-to-end cost of each preference on the DiT and on MiniLM.
 
 Docs: https://cquant-dev.github.io/cquant/attention_explore.html.md"""
 

@@ -1,5 +1,4 @@
-"""`awq_w4a16`: asymmetric 4-bit weights with one float scale and zero per group of 64 input features, float
-activations; a data-free encoder (min/max with a per-group clip search) and AWQ's activation-aware one.
+"""`awq_w4a16`: asymmetric 4-bit weights with one float scale and zero per group of 64 input features, float activations; a data-free encoder (min/max with a per-group clip search) and AWQ's activation-aware one.
 
 Docs: https://cquant-dev.github.io/cquant/awq.html.md"""
 

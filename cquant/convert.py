@@ -1,6 +1,4 @@
-"""`quantize_checkpoint`: a float (or fp8) safetensors file in, a Comfy quantized file out, streamed tensor
-by tensor with memory near the largest tensor, atomically, with a per-layer report of what each layer
-got, why, and what it cost; the `cquant quantize / plan / report / demo` commands.
+"""`quantize_checkpoint`: a float (or fp8) safetensors file in, a Comfy quantized file out, streamed tensor by tensor with memory near the largest tensor, atomically, with a per-layer report of what each layer got, why, and what it cost; the `cquant quantize / plan / report / demo` commands.
 
 Docs: https://cquant-dev.github.io/cquant/quantize_checkpoint.html.md"""
 

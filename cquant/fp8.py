@@ -1,5 +1,4 @@
-"""`float8_e4m3fn` and `float8_e5m2`: one fp32 scale per weight, FP8 elements, byte-compatible with
-comfy-kitchen, without its NaN and fp16-overflow failures.
+"""`float8_e4m3fn` and `float8_e5m2`: one fp32 scale per weight, FP8 elements, byte-compatible with comfy-kitchen, without its NaN and fp16-overflow failures.
 
 Docs: https://cquant-dev.github.io/cquant/fp8.html.md"""
 

@@ -1,5 +1,4 @@
-"""Symmetric absmax INT8 weights with one scale per tensor or per row, optional ConvRot rotation, and
-the linear layer as comfy-kitchen runs it: per-token INT8 activations and an exact integer GEMM.
+"""Symmetric absmax INT8 weights with one scale per tensor or per row, optional ConvRot rotation, and the linear layer as comfy-kitchen runs it: per-token INT8 activations and an exact integer GEMM.
 
 Docs: https://cquant-dev.github.io/cquant/int8.html.md"""
 

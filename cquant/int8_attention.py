@@ -1,6 +1,4 @@
-r"""SageAttention-style attention as comfy-kitchen's `int8_attention` computes it: K smoothed, Q and K quantized to
-int8 per block of tokens, an exact integer $QK^\top$, an fp32 online softmax, unsigned int8 probabilities times
-per-channel int8 V. A blocked pure-torch reference that runs on any device, and its error against exact attention.
+r"""SageAttention-style attention as comfy-kitchen's `int8_attention` computes it: K smoothed, Q and K quantized to int8 per block of tokens, an exact integer $QK^\top$, an fp32 online softmax, unsigned int8 probabilities times per-channel int8 V. A blocked pure-torch reference that runs on any device, and its error against exact attention.
 
 Docs: https://cquant-dev.github.io/cquant/int8_attention.html.md"""
 

@@ -1,5 +1,4 @@
-"""`merge_loras`: one checkpoint with its LoRAs merged, each quantized module re-quantized in its own format and options,
-read from the LoRA files people have (kohya, diffusers/PEFT, ComfyUI's names); the `cquant merge-lora` command.
+"""`merge_loras`: one checkpoint with its LoRAs merged, each quantized module re-quantized in its own format and options, read from the LoRA files people have (kohya, diffusers/PEFT, ComfyUI's names); the `cquant merge-lora` command.
 
 Docs: https://cquant-dev.github.io/cquant/lora.html.md"""
 

@@ -1,5 +1,4 @@
-"""The `mxfp8` format: e4m3 elements, one E8M0 exponent per block of 32 along K stored in the swizzled
-128x4 layout, padding to 32, byte-compatible with comfy-kitchen, and a linear that runs on CPU.
+"""The `mxfp8` format: e4m3 elements, one E8M0 exponent per block of 32 along K stored in the swizzled 128x4 layout, padding to 32, byte-compatible with comfy-kitchen, and a linear that runs on CPU.
 
 Docs: https://cquant-dev.github.io/cquant/mxfp8.html.md"""
 

@@ -1,5 +1,4 @@
-"""The `nvfp4` format: 4-bit E2M1 elements in blocks of 16, an FP8 (E4M3) scale per block and one fp32
-scale per tensor, packed two per byte with swizzled block scales; bit-exact with comfy-kitchen.
+"""The `nvfp4` format: 4-bit E2M1 elements in blocks of 16, an FP8 (E4M3) scale per block and one fp32 scale per tensor, packed two per byte with swizzled block scales; bit-exact with comfy-kitchen.
 
 Docs: https://cquant-dev.github.io/cquant/nvfp4.html.md"""
 

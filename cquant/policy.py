@@ -1,6 +1,4 @@
-"""Policies as plain data: modes with their shape fallbacks, architecture presets and auto-detection, the
-nested deterministic INT8 budget of `int4_mixed`, and a measured selection that spends the same budget
-where the quantization error actually is.
+"""Policies as plain data: modes with their shape fallbacks, architecture presets and auto-detection, the nested deterministic INT8 budget of `int4_mixed`, and a measured selection that spends the same budget where the quantization error actually is.
 
 Docs: https://cquant-dev.github.io/cquant/policy.html.md"""
 

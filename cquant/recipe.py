@@ -1,6 +1,4 @@
-"""YAML (or TOML) recipe files that a user edits: a base policy, ordered glob / regex / substring rules with a
-format and options, exclude and keep_float lists and a fallback, compiled to the one `Policy`, with errors
-naming the file, line and key; and the recipe of a plan (every layer's decision, grouped where layers agree).
+"""YAML (or TOML) recipe files that a user edits: a base policy, ordered glob / regex / substring rules with a format and options, exclude and keep_float lists and a fallback, compiled to the one `Policy`, with errors naming the file, line and key; and the recipe of a plan (every layer's decision, grouped where layers agree).
 
 Docs: https://cquant-dev.github.io/cquant/recipe.html.md"""
 

@@ -1,6 +1,4 @@
-"""SVDQuant (Li et al. 2024): a 4-bit residual with per-64 group scales and 4-bit activations, a 16-bit rank-R
-branch that absorbs the outliers, and a smoothing factor, stored as comfy-kitchen's `TensorCoreSVDQuantW4A4Layout`;
-the calibrated quantizer kitchen lacks, and kitchen's eager linear on CPU.
+"""SVDQuant (Li et al. 2024): a 4-bit residual with per-64 group scales and 4-bit activations, a 16-bit rank-R branch that absorbs the outliers, and a smoothing factor, stored as comfy-kitchen's `TensorCoreSVDQuantW4A4Layout`; the calibrated quantizer kitchen lacks, and kitchen's eager linear on CPU.
 
 Docs: https://cquant-dev.github.io/cquant/svdquant.html.md"""
 

@@ -1,6 +1,4 @@
-"""`validate`: would ComfyUI's loader load each module of a checkpoint, and compute what cquant computes? Per-module
-rows (ok, warning, error) with the reason, at a chosen ComfyUI loader level and on a table of device classes;
-the `cquant validate` command.
+"""`validate`: would ComfyUI's loader load each module of a checkpoint, and compute what cquant computes? Per-module rows (ok, warning, error) with the reason, at a chosen ComfyUI loader level and on a table of device classes; the `cquant validate` command.
 
 Docs: https://cquant-dev.github.io/cquant/validate.html.md"""
 

@@ -1,5 +1,4 @@
-"""ConvRot W4A4: Hadamard-rotated weights with one symmetric int4 scale per output row, packed two per
-byte, and the two linears ComfyUI runs on them (int4 or int8 activations).
+"""ConvRot W4A4: Hadamard-rotated weights with one symmetric int4 scale per output row, packed two per byte, and the two linears ComfyUI runs on them (int4 or int8 activations).
 
 Docs: https://cquant-dev.github.io/cquant/convrot_w4a4.html.md"""
 

@@ -1,5 +1,4 @@
-"""Grouped 4-bit (Lloyd-Max codebook, uniform or asymmetric) and 6-bit weights on ConvRot-rotated
-rows, decoded exactly onto the int8 grid the GEMM multiplies, with an encoder that beats kitchen's.
+"""Grouped 4-bit (Lloyd-Max codebook, uniform or asymmetric) and 6-bit weights on ConvRot-rotated rows, decoded exactly onto the int8 grid the GEMM multiplies, with an encoder that beats kitchen's.
 
 Docs: https://cquant-dev.github.io/cquant/w4a8.html.md"""
 

@@ -355,7 +355,7 @@ def _stage_notebook(src: Path, dst: Path, links: dict[str, str], site_url: str) 
         cells.append(c)
     _anchor_headings(cells, asis_ids)
     title, desc = fm.get('title') or dst.stem, fm.get('description')
-    desc = re.sub(r'`([^`]+)`', r'<code>\1</code>', escape(str(desc))) if desc else ''   # as Quarto renders it
+    desc = _tex_to_mathml(re.sub(r'`([^`]+)`', r'<code>\1</code>', escape(str(desc)))) if desc else ''   # as Quarto would
     head = f'# {title}' + (f'\n\n<p class="cq-description">{desc}</p>' if desc else '')
     nb.cells = [mk_cell(head, 'markdown')] + cells
     md = nb.setdefault('metadata', {})
@@ -456,12 +456,31 @@ def _no_mathjax(html: str) -> str:
     return re.sub(r'<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->', '', html, flags=re.S)
 
 
+_FORMAT_PAGE_BOOST = 2   # Material's `search.boost` of a format's own page: searching `nvfp4` opens the NVFP4 page first
+
+
+def _format_pages() -> set:
+    "The pages of the notebooks that define formats (their modules, as the registry finds them): `{'nvfp4.html', ...}`"
+    from nbdev.config import get_config, nbpath2html
+    from nbdev.doclinks import nbglob
+    from fastcore.nbio import read_nb
+    sys.path.insert(0, str(ROOT))
+    from cquant.formats import format_module_names
+    cfg, mods, out = get_config(ROOT), set(format_module_names()), set()
+    for nb in nbglob(cfg.nbs_path, as_path=True, skip_file_re='^[_.]'):
+        exp = next((c.directive('default_exp') for c in read_nb(nb).cells if c.cell_type == 'code' and c.directive('default_exp')), None)
+        if exp and exp.split()[0] in mods: out.add(nbpath2html(nb.relative_to(cfg.nbs_path)).as_posix())
+    return out
+
+
 def finish_site(out: Path) -> None:
-    "Post-build fixes: the search index as a script (read under file://), relative 404 links, no blocking CDN"
+    "Post-build fixes: the search index as a script (read under file://), format pages boosted, relative 404 links, no CDN"
     index = out/'search'/'search_index.json'
     if index.exists():
-        data = json.loads(index.read_text(encoding='utf-8'))
-        for d in data['docs']: d['title'] = d['title'].replace('\u00b6', '').strip()  # mkdocs-jupyter's permalink sign
+        data, boosted = json.loads(index.read_text(encoding='utf-8')), _format_pages()
+        for d in data['docs']:
+            d['title'] = d['title'].replace('\u00b6', '').strip()  # mkdocs-jupyter's permalink sign
+            if d['location'].split('#')[0] in boosted: d['boost'] = _FORMAT_PAGE_BOOST
         index.write_text(text := json.dumps(data, ensure_ascii=False), encoding='utf-8')
         (out/'search'/'search_index.js').write_text('var __index = ' + text, encoding='utf-8')
     for page in out.glob('**/*.html'):
@@ -494,7 +513,8 @@ def build(out: Path, n_workers: int | None = None, quiet: bool = False) -> Path:
         cfg_file = Path(tmp)/'mkdocs.yml'
         cfg_file.write_text(yaml.safe_dump(site_cfg, sort_keys=False))
         cmd = [sys.executable, '-m', 'mkdocs', 'build', '--clean', '-f', str(cfg_file)] + (['-q'] if quiet else [])
-        subprocess.run(cmd, check=True, cwd=tmp)
+        # NO_MKDOCS_2_WARNING: Material's end-of-life notice, printed on every build, is not about this site
+        subprocess.run(cmd, check=True, cwd=tmp, env={**os.environ, 'NO_MKDOCS_2_WARNING': '1'})
     finish_site(out)
     _log(f'mkdocs rendered {len(list(out.glob("**/*.html")))} pages into {out} in {time.time()-t1:.1f}s')
     _log(f'open file://{(out/"index.html").resolve()}  (total {time.time()-t0:.1f}s)')

@@ -1,5 +1,4 @@
-r"""A FlashAttention-style Triton forward kernel for `int8_attention`: int8 $QK^\top$, fp32 online softmax, uint8 P
-times int8 V, over the buffers of `prequantize_int8_attention`; tested against the torch reference.
+r"""A FlashAttention-style Triton forward kernel for `int8_attention`: int8 $QK^\top$, fp32 online softmax, uint8 P times int8 V, over the buffers of `prequantize_int8_attention`; tested against the torch reference.
 
 Docs: https://cquant-dev.github.io/cquant/kernels_int8_attention.html.md"""
 
