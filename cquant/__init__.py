@@ -1,13 +1,15 @@
 """Understand, make, check and explore Comfy quantized checkpoints"""
 
 # Hand-written (no notebook exports this file; nbdev writes only the docstring above). `import cquant` is cheap (the CLI
-# answers --help and argument errors without torch); the first public name asked of it (`cq.quantize`, `dir(cq)`,
-# `from cquant import *`) imports the API (each module's `__all__` below, in this order) and registers the Triton kernels
-# as fast paths when a CUDA GPU and triton are present (CQUANT_KERNELS=0 opts out). Helpers shared between modules
+# answers --help and argument errors without torch). The API loads (each module's `__all__` below, in this order; every
+# format registered, every recipe and rounding there, the Triton kernels registered as fast paths when a CUDA GPU and
+# triton are present, CQUANT_KERNELS=0 opts out) on the first public name asked of the package (`cq.quantize`,
+# `dir(cq)`, `from cquant import *`), or as soon as an import of a module that needs torch finishes
+# (`from cquant.tensor import quantize` finds every format registered, as when `import cquant` loaded everything). Helpers shared between modules
 # are exported with `#| exporti` (in their module, not in its `__all__`); the CLI (`cquant.cli`) is not re-exported.
 # Importing a layout module registers its formats in `FORMATS`; `cquant.formats` finds and imports every format module
 # (by its declaration), so no list of format modules is kept here.
-import importlib as _importlib, sys as _sys, types as _types
+import importlib as _importlib, importlib.machinery, sys as _sys, types as _types
 from ._version import __version__
 
 _API = ('plain', 'tensor', 'numerics', 'formats', 'sol_attention', 'int8_attention', 'comfy', 'checkpoint', 'attention',
@@ -16,6 +18,7 @@ _API = ('plain', 'tensor', 'numerics', 'formats', 'sol_attention', 'int8_attenti
 _SOME = {'formats': ('FORMAT_MODULES',), 'int8_attention': ('int8_attention', 'prequantize_int8_attention', 'int8_attention_from_prequantized'),
          'lora': ('merge_loras', 'read_lora')}   # modules of which cq shows only these names (formats: its format modules)
 _SHADOWED = frozenset(('calibrate', 'evaluate', 'explore', 'int8_attention', 'sol_attention', 'validate'))  # a function and a module
+_shadowed = {}    # their functions: importing the submodule later sets the package's attribute to the module
 _loaded = False
 
 def _load():
@@ -29,6 +32,7 @@ def _load():
         if name == 'formats':
             for m in module.FORMAT_MODULES: api.update({n: getattr(m, n) for n in m.__all__})   # every format's API
     globals().update(api)
+    _shadowed.update({n: api[n] for n in _SHADOWED})
     _loaded = True
     _enable_kernels()
 
@@ -43,8 +47,9 @@ def _enable_kernels():
 class _Package(_types.ModuleType):
     "The package, importing its API on first use; a name that is both a submodule and a function is the function, as before."
     def __getattribute__(self, name):
-        if name in _SHADOWED and not _loaded: _load()
-        return super().__getattribute__(name)
+        if name not in _SHADOWED: return super().__getattribute__(name)
+        _load()
+        return _shadowed[name]
     def __getattr__(self, name):
         if name == '__all__':
             _load()
@@ -57,3 +62,31 @@ class _Package(_types.ModuleType):
         return list(globals())
 
 _sys.modules[__name__].__class__ = _Package
+
+_LIGHT = frozenset(f'{__name__}.{m}' for m in ('_version', 'plain', 'cli', '_cli_facts', '_modidx'))   # need no torch
+_depth, _loading = 0, False
+
+class _Completing:
+    "A submodule's loader that loads the rest of the API once the outermost import of a module needing torch is done."
+    def __init__(self, loader): self.loader = loader
+    def create_module(self, spec): return self.loader.create_module(spec)
+    def exec_module(self, module):
+        global _depth, _loading
+        _depth += 1
+        try: self.loader.exec_module(module)
+        finally: _depth -= 1
+        if _depth == 0 and not (_loaded or _loading):
+            _loading = True
+            try: _load()
+            finally: _loading = False
+
+class _Finder:
+    "Gives every `cquant.<module>` that needs torch a `_Completing` loader."
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if not name.startswith(__name__ + '.') or name in _LIGHT or _loaded: return None
+        spec = _importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is not None and spec.loader is not None: spec.loader = _Completing(spec.loader)
+        return spec
+
+_sys.meta_path.insert(0, _Finder)

@@ -137,3 +137,22 @@ def test_load_quantized_prefix_with_or_without_dot(prefix):
     root = cq.load_quantized({k[len('x.dense.'):]: v for k, v in sd.items()}, '', shape=(32, 64), dtype=torch.float32)
     assert same_bits(root.dequantize(), back.dequantize())
     assert cq.read_comfy_quant(sd, prefix) == {'format': 'float8_e4m3fn'}
+
+
+def test_submodule_imports_find_the_whole_api():
+    """`import cquant` is lazy (issue 42: the CLI answers without torch), yet a program that imports only submodules
+    sees what `import cquant` gave before: every format registered, the recipe methods on `Policy`, the roundings; and
+    `cq.validate` / `cq.explore` stay the functions after their submodules are imported."""
+    import subprocess, sys
+    code = """import sys
+import cquant
+assert 'torch' not in sys.modules, 'import cquant imports torch'
+from cquant.tensor import FORMATS, ROUNDINGS, quantize
+from cquant.policy import Policy
+import torch
+assert quantize(torch.randn(16, 64), 'nvfp4').format == 'nvfp4'
+import cquant.validate, cquant.explore, cquant as cq
+print(len(FORMATS), sorted(ROUNDINGS), hasattr(Policy, 'from_recipe'), callable(cq.validate), callable(cq.explore))"""
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == [str(len(cq.FORMATS)), "['gptq',", "'mse']", 'True', 'True', 'True'], r.stdout
