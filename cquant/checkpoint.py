@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/checkpoint.html.md"""
 
 # %% ../nbs/11_checkpoint.ipynb #4006f88f
 from __future__ import annotations
-import errno, glob, hashlib, itertools, json, math, os, re, shutil, socket, stat, struct, tempfile, textwrap, threading, warnings
+import errno, glob, hashlib, itertools, json, math, os, re, shutil, socket, stat, struct, tempfile, textwrap, threading, time, warnings
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -1075,16 +1075,18 @@ class StreamingWriter:
         _check_metadata(self.path, self.metadata)
         fd, self.tmp = temp_file(self.path)
         self._f, self._entries, self._held, self._pos, self._open = os.fdopen(fd, 'wb'), {}, {}, 0, None
+        self.seconds = 0.0                 # spent writing tensor data (a job's cost report)
         if hasattr(os, 'fchmod'): os.fchmod(fd, mode)
         self._start = max(16, reserve + -reserve % 8)
         self._f.seek(self._start)
 
     def _write(self, t:torch.Tensor):
-        n = t.numel() * t.element_size()
+        n, t0 = t.numel() * t.element_size(), time.perf_counter()
         try:
             if n: self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         except OSError as e: raise self._failed(e, self._start + self._pos + n) from None
         self._pos += n
+        self.seconds += time.perf_counter() - t0
 
     def _failed(self, e:OSError, need:int) -> OSError:
         "Remove the temporary file; a full disk becomes a `DiskFullError` naming the path and the space needed."
@@ -1225,6 +1227,8 @@ class ShardedWriter:
         return self.shards[self._of[m]].entry(name)
     @property
     def nbytes(self) -> int: return sum(w.nbytes for w in self.shards)
+    @property
+    def seconds(self) -> float: return sum(w.seconds for w in self.shards)
 
     def abort(self):
         "Drop every shard and the temporary folder (the destination is not touched)."

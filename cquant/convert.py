@@ -222,6 +222,7 @@ class Report:
     summary: str = ''                 # the plan's one-line summary
     seconds: float = 0.0
     kind: str = 'quantize'            # 'quantize' or 'error'
+    cost: dict|None = None            # what the job spent (`JobCost.result`): seconds read / compute / write, memory, slowest
 
     def quantized(self) -> list: return [r for r in self.layers if r['format']]
     def table(self, width:int=70, wide:bool=False) -> str:
@@ -245,7 +246,7 @@ class Report:
         inf = lambda r: {**r, 'sqnr_db': math.inf if r.get('sqnr_db') is None and r.get('format') is None
                          else r.get('sqnr_db')}
         return cls(d['src'], d['dst'], [inf(r) for r in d['layers']], d['totals'], d['policy'], d['summary'], d['seconds'],
-                   d['kind'])
+                   d['kind'], d.get('cost'))
     def plot(self, **kw): return plot_report(self, **kw)
     def __repr__(self): return self.table()
 
@@ -270,6 +271,13 @@ def _report_table(rep:Report, width:int=70, wide:bool=False) -> str:
 _SQNR_MEANS = ("SQNR: 10·log10(Σw² / Σ(w - ŵ)²) in dB, the weight's energy over its error's; higher is better, "
                "about 6 dB per bit")
 
+def cost_text(c:dict) -> str:
+    "A job's cost in one line: its seconds and their split, the rate, the peak memory over its start, the slowest layers."
+    mem = f"; peak memory {_fmt_bytes(c['peak_rss_over_start'])} over the start" if c.get('peak_rss_over_start') is not None else ''
+    slow = ', '.join(f"{x['name']} {x['seconds']:.1f} s" for x in c.get('slowest', [])[:3])
+    return (f"cost: {c['seconds']:.1f} s (reading {c['read_s']:.1f} s, computing {c['compute_s']:.1f} s, writing "
+            f"{c['write_s']:.1f} s), {_fmt_bytes(c['bytes_per_s'] or 0)}/s{mem}" + (f"; slowest: {slow}" if slow else ''))
+
 def _totals_text(rep:Report) -> str:
     "`Report.totals_text`."
     t = rep.totals
@@ -288,7 +296,8 @@ def _totals_text(rep:Report) -> str:
                      "quantized; "
                      + (f"aggregate SQNR {t['sqnr_db']:.2f} dB" if t.get('sqnr_db') is not None
                         else 'aggregate SQNR not measured')
-                     + (f"; {rep.seconds:.1f} s" if rep.seconds else ''))
+                     + (f"; {rep.seconds:.1f} s" if rep.seconds and not rep.cost else ''))
+    if rep.cost: lines.append(cost_text(rep.cost))
     for k in ('identical', 'differ', 'missing'):
         if t.get(k):
             lines.append(f"other tensors {k}: {len(t[k])} ({', '.join(t[k][:4])}{', ...' if len(t[k]) > 4 else ''})")
@@ -302,7 +311,7 @@ def _report_dict(rep:Report) -> dict:
     totals = {**rep.totals, 'sqnr_db': _finite(rep.totals.get('sqnr_db')),
               'formats': {f: {k: _finite(v) for k, v in c.items()} for f, c in rep.totals.get('formats', {}).items()}}
     return dict(kind=rep.kind, src=rep.src, dst=rep.dst, policy=rep.policy, summary=rep.summary, seconds=rep.seconds,
-                totals=totals, layers=layers)
+                cost=rep.cost, totals=totals, layers=layers)
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #d100d404
 def _totals(rows:list, # `LayerRow`s
@@ -448,6 +457,19 @@ def _libc():
         except (OSError, AttributeError): _LIBC = False
     return _LIBC
 
+def _status_bytes(field:str) -> int|None:
+    "Field `field` (`VmRSS`, `VmHWM`) of /proc/self/status in bytes; None where there is none (not Linux)."
+    try:
+        with open('/proc/self/status') as f: return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field + ':'))
+    except (OSError, StopIteration, ValueError): return None
+
+def restart_peak() -> int|None:
+    "Restart the kernel's peak RSS of this process (`VmHWM`) from its RSS now, and return that RSS (None off Linux)."
+    try:
+        with open('/proc/self/clear_refs', 'w') as f: f.write('5')
+    except OSError: return None
+    return _status_bytes('VmRSS')
+
 def trim_heap():
     "Hand freed heap memory back to the OS (glibc `malloc_trim`; a no-op elsewhere), so RSS tracks the live tensors."
     if _libc(): _LIBC.malloc_trim(0)
@@ -461,6 +483,35 @@ def malloc_arenas(n:int):
     try: yield
     finally:
         if libc: libc.mallopt(_M_ARENA_MAX, 8 * (os.cpu_count() or 1))
+
+# %% ../nbs/17_quantize_checkpoint.ipynb #17jc0001
+class JobCost:
+    """What a job spends: seconds waiting for reads, writing (its writer's) and computing (the rest), each layer's
+    seconds, and its peak RSS over the RSS it started with (Linux: the kernel's count, restarted at the start)."""
+    def __init__(self):
+        self.t0, self.rss0, self.read, self.layers = time.perf_counter(), restart_peak(), 0.0, {}
+    @contextlib.contextmanager
+    def reading(self):
+        "Count the block's seconds as reading."
+        t = time.perf_counter()
+        try: yield
+        finally: self.read += time.perf_counter() - t
+    @contextlib.contextmanager
+    def layer(self, name:str):
+        "Count the block's seconds as layer `name`'s."
+        t = time.perf_counter()
+        try: yield
+        finally: self.layers[name] = self.layers.get(name, 0.0) + time.perf_counter() - t
+    def result(self, nbytes:int, # the bytes the job read
+               write_s:float, # seconds its writer spent
+               slowest:int=5) -> dict:
+        "The cost as JSON-ready data (for `Report.cost`)."
+        wall, peak = time.perf_counter() - self.t0, None if self.rss0 is None else _status_bytes('VmHWM')
+        slow = sorted(self.layers.items(), key=lambda kv: -kv[1])[:slowest]
+        return dict(seconds=wall, read_s=self.read, write_s=write_s, compute_s=max(0.0, wall - self.read - write_s),
+                    bytes_per_s=nbytes / wall if wall > 0 else None, rss_start=self.rss0,
+                    peak_rss_over_start=None if peak is None else max(0, peak - self.rss0),
+                    slowest=[dict(name=n, seconds=s) for n, s in slow])
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #058d0939
 def _as_policy(policy) -> Policy:
@@ -669,7 +720,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
     src, dst, policy = os.fspath(src), os.fspath(dst), _as_policy(policy)
     sums = dst + '.sha256' if hash_output else None
     check_outputs('quantize_checkpoint', _source_names(src), {'destination': None if shard_size else dst, 'report': report, 'hash file': sums})
-    t0 = time.time()
+    t0, cost = time.time(), JobCost()
     device = check_device(device, 'quantize_checkpoint')
     cal = Calibration.of(open_calibration(calibration) if isinstance(calibration, (str, os.PathLike)) else calibration)
     if cal is not None: cal.prepare()               # a file conversion has no model: inputs or statistics per layer
@@ -704,12 +755,13 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                 if d is not None and d.format and s == 'weight':
                     bar.set_postfix_str(f'{n + 1}/{len(ck)} tensors, {m}: {d.label}'
                                         + ('' if d.rounding == 'nearest' else f' ({d.rounding})'), refresh=tty)
-                    rows[m] = _quantize_layer(w, ck, key, m, d, pf.get(m), cal, [groups[m][x] for x in drop[m]], measure,
-                                                device)
+                    with cost.reading(): weight = pf.get(m)
+                    with cost.layer(m):
+                        rows[m] = _quantize_layer(w, ck, key, m, d, weight, cal, [groups[m][x] for x in drop[m]], measure, device)
                     pf.release(m)
                 elif d is not None and d.format and s in drop[m]: pass
                 else:
-                    t = ck[key]
+                    with cost.reading(): t = ck[key]
                     out = _as_written(t, s, policy)
                     kept32 += info.nbytes if out.dtype == torch.float32 and s not in stored else 0
                     w.add(key, out)
@@ -724,13 +776,16 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
             ck_infos = [ck.info(k) for k in ck]
             w.metadata.update(cquant_sources=json.dumps(ck.file_hashes(), separators=(',', ':')),
                               cquant_summary=json.dumps(_summary(rows, before, after), separators=(',', ':')))
+            done = time.perf_counter()
+        committed = time.perf_counter() - done            # the header, the checks, fsync and the rename
     if hash_output: write_sha256(source_files(dst) if shard_size is not None else [dst], sums)
+    spent = cost.result(before, w.seconds + committed)
     if kept32 >= _FLOAT32_NOTE:
         warnings.warn(f"{_fmt_bytes(kept32)} of float tensors are written as float32, as in the source; "
                       "float_dtype='bfloat16' (--float-dtype bfloat16) would halve them", PolicyWarning, stacklevel=2)
-    rep = Report(src, dst, [r.to_dict() for r in rows],
+    rep = Report(src, dst, [{**r.to_dict(), 'seconds': cost.layers.get(r.name)} for r in rows],
                  {**_totals(rows, before, after, measure), 'bytes_bf16': _bf16_bytes(ck_infos)}, policy.to_dict(),
-                 plan.summary(), time.time() - t0, 'quantize')
+                 plan.summary(), time.time() - t0, 'quantize', spent)
     if report is not None: rep.save(report)
     return rep
 

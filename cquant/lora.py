@@ -16,7 +16,7 @@ from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, Sharded
                                sha256_file)
 from .modules import lora_delta, requantize_options
 from .policy import layer_source
-from .convert import (LazyRows, Report, LayerRow, block_elems, check_outputs, malloc_arenas, quantize_checkpoint, row_blocks, trim_heap,
+from .convert import (JobCost, LazyRows, Report, LayerRow, block_elems, check_outputs, malloc_arenas, quantize_checkpoint, row_blocks, trim_heap,
                              _err, _label, _rowwise, _source_names, _totals, _write_quantized)
 
 # %% auto #0
@@ -259,7 +259,7 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
                 shard_size=None, # e.g. '5GB': write HF-style shards and an index into the folder `dst`
                ) -> Report: # kind 'merge': a row per patched module (with a policy: per layer), totals with the LoRAs
     "Bake `loras` into `base`: patched quantized modules re-quantized in their own format and options, float ones in their dtype."
-    t0 = time.time()
+    t0, cost = time.time(), JobCost()
     loras = list(loras) if isinstance(loras, (list, tuple)) else [loras]
     strengths = [1.0] * len(loras) if strengths is None else [float(s) for s in strengths]
     if len(strengths) != len(loras): raise ValueError(f"merge_loras: {len(loras)} LoRA(s) but {len(strengths)} strength(s)")
@@ -287,9 +287,10 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
         if policy is None:
             with open_checkpoint(reference) if reference is not None else contextlib.nullcontext() as ref:
                 if ref is not None: ref = _reference(ref, {m: shapes[m] for m in per_module})
-                rows, before, after = _bake(ck, dst, per_module, mods, groups, {'cquant_loras': prov}, ref, shard_size,
-                                            from_reference)
-            rep = Report(base, dst, [r.to_dict() for r in rows], _totals(rows, before, after), None, '', time.time() - t0, 'merge')
+                rows, before, after, write_s = _bake(ck, dst, per_module, mods, groups, {'cquant_loras': prov}, ref, shard_size,
+                                                     from_reference, cost)
+            rep = Report(base, dst, [{**r.to_dict(), 'seconds': cost.layers.get(r.name)} for r in rows], _totals(rows, before, after),
+                         None, '', time.time() - t0, 'merge', cost.result(before, write_s))
     if policy is not None:
         stored = [m for m in per_module if m in mods and mods[m].quantized]
         if stored: raise ValueError(f"merge_loras: with a policy the LoRAs must patch float modules; {len(stored)} are stored "
@@ -316,10 +317,11 @@ def _own(e) -> tuple:
     return ('comfy_quant', *e.spec.weight_keys) if e is not None and e.quantized else ('weight',)
 
 def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:dict, ref, shard_size=None,
-          from_ref:bool=False) -> tuple:
+          from_ref:bool=False, cost:JobCost|None=None) -> tuple:
     """Stream `ck` into `dst` (a file, or with `shard_size` a folder of shards), each module of `per_module` merged where
     its weight comes (`_merge_module`; `ref`: a `LayerSource` of the float original, or None; `from_ref`: quantize its
-    merge); (the patched modules' `LayerRow`s, bytes before, bytes after)."""
+    merge); (the patched modules' `LayerRow`s, bytes before, bytes after, seconds writing); `cost` counts reads, modules."""
+    cost = cost or JobCost()
     rows, meta = [], {**ck.metadata, **meta}
     sizes = {m: sum(ck.info(k).nbytes for k in keys.values()) for m, keys in groups.items()}   # a bake keeps each module's size
     with malloc_arenas(1), ShardedWriter(dst, shard_size, meta) if shard_size is not None else StreamingWriter(dst, meta) as w:
@@ -327,12 +329,14 @@ def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:
             m, s = split_key(key)
             if shard_size is not None: w.place(m, sizes[m])
             e = mods.get(m)
-            if m not in per_module or s not in _own(e): w.add(key, ck[key])
+            if m not in per_module or s not in _own(e):
+                with cost.reading(): t = ck[key]
+                w.add(key, t)
             elif s == 'weight':
-                rows.append(_merge_module(w, ck, m, e, groups[m], per_module[m], ref, from_ref))
+                with cost.layer(m): rows.append(_merge_module(w, ck, m, e, groups[m], per_module[m], ref, from_ref))
                 trim_heap()                  # the module's float32 buffers handed back before the next is read
-        after = w.nbytes
-    return rows, sum(ck.info(k).nbytes for k in ck), after
+        after, done = w.nbytes, time.perf_counter()
+    return rows, sum(ck.info(k).nbytes for k in ck), after, w.seconds + time.perf_counter() - done
 
 def _swap(w:torch.Tensor) -> torch.Tensor: return torch.cat([w[w.shape[0] // 2:], w[:w.shape[0] // 2]])
 

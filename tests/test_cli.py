@@ -1,6 +1,6 @@
 """The `cquant` command as people use it: every test runs the real console entry point in a fresh
 interpreter (`python -m cquant.cli ...`) and checks its exit status and what it printed."""
-import json, os, random, signal, subprocess, sys, time, warnings
+import json, os, random, re, signal, subprocess, sys, time, warnings
 from pathlib import Path
 
 import pytest
@@ -317,6 +317,17 @@ def test_progress_is_quiet_in_a_log(tmp_path):
     cq.save_file(dit_state_dict(0, torch.bfloat16, depth=2), tmp_path / 'd.safetensors')
     rc, out, err = cquant('quantize', tmp_path / 'd.safetensors', tmp_path / 'q.safetensors')
     assert rc == 0 and err.count('%|') <= 4 and err.count('tensors,') == 0, err
+
+
+def test_the_cost_of_a_run_is_shown(dit, tmp_path):
+    """The summary says what the job cost (seconds and their split, rate, peak memory, slowest layers), `--json` carries
+    it, and the progress line in a log shows the rate and the time left (issue 37)."""
+    rc, out, err = cquant('quantize', dit, tmp_path / 'q.safetensors', '--preset', 'none')
+    assert rc == 0 and re.search(r'^cost: [\d.]+ s \(reading [\d.]+ s, computing [\d.]+ s, writing [\d.]+ s\), [\d.]+ \w+/s', out, re.M), out
+    assert 'slowest: ' in out and re.search(r'\[\d\d:\d\d<[^,]*, [^\]]*B/s', err), err     # tqdm: elapsed<left, rate
+    rc, out, err = cquant('quantize', dit, tmp_path / 'j.safetensors', '--preset', 'none', '--quiet', '--json')
+    cost = json.loads(out)['cost']
+    assert rc == 0 and cost['seconds'] > 0 and cost['slowest'] and abs(cost['read_s'] + cost['write_s'] + cost['compute_s'] - cost['seconds']) < 1e-6
 
 
 def test_every_help_teaches():

@@ -98,6 +98,8 @@ def test_every_format_rebaked_in_its_own_format(base, tmp_path):
     rc, out, err = cquant('merge-lora', base, f'{tmp_path}/k.safetensors:0.8', tmp_path / 'p.safetensors', tmp_path / 'm.safetensors')
     assert rc == 0, err
     assert f"{len(PLAN)} module(s) patched" in out
+    slow = re.search(r'^cost: .*; slowest: (\S+) [\d.]+ s', out, re.M)         # what the bake cost (issue 37)
+    assert slow and slow.group(1).rstrip(',') in PLAN, out
     assert out.splitlines()[0].split() == ['layer', 'shape', 'format', 'SQNR', 'dB', 'before', 'after', 'reason']
     notes = dict(re.match(r'(\[\d+\]) \d+ layers: (.*)$', l).groups() for l in out.splitlines() if re.match(r'\[\d+\] ', l))
     rows = {l.split()[0]: l for l in out.splitlines()[2:2 + len(PLAN)]}
