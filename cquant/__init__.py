@@ -69,6 +69,7 @@ _depth, _loading = 0, False
 class _Completing:
     "A submodule's loader that loads the rest of the API once the outermost import of a module needing torch is done."
     def __init__(self, loader): self.loader = loader
+    def __getattr__(self, name): return getattr(self.loader, name)       # get_code, get_source, ... as the loader's
     def create_module(self, spec): return self.loader.create_module(spec)
     def exec_module(self, module):
         global _depth, _loading
