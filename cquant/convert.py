@@ -502,6 +502,9 @@ class JobCost:
         t = time.perf_counter()
         try: yield
         finally: self.layers[name] = self.layers.get(name, 0.0) + time.perf_counter() - t
+    def row_dicts(self, rows:list) -> list:
+        "`LayerRow`s as the report keeps them, each with the seconds its layer took (None for a layer not timed)."
+        return [{**r.to_dict(), 'seconds': self.layers.get(r.name)} for r in rows]
     def result(self, nbytes:int, # the bytes the job read
                write_s:float, # seconds its writer spent
                slowest:int=5) -> dict:
@@ -783,7 +786,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
     if kept32 >= _FLOAT32_NOTE:
         warnings.warn(f"{_fmt_bytes(kept32)} of float tensors are written as float32, as in the source; "
                       "float_dtype='bfloat16' (--float-dtype bfloat16) would halve them", PolicyWarning, stacklevel=2)
-    rep = Report(src, dst, [{**r.to_dict(), 'seconds': cost.layers.get(r.name)} for r in rows],
+    rep = Report(src, dst, cost.row_dicts(rows),
                  {**_totals(rows, before, after, measure), 'bytes_bf16': _bf16_bytes(ck_infos)}, policy.to_dict(),
                  plan.summary(), time.time() - t0, 'quantize', spent)
     if report is not None: rep.save(report)

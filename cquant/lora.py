@@ -288,9 +288,9 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
             with open_checkpoint(reference) if reference is not None else contextlib.nullcontext() as ref:
                 if ref is not None: ref = _reference(ref, {m: shapes[m] for m in per_module})
                 rows, before, after, write_s = _bake(ck, dst, per_module, mods, groups, {'cquant_loras': prov}, ref, shard_size,
-                                                     from_reference, cost)
-            rep = Report(base, dst, [{**r.to_dict(), 'seconds': cost.layers.get(r.name)} for r in rows], _totals(rows, before, after),
-                         None, '', time.time() - t0, 'merge', cost.result(before, write_s))
+                                                     from_reference, cost=cost)
+            rep = Report(base, dst, cost.row_dicts(rows), _totals(rows, before, after), None, '', time.time() - t0, 'merge',
+                         cost.result(before, write_s))
     if policy is not None:
         stored = [m for m in per_module if m in mods and mods[m].quantized]
         if stored: raise ValueError(f"merge_loras: with a policy the LoRAs must patch float modules; {len(stored)} are stored "
@@ -317,11 +317,10 @@ def _own(e) -> tuple:
     return ('comfy_quant', *e.spec.weight_keys) if e is not None and e.quantized else ('weight',)
 
 def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:dict, ref, shard_size=None,
-          from_ref:bool=False, cost:JobCost|None=None) -> tuple:
+          from_ref:bool=False, *, cost:JobCost) -> tuple:
     """Stream `ck` into `dst` (a file, or with `shard_size` a folder of shards), each module of `per_module` merged where
     its weight comes (`_merge_module`; `ref`: a `LayerSource` of the float original, or None; `from_ref`: quantize its
     merge); (the patched modules' `LayerRow`s, bytes before, bytes after, seconds writing); `cost` counts reads, modules."""
-    cost = cost or JobCost()
     rows, meta = [], {**ck.metadata, **meta}
     sizes = {m: sum(ck.info(k).nbytes for k in keys.values()) for m, keys in groups.items()}   # a bake keeps each module's size
     with malloc_arenas(1), ShardedWriter(dst, shard_size, meta) if shard_size is not None else StreamingWriter(dst, meta) as w:

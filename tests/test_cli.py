@@ -320,14 +320,14 @@ def test_progress_is_quiet_in_a_log(tmp_path):
 
 
 def test_the_cost_of_a_run_is_shown(dit, tmp_path):
-    """The summary says what the job cost (seconds and their split, rate, peak memory, slowest layers), `--json` carries
-    it, and the progress line in a log shows the rate and the time left (issue 37)."""
-    rc, out, err = cquant('quantize', dit, tmp_path / 'q.safetensors', '--preset', 'none')
+    """The summary says what the job cost (seconds and their split, rate, peak memory, slowest layers), the report file
+    (and `--json`, the same `Report.to_dict`) carries it, and the progress line in a log shows the rate and the time
+    left (issue 37)."""
+    rc, out, err = cquant('quantize', dit, tmp_path / 'q.safetensors', '--preset', 'none', '--report', tmp_path / 'r.json')
     assert rc == 0 and re.search(r'^cost: [\d.]+ s \(reading [\d.]+ s, computing [\d.]+ s, writing [\d.]+ s\), [\d.]+ \w+/s', out, re.M), out
     assert 'slowest: ' in out and re.search(r'\[\d\d:\d\d<[^,]*, [^\]]*B/s', err), err     # tqdm: elapsed<left, rate
-    rc, out, err = cquant('quantize', dit, tmp_path / 'j.safetensors', '--preset', 'none', '--quiet', '--json')
-    cost = json.loads(out)['cost']
-    assert rc == 0 and cost['seconds'] > 0 and cost['slowest'] and abs(cost['read_s'] + cost['write_s'] + cost['compute_s'] - cost['seconds']) < 1e-6
+    cost = json.loads((tmp_path / 'r.json').read_text())['cost']     # what --report and --json write (Report.to_dict)
+    assert cost['seconds'] > 0 and cost['slowest'] and abs(cost['read_s'] + cost['write_s'] + cost['compute_s'] - cost['seconds']) < 1e-6
 
 
 def test_every_help_teaches():
@@ -359,7 +359,7 @@ def test_every_help_teaches():
 
 def test_answers_without_torch():
     """--version, every --help and argument errors are answered before torch is imported (issue 42: well under half a
-    second; `bench/README.md` has the times), and cquant/_cli_facts.py, what the parser shows of the registries, is current."""
+    second; `bench/README.md` has the times)."""
     code = """import sys, contextlib, io
 from cquant.cli import main
 for argv in (['--version'], ['--help'], ['quantize', '--help'], ['merge-lora', '--help'], ['quantize', 'a', 'b', '--ratio', '2'],
@@ -371,9 +371,7 @@ for argv in (['--version'], ['--help'], ['quantize', '--help'], ['merge-lora', '
 print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'safetensors')))"""
     rc, out, err = cquant(code=code)
     assert rc == 0 and out.splitlines()[-1] == '[]', (out, err)
-    assert [l.rsplit(' ', 1)[1] for l in out.splitlines()[:-1]] == ['0'] * 4 + ['2'] * 4
-    from cquant.cli import FACTS, _facts
-    assert _facts() == FACTS, 'cquant/_cli_facts.py is stale: python -c "from cquant.cli import write_facts; write_facts()"'
+    assert [l.rsplit(' ', 1)[1] for l in out.splitlines()[:-1]] == ['0'] * 4 + ['2'] * 4   # nbs/18_cli checks the facts are current
 
 
 def test_plan_says_each_reason_once(tmp_path):
