@@ -417,6 +417,7 @@ class Calibration:
                  max_rows:int=512, # rows per layer kept for the searches (batches only)
                  gptq_rows:int=8192, # rows kept per data-aware layer (GPTQ, AWQ; batches only): a Hessian wants many more than K
                  sequential:bool=False, # data-aware layers (GPTQ): inputs from the model as quantized so far (batches only)
+                 memo:dict|None=None, # shared by Calibrations of the same batches and float model: `prepare` runs each layer once
                 ):
         if method not in ('amax', 'percentile', 'mse'):
             raise ValueError(f"Calibration: method must be 'amax', 'percentile' or 'mse', got {method!r}")
@@ -432,6 +433,7 @@ class Calibration:
         self.batches = None if given else list(data)          # kept: every `prepare` runs them again
         self.inputs, self.stats = (dict(data) if isinstance(data, dict) else None), None
         self.tables = {}                                      # {embedding: its recorded TokenCounts}
+        self.memo = memo
         if self.recorded is not None: self._use(self.recorded)
 
     def _use(self, rec):
@@ -453,13 +455,23 @@ class Calibration:
             raise ValueError("Calibration: batches need the model (a checkpoint conversion takes {layer: inputs} or "
                              "recorded statistics)")
         want = {k for k, f in (plan or {}).items() if input_scale_rule(f) is not None} if plan is not None else None
-        self.stats = collect_stats(model, self.batches, want)
+        self.stats = self._collected(collect_stats, model, want)
         gptq = set(gptq)
         rows = {k for k, f in (plan or {}).items() if self.search and input_scale_rule(f) is not None or
                 self.smoothing and get_format(f).smoothing} | gptq
-        x = collect_inputs(model, self.batches, rows, self.gptq_rows) if rows else {}   # a GPTQ bank: per expert
+        x = self._collected(collect_inputs, model, rows, self.gptq_rows) if rows else {}   # a GPTQ bank: per expert
         self.inputs = {k: v if k in gptq or split_expert_key(k)[0] in gptq else spaced_rows(v, self.max_rows) for k, v in x.items()}
         return self
+
+    def _collected(self, collect, model:nn.Module, names:set|None, *args) -> dict:
+        "`collect(model, batches, names, *args)`; with a memo each layer is run for once (what it sees does not depend on the others)."
+        if self.memo is None or names is None: return collect(model, self.batches, names, *args)
+        asked, got = self.memo.setdefault((collect.__name__, *args), (set(), {}))
+        if names - asked: got.update(collect(model, self.batches, names - asked, *args))
+        asked |= names
+        order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+        return dict(sorted(((k, v) for k, v in got.items() if split_expert_key(k)[0] in names),
+                           key=lambda kv: order[split_expert_key(kv[0])[0]]))
 
     def for_layers(self, shapes:dict, where:str='') -> 'Calibration':
         "Recorded statistics matched to the layers {name: weight shape} of a checkpoint (`CalibrationStats.matched`)."

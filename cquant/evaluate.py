@@ -7,8 +7,7 @@ Docs: https://cquant-dev.github.io/cquant/evaluate.html.md"""
 # %% ../nbs/22_evaluate.ipynb #c1d7e7dc
 from __future__ import annotations
 import copy, os, math, warnings
-from dataclasses import replace
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable
 import torch
 import torch.nn as nn
@@ -18,7 +17,7 @@ from .modules import (QuantLinear, LoadKeysError, LoadKeysWarning, load_quantize
                             swap_module)
 from .models import dit_model, dit_batches
 from .minilm import MiniLM, minilm_model, SENTENCES, sentence_batches
-from .calibrate import quantize_model
+from .calibrate import Calibration, quantize_model
 from .policy import Policy, Plan
 
 # %% auto #0
@@ -771,6 +770,7 @@ class Workload:
     evaluation: list # batches never seen in calibration
     outputs: Callable # (model, batch) -> the tensor compared (hidden state, network output)
     embed: Callable|None = None # model -> sentence embeddings [n, d] of the evaluation texts (or None)
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False) # what `evaluate` computes once (`replace` starts anew)
 
 # %% ../nbs/22_evaluate.ipynb #53dc8983
 def _assert_disjoint(calibration:list, evaluation:list, what:str):
@@ -822,7 +822,23 @@ def _quantized(workload:Workload, what, calibrate:bool) -> tuple:
         raise TypeError(f"evaluate: expected a Policy, a plan ({{layer: format}}) or a quantized safetensors path, "
                         f"got {type(what).__name__}")
     label = what.policy.mode if isinstance(what, Plan) else 'plan'
-    return quantize_model(model, what, calibration=workload.calibration if calibrate else None), label
+    cal = workload.calibration
+    if calibrate and not isinstance(cal, Calibration): cal = Calibration(cal, memo=workload.memo.setdefault('calibration', {}))
+    return quantize_model(model, what, calibration=cal if calibrate else None), label
+
+# %% ../nbs/22_evaluate.ipynb #a7e1c0b1
+def _outputs(workload:Workload, model:nn.Module) -> torch.Tensor:
+    "What `workload` compares of `model`: its outputs on every evaluation batch, flat, in fp32."
+    return torch.cat([workload.outputs(model, b).float().flatten() for b in workload.evaluation])
+
+@torch.no_grad()
+def _float_reference(workload:Workload) -> dict:
+    "The float model's outputs, embeddings and state dict, computed once per workload (kept in `workload.memo`)."
+    if 'float' not in workload.memo:
+        ref = workload.model()
+        workload.memo['float'] = dict(outputs=_outputs(workload, ref), state=ref.state_dict(),
+                                      embed=None if workload.embed is None else workload.embed(ref))
+    return workload.memo['float']
 
 # %% ../nbs/22_evaluate.ipynb #e2ed7939
 @torch.no_grad()
@@ -832,15 +848,14 @@ def evaluate(workload:Workload, # from `minilm_workload` / `dit_workload`
              calibrate:bool=False, # give `quantize_model` the calibration batches (static activation scales)
             ) -> dict:
     "One row: output SQNR (dB), embedding mean / worst 1-cos, bytes of the quantized modules vs float."
-    ref = workload.model()
+    ref = _float_reference(workload)
     q, default = _quantized(workload, what, calibrate)
-    cat = lambda m: torch.cat([workload.outputs(m, b).float().flatten() for b in workload.evaluation])
-    sd, fsd = q.state_dict(), ref.state_dict()
+    sd = q.state_dict()
     names = quantized_names(sd)
-    row = dict(label=label or default, workload=workload.name, sqnr_db=sqnr(cat(ref), cat(q)), layers=len(names),
-               bytes=_module_bytes(sd, names), float_bytes=_module_bytes(fsd, names))
-    if workload.embed is not None:
-        d = 1 - (workload.embed(ref) * workload.embed(q)).sum(-1).clamp(max=1)
+    row = dict(label=label or default, workload=workload.name, sqnr_db=sqnr(ref['outputs'], _outputs(workload, q)),
+               layers=len(names), bytes=_module_bytes(sd, names), float_bytes=_module_bytes(ref['state'], names))
+    if ref['embed'] is not None:
+        d = 1 - (ref['embed'] * workload.embed(q)).sum(-1).clamp(max=1)
         row.update(cos_mean=float(d.mean()), cos_worst=float(d.max()))
     return row
 
@@ -899,10 +914,9 @@ def subset_scores(workload:Workload, # evaluated on `workload.evaluation`
     cands = hi.budget['chosen']
     q = quantize_model(workload.model(), {n: d for n, d in lo.items() if n not in set(cands)})
     vers = {n: [QuantLinear.from_float(submodule(q, n), d.format, **d.options) for d in (lo[n], hi[n])] for n in cands}
-    cat = lambda m: torch.cat([workload.outputs(m, b).float().flatten() for b in workload.evaluation])
-    ref, out = cat(model), []
+    ref, out = _float_reference(workload)['outputs'], []
     for s in subsets:
         s = set(s)
         for n in cands: swap_module(q, n, vers[n][n in s])
-        out.append(sqnr(ref, cat(q)))
+        out.append(sqnr(ref, _outputs(workload, q)))
     return out

@@ -13,6 +13,37 @@ if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")
 import glob, json, pytest
 
 
+# Parallel runs (pytest-xdist, `-n auto` in pyproject.toml): each worker gets its share of the CPUs for torch's
+# threads, and there are as many workers as CPUs while each can have the memory a notebook peaks at.
+WORKER_GIB = 2.5
+
+def _cpus() -> int: return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
+
+def _available_gib() -> float:
+    try:
+        with open('/proc/meminfo') as f: return next(int(l.split()[1]) for l in f if l.startswith('MemAvailable:')) / 2**20
+    except (OSError, StopIteration): return WORKER_GIB * _cpus()
+
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(_cpus(), int(_available_gib() // WORKER_GIB)))
+
+if os.environ.get('PYTEST_XDIST_WORKER_COUNT'):       # the processes a test starts inherit the count (OMP_NUM_THREADS)
+    os.environ['OMP_NUM_THREADS'] = str(max(1, _cpus() // int(os.environ['PYTEST_XDIST_WORKER_COUNT'])))
+    torch.set_num_threads(int(os.environ['OMP_NUM_THREADS']))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """After `-m`/`-k` selected: drop a notebook's quick case where its full case runs too (it runs every cell the
+    quick one does), and start the long tests first, so that no worker is left with one at the end."""
+    full = {i.nodeid for i in items if i.get_closest_marker('long')}
+    keep = [i for i in items if not (i.nodeid.endswith(':quick]') and i.nodeid[:-len(':quick]')] + ']' in full)]
+    if len(keep) < len(items):
+        kept = set(map(id, keep))
+        config.hook.pytest_deselected(items=[i for i in items if id(i) not in kept])
+    items[:] = sorted(keep, key=lambda i: i.get_closest_marker('long') is None)
+
+
 def written_checkpoints(folder) -> list:
     "The checkpoints under `folder`: each shard index, and each `*.safetensors` file no index there lists as a shard."
     from cquant.checkpoint import INDEX_SUFFIX

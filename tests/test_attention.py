@@ -19,6 +19,7 @@ def dit(tmp_path_factory):
     return p
 
 
+@pytest.mark.long
 def test_cli_set_then_list(dit, tmp_path):
     dst = tmp_path / 'pref.safetensors'
     rc, out, err = cquant('attention', 'set', dit, dst, '--module', 'blocks.*.attn', '--prefer',
@@ -51,6 +52,7 @@ def test_cli_errors(dit, tmp_path, argv, msg):
     assert not (tmp_path / 'x.safetensors').exists()
 
 
+@pytest.mark.long
 def test_unknown_methods_are_listed_and_kept(dit, tmp_path):
     dst = tmp_path / 'u.safetensors'
     cfg = [{'attention': 'flash_v9'}, {'attention': 'comfy_kitchen_int8'}]

@@ -20,7 +20,8 @@ ENV = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('P
 def cquant(*argv, code=None, timeout=300):
     "Run `python -m cquant.cli ARGV` (or `python -c CODE`): (exit status, stdout, stderr)."
     cmd = [sys.executable, '-c', code] if code else [sys.executable, '-m', 'cquant.cli', *map(str, argv)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # as from a terminal, not from an xdist worker
     return p.returncode, p.stdout, p.stderr
 
 
@@ -46,6 +47,7 @@ def test_version():
     assert (rc, out.strip(), err) == (0, f'cquant {cq.__version__}', '')
 
 
+@pytest.mark.long
 def test_presets_listed_and_spellings_accepted(dit):
     rc, out, _ = cquant('quantize', '--help')
     assert rc == 0 and 'hidream o1' in ' '.join(out.split()) and 'cquant presets' in out
@@ -66,6 +68,7 @@ def test_no_architecture_note_is_one_line(dit):
     assert 'warnings.warn' not in err and 'PolicyWarning' not in err
 
 
+@pytest.mark.long
 def test_json_on_stdout_for_every_command(dit, quantized, tmp_path):
     qdst, _ = quantized
     runs = {'formats': ['formats'], 'presets': ['presets'], 'plan': ['plan', dit, '--preset', 'none'],
@@ -98,6 +101,7 @@ def test_no_sqnr_says_not_measured(dit, tmp_path):
     assert rc == 0 and '; aggregate SQNR not measured' in out and 'inf dB' not in out, out[-500:]
 
 
+@pytest.mark.long
 def test_destination_checked_before_any_work(dit, tmp_path):
     missing = tmp_path / 'missing.safetensors'                    # would fail when read: the DST check comes first
     (tmp_path / 'out').mkdir()
@@ -113,6 +117,7 @@ def test_destination_checked_before_any_work(dit, tmp_path):
     assert os.listdir(tmp_path / 'out') == [] and [f for f in os.listdir(tmp_path) if f.startswith('.')] == []
 
 
+@pytest.mark.long
 def test_report_and_plot_paths_refused_before_any_work(dit, quantized, tmp_path):
     qdst, _ = quantized
     before = dit.read_bytes()
@@ -126,6 +131,7 @@ def test_report_and_plot_paths_refused_before_any_work(dit, quantized, tmp_path)
     assert dit.read_bytes() == before and not dst.exists() and os.listdir(tmp_path) == []
 
 
+@pytest.mark.long
 def test_requantizing_needs_the_flag(tmp_path):
     g = torch.Generator().manual_seed(0)
     src = tmp_path / 'nv.safetensors'
@@ -169,6 +175,7 @@ def test_ctrl_c_ends_with_one_line(dit, tmp_path):
     assert os.listdir(out_dir) == []
 
 
+@pytest.mark.long
 def test_long_names_keep_columns_and_reasons_whole(tmp_path):
     long = 'model.diffusion_model.' + 'very_long_module_name_' * 3 + 'proj'
     src = tmp_path / 'l.safetensors'
@@ -195,6 +202,7 @@ def test_long_names_keep_columns_and_reasons_whole(tmp_path):
     assert all(w in narrow.split() for d in plan.values() for w in d.reason.split())                        # no word cut
 
 
+@pytest.mark.long
 def test_size_ratios_say_what_they_compare(dit, quantized):
     qdst, rep = quantized
     rc, out, _ = cquant('inspect', dit)
@@ -206,6 +214,7 @@ def test_size_ratios_say_what_they_compare(dit, quantized):
     assert rc == 0 and f"({t['bytes_before'] / t['bytes_after']:.2f}x smaller than the source)" in out
 
 
+@pytest.mark.long
 @pytest.mark.skipif('asym_w4a8_int8' not in cq.FORMATS, reason='the W4A8 layout is not registered')
 def test_weight_correction_warned_and_flagged(tmp_path):
     g = torch.Generator().manual_seed(0)
@@ -242,6 +251,7 @@ def _legend(fig) -> dict:
     return {t.get_text(): (tuple(h.get_facecolor()), h.get_hatch()) for t, h in zip(leg.get_texts(), leg.legend_handles)}
 
 
+@pytest.mark.long
 def test_plot_colours_are_fixed_per_format(dit, quantized, tmp_path):
     from matplotlib.colors import to_rgba
     _, rep = quantized
@@ -261,6 +271,7 @@ def test_plot_colours_are_fixed_per_format(dit, quantized, tmp_path):
     assert rc == 0 and (tmp_path / 'p.png').read_bytes()[:4] == b'\x89PNG'
 
 
+@pytest.mark.long
 def test_quantize_svdquant_with_calibration_file(tmp_path, capsys):
     "`cquant quantize --mode svdquant --calibration FILE`: the calibrated SVDQuant layers, and inspect's loader warning."
     from cquant.cli import main
@@ -283,6 +294,7 @@ def test_quantize_svdquant_with_calibration_file(tmp_path, capsys):
     assert "which ComfyUI's core loader does not register" in capsys.readouterr().out
 
 
+@pytest.mark.long
 def test_messages_name_the_flag_and_the_file(dit, quantized, tmp_path):
     """Errors a CLI user can trigger name the flag or the file and say what would work: --ratio and
     --convrot-groupsize at parse time (exit 2, usage), a missing file without `[Errno N]`, `report` with its two files
@@ -299,6 +311,7 @@ def test_messages_name_the_flag_and_the_file(dit, quantized, tmp_path):
     assert rc == 1 and out == '' and 'expected the float original first, then the quantized file made from it (swapped?' in err
 
 
+@pytest.mark.long
 def test_a_folder_holding_one_checkpoint_is_read(dit, tmp_path):
     "A model folder with one .safetensors file (what `fetch-minilm` writes) reads as that file; two are named as ambiguous."
     d = tmp_path / 'model'; d.mkdir()
@@ -394,6 +407,7 @@ def test_plan_says_each_reason_once(tmp_path):
     assert out.count(why) == 1 and any(why in n for n in notes)
 
 
+@pytest.mark.long
 def test_repeated_warnings_are_counted(dit, tmp_path):
     """The same warning about many layers is one line and a count (issue 42): svdquant without calibration warns per
     layer that it uses its data-free variant."""

@@ -24,6 +24,7 @@ CFG = get_config(ROOT)
 NBS = sorted(nbglob(CFG.nbs_path, as_path=True, skip_file_re='^[_.]'), key=lambda p: p.relative_to(CFG.nbs_path).as_posix())
 PAGES = {nb: nbpath2html(nb.relative_to(CFG.nbs_path)).as_posix() for nb in NBS}  # nbdev's page names
 NUMERICS = next((nb for nb in NBS if nb.stem.endswith('_numerics')), None)
+pytestmark = [pytest.mark.long, pytest.mark.xdist_group('docs')]   # one worker builds the site (a minute), once
 
 
 def _default_exp(nb):

@@ -11,15 +11,20 @@ import pytest, torch
 import cquant as cq
 from cquant.models import dit_state_dict
 
+pytestmark = pytest.mark.long     # real processes, killed at chosen moments: seconds each
+
 SLOW = ("import sys, time, cquant.checkpoint as c; w = c.StreamingWriter._write; "
         "c.StreamingWriter._write = lambda s, t: (time.sleep(0.005), w(s, t))[1]; "
         "from cquant.cli import main; sys.exit(main(sys.argv[1:]))")
 ENV = {**os.environ, 'PYTHONPATH': os.getcwd(), 'PYTHONDONTWRITEBYTECODE': '1'}
 
 def _args(src, dst): return ['quantize', str(src), str(dst), '--preset', 'none', '--quiet', '--no-sqnr']
-def _spawn(src, dst, slow=True, **kw):
+def _spawn(src, dst, slow=True, before=lambda: None):
+    "The run, started as from a terminal (a pytest-xdist worker ignores SIGINT, and its children would), `before` in the child."
     cmd = [sys.executable, '-c', SLOW] if slow else [sys.executable, '-m', 'cquant.cli']
-    return subprocess.Popen(cmd + _args(src, dst), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, **kw)
+    def child(): signal.signal(signal.SIGINT, signal.SIG_DFL); before()
+    return subprocess.Popen(cmd + _args(src, dst), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                            preexec_fn=child)
 def _temps(d, dst): return sorted(p for p in os.listdir(d) if p.startswith('.' + os.path.basename(dst) + '.'))
 def _sha(p): return hashlib.sha256(p.read_bytes()).hexdigest()
 
@@ -91,7 +96,7 @@ def test_file_size_limit(work):
     d, src, ref, src_sha = work
     dst = d / 'limited.safetensors'
     dst.write_bytes(b'previous')
-    p = _spawn(src, dst, slow=False, preexec_fn=_fsize_limit(len(ref) // 2))
+    p = _spawn(src, dst, slow=False, before=_fsize_limit(len(ref) // 2))
     out, err = p.communicate(timeout=60)
     assert p.returncode == 1, err
     line = err.splitlines()[-1]

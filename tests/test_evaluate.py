@@ -29,6 +29,7 @@ def test_bad_plan():
     with pytest.raises(TypeError, match='expected a Policy'): evaluate(w, 3.0)
 
 
+@pytest.mark.long
 def test_measured_policy_uses_the_workload_outputs():
     w = dit_workload(n=1, tokens=16)
     seen = []
@@ -49,6 +50,7 @@ def test_subset_scores_match_evaluate():
     with pytest.raises(KeyError, match='not INT8 budget candidates'): subset_plan(p, model, ['y_embed'])
 
 
+@pytest.mark.long
 def test_greedy_beats_structural_on_evaluation():
     # the harness's DiT workload (two calibration batches; a single small one overfits: see evaluate.html)
     w = dit_workload()

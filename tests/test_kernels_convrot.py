@@ -382,6 +382,7 @@ for mode, pack in [(0, False), (1, True)]:
 '''
 
 
+@pytest.mark.long
 def test_activation_rotation_fits_shared_memory(compile_offline):
     """The activation quantizer of both rotated linears with `tl.dot` (G = 256, bf16, the largest row block) compiles
     for sm_89 within its shared memory: unrolled, its chunks needed over 500 KiB, more than even an H200 has (227 KiB: it failed there)."""

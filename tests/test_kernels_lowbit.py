@@ -299,6 +299,7 @@ for kernel, ptrs, consts in CASES:
 '''
 
 
+@pytest.mark.long
 def test_kernels_compile_offline_for_sm80(compile_offline):
     """Every low-bit kernel (bf16, one tile each) compiles to an sm_80 cubin with triton's own ptxas, no GPU needed:
     what the interpreter cannot show. Not a run: no GPU has executed them."""

@@ -92,6 +92,7 @@ def same_as_by_hand(got, want):
         else: assert torch.allclose(got[k].float(), t.float(), rtol=1e-5, atol=0), k
 
 
+@pytest.mark.long
 def test_every_format_rebaked_in_its_own_format(base, tmp_path):
     l1, l2 = kohya(list(PLAN)), peft(['blocks.0.k', 'blocks.2.k'])
     cq.save_file(l1, tmp_path / 'k.safetensors'); cq.save_file(l2, tmp_path / 'p.safetensors')
@@ -165,6 +166,7 @@ def test_dora_and_float_base_then_quantize_equals_quantizing_the_float_merge(tmp
     assert r.kind == 'merge' and r.totals['patched'] == sorted(w) and all(x['format'] for x in r.layers)
 
 
+@pytest.mark.long
 def test_reference_reports_what_the_bake_costs(base, tmp_path):
     """With the float original (`--reference`), each module is measured against its own merge, beside quantizing that
     merge directly; the bytes are the bake's, the report and plot are written, and a wrong reference is refused."""
@@ -249,6 +251,7 @@ def test_zero_lora_keeps_every_byte(base, tmp_path):
     for k in a: check_bits(a[k], b[k], k)
 
 
+@pytest.mark.long
 def test_sharded_base_and_output(base, tmp_path):
     "A sharded folder reads like the file it was cut from; with shard_size (--shard-size) the output is a folder of shards."
     sd = cq.load_file(base)
@@ -281,6 +284,7 @@ def test_sharded_base_and_output(base, tmp_path):
     for k in d: check_bits(dsh[k], d[k], k)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize('lora, msg', [
     ({'lora_unet_blocks_0_q.lora_up.weight': torch.full((128, 4), float('nan')), 'lora_unet_blocks_0_q.lora_down.weight': torch.ones(4, 256)},
      "'lora_unet_blocks_0_q.lora_up.weight': 512 non-finite value(s)"),
@@ -300,6 +304,7 @@ def test_bad_lora_leaves_no_file(base, tmp_path, lora, msg):
     assert not os.path.exists(tmp_path / 'm.safetensors')
 
 
+@pytest.mark.long
 def test_unmatched_allowed_is_counted(base, tmp_path):
     lora = {**kohya(['blocks.0.q']), 'lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight': torch.ones(8, 2),
             'lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight': torch.ones(2, 8)}

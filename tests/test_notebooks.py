@@ -4,7 +4,12 @@ This is what `nbdev-test` does, one pytest test per notebook: cells flagged with
 from pyproject.toml (`#| slow`, `#| gpu`, `#| notest`) are skipped, `#| eval: false` cells never run,
 frontmatter `skip_exec: true` skips a notebook, and a `.notest` file skips the notebooks beside it.
 
-    pytest -q tests/test_notebooks.py                  # like `nbdev-test`
+Cells flagged `#| long` (the studies that take tens of seconds) run in the full run and are left out of the quick
+tier: a notebook with such cells is two tests, `[nb]` (every cell, marked `long`) and `[nb:quick]` (its other cells),
+and where both are selected only the first runs (tests/conftest.py).
+
+    pytest -q tests/test_notebooks.py                  # every notebook, every cell nbdev-test runs and the long ones
+    pytest -q -m "not long" tests/test_notebooks.py    # the quick tier: the long cells left out
     pytest -q tests/test_notebooks.py -k numerics      # one notebook
     NB_FLAGS="slow" pytest -q tests/test_notebooks.py  # also run `#| slow` cells (like `nbdev-test --flags slow`)
 """
@@ -13,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from nbdev.config import get_config
+from fastcore.nbio import read_nb
 from nbdev.doclinks import nbglob
 from nbdev.test import test_nb as run_nb  # alias: pytest would collect a name starting with `test_` and fail
 
@@ -21,10 +27,36 @@ NBS = sorted(nbglob(CFG.nbs_path, as_path=True, skip_file_re='^[_.]'), key=lambd
 NBS = [p for p in NBS if not (p.parent/'.notest').exists()]
 SKIP_FLAGS = CFG.tst_flags.split()
 FORCE_FLAGS = os.environ.get('NB_FLAGS', '').split()
+LONG = 'long'     # the cell flag of the full run (a tst_flag, so `nbdev-test` leaves these cells out too)
+
+
+def _has_long_cells(nb:Path) -> bool:
+    return any(c.cell_type == 'code' and c.directive(LONG) is not None for c in read_nb(nb).cells)
+
+
+def _cases() -> list:
+    "One case per notebook; a notebook with long cells also has its quick case."
+    cases = []
+    for nb in NBS:
+        name = nb.relative_to(CFG.nbs_path).with_suffix('').as_posix()
+        if not _has_long_cells(nb): cases.append(pytest.param(nb, False, id=name))
+        else: cases += [pytest.param(nb, True, id=name, marks=pytest.mark.long), pytest.param(nb, False, id=name + ':quick')]
+    return cases
 
 
 def test_there_are_notebooks():
     assert any(p.name == CFG.readme_nb for p in NBS), f'{CFG.readme_nb} missing from {CFG.nbs_path}'
+
+
+def test_long_notebooks_have_a_quick_case():
+    "A notebook with `#| long` cells is a full case marked `long` and a quick case; the others are one unmarked case."
+    cases = {c.id: c for c in _cases()}
+    long_nbs = [nb for nb in NBS if _has_long_cells(nb)]
+    assert any(nb.stem == '23_rounding' for nb in long_nbs)
+    for nb in NBS:
+        name = nb.relative_to(CFG.nbs_path).with_suffix('').as_posix()
+        assert [m.name for m in cases[name].marks] == (['long'] if nb in long_nbs else [])
+        assert (name + ':quick' in cases) == (nb in long_nbs) and cases[name].values[1] == (nb in long_nbs)
 
 
 @pytest.fixture(autouse=True)
@@ -54,11 +86,36 @@ def registries_restored():
                 except (AttributeError, TypeError): pass
 
 
-@pytest.mark.parametrize('nb', NBS, ids=[p.relative_to(CFG.nbs_path).with_suffix('').as_posix() for p in NBS])
-def test_notebook(nb, monkeypatch, tmp_path):
+@pytest.fixture
+def shells_freed(monkeypatch):
+    """Free each notebook's namespace when it ends: IPython keeps every shell it made reachable (its magics, display
+    hooks and `__main__` hold it), so without this the run's memory grows by what every notebook left (2 GB for one)."""
+    import gc, nbdev.test
+    made = []
+    class Shell(nbdev.test.CaptureShell):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+    monkeypatch.setattr(nbdev.test, 'CaptureShell', Shell)
+    yield
+    for shell in made:
+        shell.reset(new_session=False)
+        shell.user_ns.clear()
+    made.clear()
+    gc.collect()
+    from cquant.convert import trim_heap
+    trim_heap()
+
+
+@pytest.mark.parametrize('nb, long', _cases())
+@pytest.mark.usefixtures('shells_freed')
+def test_notebook(nb, long, monkeypatch, tmp_path):
+    import nbdev
+    # a notebook's last cell exports the package: not in a test run, where other workers import those files meanwhile
+    monkeypatch.setattr(nbdev, 'nbdev_export', lambda *args, **kwargs: None)
     monkeypatch.chdir(nb.parent)
     monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))   # temp files it leaves are validated (tests/conftest.py)
-    ok, secs = run_nb(nb, skip_flags=SKIP_FLAGS, force_flags=FORCE_FLAGS, basepath=CFG.config_path,
+    ok, secs = run_nb(nb, skip_flags=SKIP_FLAGS, force_flags=FORCE_FLAGS + [LONG] * long, basepath=CFG.config_path,
                       cell_timeout=int(CFG.get('cell_timeout', 600)))
     print(f'{nb.name}: {secs:.1f}s')
     assert ok, f'{nb.name} failed (the traceback of the failing cell is printed above)'

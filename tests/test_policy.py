@@ -341,6 +341,7 @@ def test_weight_only_preset_layers_get_awq():
     assert set(PRESETS['qwen'].weight_only) <= set(CONSERVATIVE.weight_only)
 
 
+@pytest.mark.long
 def test_svdquant_mode_and_rank():
     "mode='svdquant': SVDQuant W4A4 where K % 64 == 0 and the rank fits, else per-row INT8; the rank a policy setting."
     sd = {'a.weight': torch.zeros(256, 512), 'b.weight': torch.zeros(8, 100), 'c.weight': torch.zeros(16, 128)}
@@ -422,6 +423,7 @@ def test_minilm_auto_groups_budget_differs_for_stated_reasons():
     assert _same(pol.plan(model.state_dict()), pm) == {}          # model order and the same candidates: the same plan
 
 
+@pytest.mark.long
 def test_measured_selection_leaves_padding_out():
     "Issue 43: with `mask`, the end-to-end ranking compares real tokens only; padded MiniLM positions moved its choice."
     from cquant.minilm import minilm_path, sentence_batches

@@ -126,6 +126,7 @@ def test_hash_output(src, tmp_path):
         assert json.loads(read_header(out / n)[1]['cquant_sources'])[0]['sha256'] == sha(src)
 
 
+@pytest.mark.long
 def test_cli_hash_output_and_inspect(src, tmp_path):
     rc, out, err = cquant('quantize', src, tmp_path / 'c.safetensors', '--preset', 'none', '--no-sqnr', '--quiet',
                           '--hash-output')

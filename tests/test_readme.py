@@ -3,6 +3,8 @@ test command installs exactly what `.ci/run` installs."""
 import subprocess, sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT/'README.md').read_text(encoding='utf-8')
 
@@ -20,6 +22,7 @@ def _blocks(lang):
     return blocks
 
 
+@pytest.mark.long
 def test_python_snippets_run_as_pasted(tmp_path):
     "The code blocks (rendered from the index notebook's cells) run in order in a fresh process, imports included."
     code = _blocks('')      # outputs are indented blocks, not fenced ones

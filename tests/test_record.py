@@ -224,6 +224,7 @@ def test_gptq_awq_svdquant_from_statistics():
         cq.quantize(w[:, :128], 'int8_tensorwise', per_row=True, rounding='gptq', calibration=s)
 
 
+@pytest.mark.long
 def test_quantize_checkpoint_and_cli_take_a_recorded_file(tmp_path):
     "A DiT recorded in Python, its checkpoint under a prefix: GPTQ from the file beats nearest on held-out output."
     model = dit_model(0, depth=2)
@@ -263,6 +264,7 @@ def test_quantize_checkpoint_and_cli_take_a_recorded_file(tmp_path):
     assert 'cq.record_calibration(pipe.transformer' in r.stdout and 'untested' in r.stdout and 'sensitivity=True' in r.stdout
 
 
+@pytest.mark.long
 def test_measured_selection_from_a_file_with_sensitivity(tmp_path):
     "int4_mixed measured selection through the CLI from a file with output sensitivity: the API's plan, its reasons."
     model = dit_model(0, depth=2)
@@ -302,6 +304,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.long
 def test_all_reduce_in_a_two_process_gloo_group(tmp_path):
     "Each rank records half the batches; the reduced statistics equal one recording of all of them."
     script = tmp_path / 'worker.py'

@@ -145,6 +145,7 @@ def test_index_errors(sd, tmp_path):
     assert k2 in cq.load_file(idx)   # an index with extra keys is still read
 
 
+@pytest.mark.long
 def test_cli_over_shards(sharded, tmp_path):
     rc, out, err = cquant('inspect', sharded.parent)
     assert rc == 0, err
@@ -164,6 +165,7 @@ def test_cli_over_shards(sharded, tmp_path):
     assert json.loads(out)['provenance']['cquant_sources'][0]['name'] == sharded.name
 
 
+@pytest.mark.long
 def test_batch_conversion(sd, sharded, tmp_path):
     srcs = tmp_path / 'srcs'; srcs.mkdir()
     cq.save_file(sd, srcs / 'a.safetensors')

@@ -201,6 +201,7 @@ def cquant(*argv):
     return p.returncode, p.stdout, p.stderr
 
 
+@pytest.mark.long
 def test_cli_exit_codes_text_and_json(tmp_path):
     good = write(tmp_path, tensors('w6a8_int8'), 'good.safetensors')
     asym = write(tmp_path, tensors('asym_w4a8_int8', symmetric=False, codebook=False), 'asym.safetensors')
@@ -219,6 +220,7 @@ def test_cli_exit_codes_text_and_json(tmp_path):
     assert cquant(tmp_path / 'nothing.safetensors')[0] == 1
 
 
+@pytest.mark.long
 def test_the_conftest_fixture_fails_a_test_that_leaves_a_broken_file(tmp_path):
     "The autouse fixture is not vacuous: a broken file left in tmp_path fails its test, unless marked writes_invalid."
     (tmp_path / 'conftest.py').write_text((ROOT / 'tests' / 'conftest.py').read_text())
