@@ -822,9 +822,9 @@ def _quantized(workload:Workload, what, calibrate:bool) -> tuple:
         raise TypeError(f"evaluate: expected a Policy, a plan ({{layer: format}}) or a quantized safetensors path, "
                         f"got {type(what).__name__}")
     label = what.policy.mode if isinstance(what, Plan) else 'plan'
-    cal = workload.calibration
-    if calibrate and not isinstance(cal, Calibration): cal = Calibration(cal, memo=workload.memo.setdefault('calibration', {}))
-    return quantize_model(model, what, calibration=cal if calibrate else None), label
+    cal = workload.calibration if calibrate else None
+    if cal is not None and not isinstance(cal, Calibration): cal = Calibration(cal, memo=workload.memo.setdefault('calibration', {}))
+    return quantize_model(model, what, calibration=cal), label
 
 # %% ../nbs/22_evaluate.ipynb #a7e1c0b1
 def _outputs(workload:Workload, model:nn.Module) -> torch.Tensor:

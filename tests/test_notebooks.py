@@ -43,6 +43,8 @@ def _cases() -> list:
         else: cases += [pytest.param(nb, True, id=name, marks=pytest.mark.long), pytest.param(nb, False, id=name + ':quick')]
     return cases
 
+CASES = _cases()
+
 
 def test_there_are_notebooks():
     assert any(p.name == CFG.readme_nb for p in NBS), f'{CFG.readme_nb} missing from {CFG.nbs_path}'
@@ -50,7 +52,7 @@ def test_there_are_notebooks():
 
 def test_long_notebooks_have_a_quick_case():
     "A notebook with `#| long` cells is a full case marked `long` and a quick case; the others are one unmarked case."
-    cases = {c.id: c for c in _cases()}
+    cases = {c.id: c for c in CASES}
     long_nbs = [nb for nb in NBS if _has_long_cells(nb)]
     assert any(nb.stem == '23_rounding' for nb in long_nbs)
     for nb in NBS:
@@ -107,7 +109,7 @@ def shells_freed(monkeypatch):
     trim_heap()
 
 
-@pytest.mark.parametrize('nb, long', _cases())
+@pytest.mark.parametrize('nb, long', CASES)
 @pytest.mark.usefixtures('shells_freed')
 def test_notebook(nb, long, monkeypatch, tmp_path):
     import nbdev
