@@ -176,17 +176,26 @@ def smooth_factor(amax_x:torch.Tensor, # [K] max |x| per input channel (calibrat
     return torch.where(ok, s, torch.ones_like(s)).clamp(1e-4, 1e4)
 
 # %% ../nbs/07b_svdquant.ipynb #ebff1aeb
+def top_svd(w:torch.Tensor, # [N, K] float weight
+            smooth:torch.Tensor, # [K] smooth_factor
+            rank:int, # R
+           ) -> tuple: # (U [N, R], S [R], Vh [R, K]), fp64
+    "The top-R singular triplets of W' = W * smooth, in fp64 (one SVD serves every act_unsigned variant of a smoothing)."
+    U, S, Vh = torch.linalg.svd(w.double() * smooth.double(), full_matrices=False)
+    return U[:, :rank].clone(), S[:rank].clone(), Vh[:rank].clone()   # (the full factors freed)
+
 def svdquant_encode(w:torch.Tensor, # [N, K] float weight
                     smooth:torch.Tensor, # [K] smooth_factor, already in the stored dtype
                     rank:int, # R
                     clip:str='absmax', # residual group clipping
                     seed:int=0, # stochastic rounding of the residual (0: nearest)
                     unsigned:bool=False, # act_unsigned: keep the residual's rows orthogonal to 1/smooth
+                    svd:tuple|None=None, # `top_svd(w, smooth, rank)` when already computed (None: computed here)
                    ) -> tuple: # (qdata, scale, proj_down, proj_up), tensors in w's dtype
     "W' = W * smooth; proj_up, proj_down from the top-R SVD of W' (down divided by smooth); the int4 residual of the rest."
     dt, sf = w.dtype, smooth.double()
     ws = w.double() * sf
-    U, S, Vh = torch.linalg.svd(ws, full_matrices=False)
+    U, S, Vh = svd or top_svd(w, smooth, rank)
     r0 = rank - 1 if unsigned else rank
     r = S[:r0].sqrt()
     up, dn = U[:, :r0] * r, Vh[:r0].t() * r                # the branch in the smoothed basis
@@ -280,11 +289,12 @@ def _svdq_check_shape(shape, opts, prefix=''):
                            f'rows), weight shape {shape}', f'N={N} (N % 128 = {N % TILE_N})')
 
 # %% ../nbs/07b_svdquant.ipynb #27a73ce2
-def _svdq_pack(w, smooth, opts:dict, seed:int=0) -> tuple:
+def _svdq_rank(w, opts:dict) -> int: return opts['rank'] or min(DEFAULT_RANK, *w.shape)
+
+def _svdq_pack(w, smooth, opts:dict, seed:int=0, svd=None) -> tuple:
     "(qdata, params) of weight `w` with the stored `smooth` factor and resolved options (rank None: min(32, N, K))."
-    N, K = w.shape
-    rank = opts['rank'] or min(DEFAULT_RANK, N, K)
-    qdata, scale, down, up = svdquant_encode(w, smooth, rank, opts['group_clip'], seed, bool(opts['act_unsigned']))
+    rank = _svdq_rank(w, opts)
+    qdata, scale, down, up = svdquant_encode(w, smooth, rank, opts['group_clip'], seed, bool(opts['act_unsigned']), svd)
     if opts['layout'] == TILE_PACKED: qdata, scale, up = tile_pack(qdata, scale, up)
     return qdata, SVDQuantParams(tuple(w.shape), w.dtype, scale, down, up, smooth, rank, opts['layout'],
                                  bool(opts['act_unsigned']), opts['group_clip'], opts['alpha'])
@@ -341,11 +351,13 @@ def svdquant_calibrated(w:torch.Tensor, # [N, K] float weight
     if len(unsigned) * len(alphas) > 1:     # choose on held-out rows: smoothing from the first half, error on the second
         fit, held = (x[:len(x) // 2], x[len(x) // 2:]) if len(x) > 1 else (x, x)
         ref, errs = held.double() @ w.double().t(), {}
-        for u in unsigned:
-            for a in alphas:
-                qdata, p = _svdq_pack(w, smooth(fit, a), {**opts, 'act_unsigned': u})
+        for a in alphas:
+            s = smooth(fit, a)
+            svd = top_svd(w, s, _svdq_rank(w, opts))
+            for u in unsigned:
+                qdata, p = _svdq_pack(w, s, {**opts, 'act_unsigned': u}, svd=svd)
                 errs[a, u] = float((SVDQuantLayout.linear(held.to(w.dtype), qdata, p).double() - ref).pow(2).mean())
-        alpha, u = min(errs, key=errs.get)
+        alpha, u = min(((a, u) for u in unsigned for a in alphas), key=errs.get)   # ties: the first in this order
     else: u = unsigned[0]
     qdata, p = _svdq_pack(w, smooth(x, alpha), {**opts, 'act_unsigned': u})
     return qdata, replace(p, alpha=alpha)

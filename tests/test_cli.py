@@ -1,6 +1,7 @@
-"""The `cquant` command as people use it: every test runs the real console entry point in a fresh
-interpreter (`python -m cquant.cli ...`) and checks its exit status and what it printed."""
-import json, os, random, re, signal, subprocess, sys, time, warnings
+"""The `cquant` command as people use it: each test runs the console script's `main` (in this process, or in a fresh
+interpreter where only a process shows it: the entry point, signals, a closed pipe, a log) and checks its exit status
+and what it printed."""
+import json, os, random, re, subprocess, sys, warnings
 from pathlib import Path
 
 import pytest
@@ -12,17 +13,7 @@ from cquant.convert import StreamingWriter, plot_report, quantize_checkpoint
 from cquant.policy import PRESETS, Policy, PolicyWarning
 from cquant.models import dit_state_dict
 from cquant.tensor import format_color
-
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')]), 'MPLBACKEND': 'Agg'}
-
-
-def cquant(*argv, code=None, timeout=300):
-    "Run `python -m cquant.cli ARGV` (or `python -c CODE`): (exit status, stdout, stderr)."
-    cmd = [sys.executable, '-c', code] if code else [sys.executable, '-m', 'cquant.cli', *map(str, argv)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=timeout, cwd=ROOT,
-                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # as from a terminal, not from an xdist worker
-    return p.returncode, p.stdout, p.stderr
+from conftest import CLI_ENV as ENV, ROOT, cquant_cli as cquant
 
 
 @pytest.fixture(scope='module')
@@ -43,7 +34,7 @@ def quantized(dit, tmp_path_factory):
 
 
 def test_version():
-    rc, out, err = cquant('--version')
+    rc, out, err = cquant('--version', fresh=True)
     assert (rc, out.strip(), err) == (0, f'cquant {cq.__version__}', '')
 
 
@@ -328,7 +319,7 @@ def test_a_folder_holding_one_checkpoint_is_read(dit, tmp_path):
 def test_progress_is_quiet_in_a_log(tmp_path):
     "With stderr not a terminal (a log, CI) the progress bar draws at most every 10 s, not once per tensor."
     cq.save_file(dit_state_dict(0, torch.bfloat16, depth=2), tmp_path / 'd.safetensors')
-    rc, out, err = cquant('quantize', tmp_path / 'd.safetensors', tmp_path / 'q.safetensors')
+    rc, out, err = cquant('quantize', tmp_path / 'd.safetensors', tmp_path / 'q.safetensors', fresh=True)
     assert rc == 0 and err.count('%|') <= 4 and err.count('tensors,') == 0, err
 
 

@@ -12,7 +12,8 @@ from cquant.checkpoint import format_inspect, inspect_checkpoint, open_checkpoin
 from cquant.convert import quantize_checkpoint
 from cquant.models import dit_state_dict
 from cquant.policy import Policy, PolicyWarning
-from test_shards import POL, cquant, write_shards
+from conftest import cquant_cli as cquant
+from test_shards import POL, write_shards
 
 
 def sha(p) -> str: return hashlib.sha256(Path(p).read_bytes()).hexdigest()

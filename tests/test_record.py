@@ -12,8 +12,8 @@ from cquant.checkpoint import load_file, save_file
 from cquant.models import dit_model, dit_batches, dit_state_dict
 from cquant.policy import PolicyWarning
 from cquant.record import unpack_upper
+from conftest import ROOT, cquant_cli
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class Tiny(nn.Module):
@@ -249,19 +249,17 @@ def test_quantize_checkpoint_and_cli_take_a_recorded_file(tmp_path):
     with torch.no_grad(): ref = torch.cat([model(*b).flatten() for b in held])
     gain = cq.sqnr(ref, out(tmp_path / 'gptq.safetensors')) - cq.sqnr(ref, out(tmp_path / 'near.safetensors'))
     assert gain > 1.0, gain
-    r = subprocess.run([sys.executable, '-m', 'cquant.cli', 'quantize', str(src), str(tmp_path / 'cli.safetensors'),
-                        '--mode', 'int4_full', '--rounding', 'gptq', '--keep-float', 'moe.', '--calibration', cal, '--quiet'],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr
+    rc, _, err = cquant_cli('quantize', src, tmp_path / 'cli.safetensors', '--mode', 'int4_full', '--rounding', 'gptq',
+                            '--keep-float', 'moe.', '--calibration', cal, '--quiet')
+    assert rc == 0, err
     a, b = cq.load_file(tmp_path / 'cli.safetensors'), cq.load_file(tmp_path / 'gptq.safetensors')
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     other = cq.record_calibration(dit_model(0, depth=2, dim=128, heads=2), dit_batches(1, seed=1)).save(tmp_path / 'other.st')
-    r = subprocess.run([sys.executable, '-m', 'cquant.cli', 'quantize', str(src), str(tmp_path / 'x.safetensors'),
-                        '--rounding', 'gptq', '--calibration', other, '--quiet'], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode != 0 and "recorded with K=128 inputs, but the weight" in r.stderr, r.stderr
+    rc, _, err = cquant_cli('quantize', src, tmp_path / 'x.safetensors', '--rounding', 'gptq', '--calibration', other, '--quiet')
+    assert rc != 0 and "recorded with K=128 inputs, but the weight" in err, err
     assert not (tmp_path / 'x.safetensors').exists()
-    r = subprocess.run([sys.executable, '-m', 'cquant.cli', 'quantize', '--help'], capture_output=True, text=True, cwd=ROOT)
-    assert 'cq.record_calibration(pipe.transformer' in r.stdout and 'untested' in r.stdout and 'sensitivity=True' in r.stdout
+    out = cquant_cli('quantize', '--help')[1]
+    assert 'cq.record_calibration(pipe.transformer' in out and 'untested' in out and 'sensitivity=True' in out
 
 
 @pytest.mark.long
@@ -278,10 +276,9 @@ def test_measured_selection_from_a_file_with_sensitivity(tmp_path):
     chosen = plan.selected()
     assert 0 < len(chosen) < plan.budget['candidates']
     assert all('model output (Hessian, sensitivity) SQNR' in plan[n].reason for n in plan.budget['order'])
-    r = subprocess.run([sys.executable, '-m', 'cquant.cli', 'quantize', str(src), str(tmp_path / 'out.safetensors'),
-                        '--mode', 'int4_mixed', '--selection', 'measured', '--ratio', '0.5', '--keep-float', 'moe.',
-                        '--calibration', cal, '--quiet', '--json'], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr
+    rc, _, err = cquant_cli('quantize', src, tmp_path / 'out.safetensors', '--mode', 'int4_mixed', '--selection', 'measured',
+                            '--ratio', '0.5', '--keep-float', 'moe.', '--calibration', cal, '--quiet', '--json')
+    assert rc == 0, err
     with cq.open_checkpoint(tmp_path / 'out.safetensors') as ck: fmts = {m: i.format for m, i in ck.modules().items()}
     assert {n: fmts.get(n) for n in plan.budget['order']} == {n: plan[n].format for n in plan.budget['order']}
 

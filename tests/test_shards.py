@@ -12,15 +12,9 @@ from cquant.convert import quantize_checkpoint, report_error
 from cquant.models import dit_state_dict
 from cquant.policy import Policy, PolicyWarning
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')])}
+from conftest import cquant_cli as cquant
+
 POL = Policy('int4_mixed', preset='none', keep_float=('embed', 'adaLN', 'final_layer'))
-
-
-def cquant(*argv):
-    p = subprocess.run([sys.executable, '-m', 'cquant.cli', *map(str, argv)], capture_output=True, text=True, env=ENV,
-                       timeout=300, cwd=ROOT)
-    return p.returncode, p.stdout, p.stderr
 
 
 def write_shards(folder:Path, sd:dict, n:int, name='diffusion_pytorch_model') -> Path:

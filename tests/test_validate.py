@@ -1,6 +1,6 @@
 """`cq.validate` and `cquant validate` (issue 21): each check with its message, levels, device classes, strict,
 sharded folders, unreadable files, the CLI's exit codes and JSON, and the conftest helper that finds written files."""
-import json, os, subprocess, sys
+import json, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -9,10 +9,8 @@ import torch
 import cquant as cq
 from cquant.checkpoint import _expand_quantized, encode_json, save_file
 from cquant.validate import COMFYUI_LEVELS, DEVICE_CLASSES, device_table, format_validation, validate
-from conftest import written_checkpoints
+from conftest import CLI_ENV as ENV, ROOT, cquant_cli, written_checkpoints
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')])}
 W = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
 NONE = []   # no device class: no device warnings
 
@@ -195,10 +193,7 @@ def test_a_state_dict_and_the_report_dict(tmp_path):
     write(tmp_path, {**tensors('float8_e4m3fn'), 'm.comfy_quant': encode_json({'format': 'fp9'})})   # left behind on purpose
 
 
-def cquant(*argv):
-    p = subprocess.run([sys.executable, '-m', 'cquant.cli', 'validate', *map(str, argv)], capture_output=True, text=True,
-                       env=ENV, timeout=300, cwd=ROOT)
-    return p.returncode, p.stdout, p.stderr
+def cquant(*argv): return cquant_cli('validate', *argv)
 
 
 @pytest.mark.long
