@@ -10,7 +10,7 @@ __all__ = ['EXIT_STATUS', 'EXAMPLES', 'cmd_inspect', 'add_inspect_parser', 'cmd_
            'add_recipe_parser', 'cmd_report', 'add_report_parser', 'cmd_demo', 'add_demo_parser', 'cmd_convert',
            'add_convert_parser', 'lora_arg', 'cmd_merge_lora', 'add_merge_lora_parser', 'cmd_attention',
            'add_attention_parser', 'formats_table', 'presets_table', 'build_parser', 'write_facts', 'Terminated',
-           'main']
+           'main', 'run_captured']
 
 # %% ../nbs/18_cli.ipynb #a82e8daa
 import argparse, glob, json, os, signal, sys, threading, time, warnings
@@ -611,6 +611,19 @@ def main(argv=None) -> int:
         finally:
             said.summary()
             if old is not None: signal.signal(signal.SIGTERM, old)
+
+# %% ../nbs/18_cli.ipynb #rc0a1b2c
+def run_captured(argv, # the command's arguments, as after `cquant` (any objects: str() is taken)
+                 cwd=None, # the folder it runs in (default: this one)
+                ) -> tuple: # (exit status, stdout, stderr)
+    "Run `cquant ARGV` in this process (in `cwd`), capturing what it prints."
+    import contextlib, io
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd or os.getcwd()), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try: rc = main([str(a) for a in argv])
+        except SystemExit as e:                 # argparse ends --help, --version and usage errors so
+            rc = e.code if isinstance(e.code, int) else 0 if e.code is None else (print(e.code, file=sys.stderr), 1)[1]
+    return rc, out.getvalue(), err.getvalue()
 
 # %% ../nbs/18_cli.ipynb #ea14cdb8
 if __name__ == '__main__' and 'get_ipython' not in globals(): sys.exit(main())     # python -m cquant.cli (not in a notebook)

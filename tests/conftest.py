@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-import contextlib, glob, io, json, pathlib, signal, subprocess, sys, pytest
+import glob, json, pathlib, signal, subprocess, sys, pytest
 
 
 # Parallel runs (pytest-xdist, `-n auto` in pyproject.toml): each worker gets its share of the CPUs for torch's
@@ -94,19 +94,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 CLI_ENV = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')]), 'MPLBACKEND': 'Agg'}
 
 def cquant_cli(*argv, fresh:bool=False, code:str|None=None, timeout:float=300) -> tuple:
-    """Run the `cquant` command with arguments `argv`: (exit status, stdout, stderr). By default in this process through
-    `cquant.cli.main`, the function the console script calls; `fresh=True` (or `code`, a `python -c` script) starts a new
-    interpreter, for what only a process shows: import time, signals, a closed pipe."""
+    """Run the `cquant` command with arguments `argv`: (exit status, stdout, stderr). By default in this process
+    (`cquant.cli.run_captured`: `main`, the function the console script calls); `fresh=True` (or `code`, a `python -c`
+    script) starts a new interpreter, for what only a process shows: import time, signals, a closed pipe."""
     argv = [str(a) for a in argv]
     if fresh or code is not None:
         cmd = [sys.executable, '-c', code] if code is not None else [sys.executable, '-m', 'cquant.cli', *argv]
         p = subprocess.run(cmd, capture_output=True, text=True, env=CLI_ENV, timeout=timeout, cwd=ROOT,
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal, not an xdist worker
         return p.returncode, p.stdout, p.stderr
-    from cquant.cli import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), contextlib.chdir(ROOT):
-        try: rc = main(argv)
-        except SystemExit as e:                     # argparse: --help, --version, usage errors
-            rc = e.code if isinstance(e.code, int) else 0 if e.code is None else (print(e.code, file=sys.stderr), 1)[1]
-    return rc, out.getvalue(), err.getvalue()
+    from cquant.cli import run_captured
+    return run_captured(argv, ROOT)
