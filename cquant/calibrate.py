@@ -373,6 +373,10 @@ def search_input_scale(fmt, # a format with an input_scale rule
     return torch.tensor(best if by[best] > by[first] + margin else first, dtype=torch.float32), by
 
 # %% ../nbs/15_calibrate.ipynb #5aa345c5
+def smoothed_weight(weight:torch.Tensor, pre_quant_scale:torch.Tensor) -> torch.Tensor:
+    "The weight a smoothed layer stores, W / pre_quant_scale (ComfyUI multiplies the input by it), in W's dtype."
+    return (weight.float() / pre_quant_scale).to(weight.dtype)
+
 def calibrate_layer(fmt, # the layer's format
                     weight:torch.Tensor, # float weight [N, K]
                     inputs:torch.Tensor|None=None, # a sample of the layer's inputs [..., K] (needed for smoothing)
@@ -394,7 +398,7 @@ def calibrate_layer(fmt, # the layer's format
         if r['alpha'] is not None:
             p = r['pre_quant_scale']
             isc = _scale(rule, (stats.channel_amax * p).amax(), pow2=pow2)
-            return (weight.float() / p).to(weight.dtype), {'input_scale': isc, 'pre_quant_scale': p.float()}
+            return smoothed_weight(weight, p), {'input_scale': isc, 'pre_quant_scale': p.float()}
     scale = _scale(rule, stats, method, percentile, pow2)
     if search and inputs is not None:
         safe = (1.0 if rule.grid is not None and float(stats.amax) <= rule.divisor
@@ -407,6 +411,14 @@ def is_recorded(c) -> bool:
     "Whether `c` is recorded statistics of a model's layers (`cq.record_calibration`'s `CalibrationStats`)."
     return isinstance(c, Mapping) and callable(getattr(c, 'matched', None)) and callable(getattr(c, 'view', None))
 
+# %% ../nbs/15_calibrate.ipynb #fp15memo
+def _fingerprint(t:torch.Tensor) -> bytes:
+    "A digest of tensor `t`'s dtype, shape and bytes (a memo key that equal weights share)."
+    import hashlib
+    h = hashlib.blake2b(f'{t.dtype}{tuple(t.shape)}'.encode(), digest_size=16)
+    h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+    return h.digest()
+
 # %% ../nbs/15_calibrate.ipynb #14d7f96c
 class Calibration:
     "Representative activations for `quantize_model` / `quantize_checkpoint`, and how to turn them into scales."
@@ -417,7 +429,7 @@ class Calibration:
                  max_rows:int=512, # rows per layer kept for the searches (batches only)
                  gptq_rows:int=8192, # rows kept per data-aware layer (GPTQ, AWQ; batches only): a Hessian wants many more than K
                  sequential:bool=False, # data-aware layers (GPTQ): inputs from the model as quantized so far (batches only)
-                 memo:dict|None=None, # shared by Calibrations of the same batches and float model: `prepare` runs each layer once
+                 memo:dict|None=None, # shared by Calibrations of the same batches and float model: each layer run and searched once
                 ):
         if method not in ('amax', 'percentile', 'mse'):
             raise ValueError(f"Calibration: method must be 'amax', 'percentile' or 'mse', got {method!r}")
@@ -484,7 +496,13 @@ class Calibration:
         x, st = (self.inputs or {}).get(name), (self.stats or {}).get(name)
         if x is None and st is None: return weight, {}
         if x is not None: x = spaced_rows(x, self.max_rows)     # the same rows with or without GPTQ's extra ones
-        return calibrate_layer(fmt, weight, x, st, self.method, self.percentile, self.pow2, self.smoothing, self.search)
+        run = lambda: calibrate_layer(fmt, weight, x, st, self.method, self.percentile, self.pow2, self.smoothing, self.search)
+        if self.memo is None: return run()
+        key = ('layer', name, get_format(fmt).name, self.method, self.percentile, self.pow2, self.smoothing, self.search,
+               self.max_rows, _fingerprint(weight))
+        if key not in self.memo: self.memo[key] = run()[1]          # the searches, once per layer, format and weight
+        extras = {k: v.clone() for k, v in self.memo[key].items()}
+        return (weight if 'pre_quant_scale' not in extras else smoothed_weight(weight, extras['pre_quant_scale'])), extras
 
     def layer_inputs(self, name:str, extras:dict|None=None, x:torch.Tensor|None=None) -> torch.Tensor|None:
         "The kept inputs of layer `name` (or `x`) as its stored weight sees them (times its pre_quant_scale when smoothed), or None."
