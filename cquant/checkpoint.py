@@ -50,13 +50,13 @@ MAX_HEADER_BYTES = 100_000_000   # the header size limit of the safetensors libr
 MAX_JSON_BYTES = 1 << 20         # largest comfy_quant / comfy_attention.config entry we agree to decode
 
 # safetensors dtype name -> (torch dtype or None, bits per element)
-ST_DTYPES = {'BOOL': ('bool', 8), 'U8': ('uint8', 8), 'I8': ('int8', 8), 'I16': ('int16', 16), 'U16': ('uint16', 16),
-             'F16': ('float16', 16), 'BF16': ('bfloat16', 16), 'I32': ('int32', 32), 'U32': ('uint32', 32),
-             'F32': ('float32', 32), 'F64': ('float64', 64), 'I64': ('int64', 64), 'U64': ('uint64', 64),
-             'C64': ('complex64', 64), 'F8_E4M3': (torch.float8_e4m3fn, 8), 'F8_E5M2': (torch.float8_e5m2, 8),
-             'F8_E4M3FNUZ': ('float8_e4m3fnuz', 8), 'F8_E5M2FNUZ': ('float8_e5m2fnuz', 8),
-             'F8_E8M0': ('float8_e8m0fnu', 8), 'F4': ('float4_e2m1fn_x2', 4)}
-ST_DTYPES = {k: (getattr(torch, d, None) if isinstance(d, str) else d, b) for k, (d, b) in ST_DTYPES.items()}   # names: absent in older torch
+_ST_DTYPE_NAMES = {'BOOL': ('bool', 8), 'U8': ('uint8', 8), 'I8': ('int8', 8), 'I16': ('int16', 16), 'U16': ('uint16', 16),
+                   'F16': ('float16', 16), 'BF16': ('bfloat16', 16), 'I32': ('int32', 32), 'U32': ('uint32', 32),
+                   'F32': ('float32', 32), 'F64': ('float64', 64), 'I64': ('int64', 64), 'U64': ('uint64', 64),
+                   'C64': ('complex64', 64), 'F8_E4M3': (torch.float8_e4m3fn, 8), 'F8_E5M2': (torch.float8_e5m2, 8),
+                   'F8_E4M3FNUZ': ('float8_e4m3fnuz', 8), 'F8_E5M2FNUZ': ('float8_e5m2fnuz', 8),
+                   'F8_E8M0': ('float8_e8m0fnu', 8), 'F4': ('float4_e2m1fn_x2', 4)}
+ST_DTYPES = {k: (getattr(torch, d, None) if isinstance(d, str) else d, b) for k, (d, b) in _ST_DTYPE_NAMES.items()}   # names: absent in older torch
 _TORCH_TO_ST = {d: k for k, (d, b) in ST_DTYPES.items() if d is not None}
 
 @dataclass(frozen=True)

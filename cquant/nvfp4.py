@@ -39,12 +39,6 @@ def nvfp4_scale_shape(shape:tuple, # logical (N, K)
     Np, Kh = nvfp4_storage_shape(shape)
     return (round_up(Np, 128), round_up(2 * Kh // _GROUP, 4))
 
-# %% ../nbs/03_nvfp4.ipynb #73b09373
-def nvfp4_global_scale(x:torch.Tensor, # the tensor to quantize
-                      ) -> torch.Tensor: # fp32 0-d: amax(|x|)/(448*6) computed in x's dtype, then widened
-    "Kitchen's default nvfp4 global scale (weights; dynamic for activations), guarded against fp16 underflow (see text)."
-    return _default_scale(absmax(x))
-
 # %% ../nbs/03_nvfp4.ipynb #27caa873
 def _default_scale(amax:torch.Tensor) -> torch.Tensor:
     "amax/2688 in amax's dtype (kitchen), or in fp32 where that flushes a nonzero amax to a zero scale (fp16)."
@@ -94,7 +88,7 @@ def nvfp4_encode(x:torch.Tensor, # padded 2-D float tensor [Np, Kp]
 
 # %% ../nbs/03_nvfp4.ipynb #d08cb2d2
 def nvfp4_quantize(x:torch.Tensor, # 2-D float tensor (fp32, bf16 or fp16)
-                   global_scale=None, # None: `nvfp4_global_scale(x)`; else a float or tensor (fp32 after a value cast)
+                   global_scale=None, # None: amax(|x|) / (6 * 448), kitchen's default; else a float or tensor (fp32 after a value cast)
                    stochastic_rounding:int=0, # 0: round to nearest even; else the seed of stochastic rounding
                   ) -> tuple: # (qdata uint8 [Np, Kp/2], global_scale fp32 0-d, block_scale e4m3 swizzled)
     "Quantize `x` to nvfp4 exactly as comfy-kitchen's eager `quantize_nvfp4` (zero tensors give zeros, not NaN)."

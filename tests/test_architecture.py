@@ -223,6 +223,33 @@ def test_the_import_checks_find_violations(tmp_path):
     assert inner == ['checkpoint.py:4: policy']
 
 
+
+def defined_twice(src:str) -> list:
+    """Module-level names bound more than once in `src` (functions, classes, assignments); a fastcore `@patch` function
+    counts as `Class.name`, the method it adds."""
+    seen = {}
+    for node in ast.parse(src).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name, args = node.name, getattr(node, 'args', None)
+            patched = any(isinstance(d, ast.Name) and d.id == 'patch' for d in node.decorator_list)
+            if patched and args and args.args and args.args[0].annotation is not None:
+                name = f'{ast.unparse(args.args[0].annotation)}.{name}'
+            names = [name]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+        else: continue
+        for n in names: seen.setdefault(n, []).append(node.lineno)
+    return sorted(f'{n} (lines {", ".join(map(str, ls))})' for n, ls in seen.items() if len(ls) > 1)
+
+
+def test_no_name_defined_twice_in_a_module():
+    "Issue 41: a second definition silently shadows the first (two notebook cells exporting one name)."
+    bad = [f'{f.name}: {d}' for f in sorted(Path(cq.__file__).parent.rglob('*.py')) for d in defined_twice(f.read_text())]
+    assert not bad, 'names bound twice at module level:\n' + '\n'.join(bad)
+    planted = 'def f(x): pass\n@patch\ndef g(self:A): pass\n@patch\ndef g(self:B): pass\nX = 1\nX = {k: 1 for k in X}\ndef f(): pass\n'
+    assert defined_twice(planted) == ['X (lines 6, 7)', 'f (lines 1, 8)']
+
 # ---- Issue 15, third rule: `import cquant as cq` shows the public API (256: room for the third wave's contract names) ----
 # SPEC §2 (and the §4 names that exist so far): the contract that checks outside the project call
 SPEC_NAMES = ('FORMATS', 'quantize', 'QuantizedTensor', 'encode_json', 'decode_json', 'load_quantized', 'load_file',
