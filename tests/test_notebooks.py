@@ -28,6 +28,9 @@ NBS = [p for p in NBS if not (p.parent/'.notest').exists()]
 SKIP_FLAGS = CFG.tst_flags.split()
 FORCE_FLAGS = os.environ.get('NB_FLAGS', '').split()
 LONG = 'long'     # the cell flag of the full run (a tst_flag, so `nbdev-test` leaves these cells out too)
+# Full runs that peak at 1.6-2.5 GB (VmHWM per test, session 22): one xdist worker runs them one after another, so
+# two never add up (the test run's peak stays under 4 GB with two workers)
+HEAVY = ('07a_awq', '07b_svdquant', '13_models', '15a_record', '23_rounding')
 
 
 def _has_long_cells(nb:Path) -> bool:
@@ -40,7 +43,9 @@ def _cases() -> list:
     for nb in NBS:
         name = nb.relative_to(CFG.nbs_path).with_suffix('').as_posix()
         if not _has_long_cells(nb): cases.append(pytest.param(nb, False, id=name))
-        else: cases += [pytest.param(nb, True, id=name, marks=pytest.mark.long), pytest.param(nb, False, id=name + ':quick')]
+        else:
+            marks = [pytest.mark.long] + [pytest.mark.xdist_group('heavy')] * (name in HEAVY)
+            cases += [pytest.param(nb, True, id=name, marks=marks), pytest.param(nb, False, id=name + ':quick')]
     return cases
 
 CASES = _cases()
@@ -54,10 +59,10 @@ def test_long_notebooks_have_a_quick_case():
     "A notebook with `#| long` cells is a full case marked `long` and a quick case; the others are one unmarked case."
     cases = {c.id: c for c in CASES}
     long_nbs = [nb for nb in NBS if _has_long_cells(nb)]
-    assert any(nb.stem == '23_rounding' for nb in long_nbs)
+    assert any(nb.stem == '23_rounding' for nb in long_nbs) and set(HEAVY) <= {nb.stem for nb in long_nbs}
     for nb in NBS:
         name = nb.relative_to(CFG.nbs_path).with_suffix('').as_posix()
-        assert [m.name for m in cases[name].marks] == (['long'] if nb in long_nbs else [])
+        assert [m.name for m in cases[name].marks] == (['long'] if nb in long_nbs else []) + ['xdist_group'] * (name in HEAVY)
         assert (name + ':quick' in cases) == (nb in long_nbs) and cases[name].values[1] == (nb in long_nbs)
 
 
