@@ -1,6 +1,6 @@
 """Architecture rules of issue 15: every per-format fact lives in the format's declaration, and nothing outside
 the format modules tests a format's name."""
-import ast, inspect
+import ast, functools, inspect
 from pathlib import Path
 import pytest
 import torch
@@ -149,8 +149,10 @@ def _targets(node, here:str) -> list:
     return [a.name for a in node.names] if (node.level or node.module == 'cquant') else []
 
 
+@functools.lru_cache(maxsize=None)
 def import_graph(pkg:Path=None) -> tuple:
-    "({module: {modules it imports at module level}}, ['file:line: imported'] for imports inside functions) of pkg/*.py."
+    """({module: {modules it imports at module level}}, ['file:line: imported'] for imports inside functions) of pkg/*.py
+    (parsed once per folder: three tests read it)."""
     graph, inner = {}, []
     for p in sorted((pkg or PKG).glob('*.py')):
         if p.name == '_modidx.py': continue
