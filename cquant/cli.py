@@ -622,7 +622,8 @@ def run_captured(argv, # the command's arguments, as after `cquant` (any objects
     with contextlib.chdir(cwd or os.getcwd()), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try: rc = main([str(a) for a in argv])
         except SystemExit as e:                 # argparse ends --help, --version and usage errors so
-            rc = e.code if isinstance(e.code, int) else 0 if e.code is None else (print(e.code, file=sys.stderr), 1)[1]
+            if isinstance(e.code, str): print(e.code, file=sys.stderr)     # as the interpreter would, with status 1
+            rc = e.code if isinstance(e.code, int) else int(e.code is not None)
     return rc, out.getvalue(), err.getvalue()
 
 # %% ../nbs/18_cli.ipynb #ea14cdb8

@@ -12,6 +12,10 @@ if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import glob, json, pathlib, signal, subprocess, sys, pytest
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PYTHONPATH = os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')])     # this checkout first, for subprocesses
+CLI_ENV = {**os.environ, 'PYTHONPATH': PYTHONPATH, 'MPLBACKEND': 'Agg'}
+
 
 # Parallel runs (pytest-xdist, `-n auto` in pyproject.toml): each worker gets its share of the CPUs for torch's
 # threads, and there are as many workers as CPUs while each can have the memory a notebook peaks at.
@@ -77,21 +81,18 @@ def written_files_validate(request):
 def compile_offline(tmp_path):
     """Run a script that `triton.compile`s kernels for a GPUTarget with triton's own ptxas (no GPU), in a fresh
     process without the interpreter and with a fresh cache; returns its stdout. Skips where ptxas is missing."""
-    import pathlib, subprocess, sys, triton
+    import triton
     if not (pathlib.Path(triton.__file__).parent / 'backends' / 'nvidia' / 'bin' / 'ptxas').exists():
         pytest.skip("triton's bundled ptxas is missing")
     def run(script:str, *argv:str) -> str:
         env = {k: v for k, v in os.environ.items() if k not in ('TRITON_INTERPRET', 'CQUANT_TRITON_INTERPRET')}
         env['TRITON_CACHE_DIR'] = str(tmp_path)                    # a fresh cache: really compiled here
-        env['PYTHONPATH'] = os.pathsep.join([str(pathlib.Path(__file__).parents[1]), env.get('PYTHONPATH', '')])
+        env['PYTHONPATH'] = PYTHONPATH
         r = subprocess.run([sys.executable, '-c', script, *argv], env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         return r.stdout
     return run
 
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-CLI_ENV = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(ROOT), os.environ.get('PYTHONPATH', '')]), 'MPLBACKEND': 'Agg'}
 
 def cquant_cli(*argv, fresh:bool=False, code:str|None=None, timeout:float=300) -> tuple:
     """Run the `cquant` command with arguments `argv`: (exit status, stdout, stderr). By default in this process

@@ -225,7 +225,6 @@ def test_the_import_checks_find_violations(tmp_path):
     assert inner == ['checkpoint.py:4: policy']
 
 
-
 def defined_twice(src:str) -> list:
     """Module-level names bound more than once in `src` (functions, classes, assignments); a fastcore `@patch` function
     counts as `Class.name`, the method it adds."""
