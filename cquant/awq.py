@@ -8,7 +8,7 @@ Docs: https://cquant-dev.github.io/cquant/awq.html.md"""
 from __future__ import annotations
 from dataclasses import dataclass
 import torch
-from .tensor import Params, Layout, Int4PackedLayout, Option, FormatSpec, ValueRule, register_format, format_error, check_2d
+from .tensor import Params, Layout, Int4PackedLayout, Option, Format, ValueRule, register, Storage, Loader, format_error, check_2d
 from .tensor import round_stochastic, check_finite, input_stats, checked_stats
 from .numerics import pack_uint4, unpack_uint4, SCALE_DTYPES
 
@@ -194,7 +194,7 @@ def _calibration_rows(x, w:torch.Tensor, name:str) -> torch.Tensor:
 
 # %% ../nbs/07a_awq.ipynb #93733e2c
 def awq_calibrated(w:torch.Tensor, opts:dict, calibration, name:str='weight') -> tuple:
-    "`FormatSpec.calibrated` of awq_w4a16: (qdata, params) from `awq_search` on the layer's inputs (or their statistics)."
+    "`Format.calibrated` of awq_w4a16: (qdata, params) from `awq_search` on the layer's inputs (or their statistics)."
     x = (checked_stats(calibration, w.shape[1], name) if input_stats(calibration)
          else _calibration_rows(calibration, w, name))
     q, s, z, _, _ = awq_search(w, x, opts['group_size'])
@@ -276,16 +276,19 @@ def _everywhere(dev:torch.device) -> bool:
     return True
 
 # %% ../nbs/07a_awq.ipynb #41388f04
-AWQ_W4A16 = register_format(FormatSpec(
-    'awq_w4a16', AWQLayout, torch.int8, keys=('weight_scale', 'weight_zeros'),
-    options=(Option('group_size', 64, int, 'G: input features sharing one scale and zero (even, divides K)',
-                    nested=False),
-             Option('clip_search', True, bool,
-                    'data-free encoder: per-group clip search and refit (False: plain min/max)', stored=False)),
-    group_size=64, quantize_input=False, aliases=('awq', 'w4a16'),
-    doc='Asymmetric uint4 codes with a float scale and zero per group of 64 input features; float activations.',
-    row_independent=True, row_assembly={'weight_scale': 1, 'weight_zeros': 1},
-    value_rules={'weight_scale': ValueRule('a group scale multiplies its codes (a constant group has 0)', zero_ok=True)},
-    kitchen_layout='TensorCoreAWQW4A16Layout', native_compute=_everywhere, calibrated=awq_calibrated,
-    comfy_since='present in ComfyUI comfy/quant_ops.py @ 0271a469 (undated; newer than the 2026-08-22 '
-                'snapshot, absent from the 2026-10 loader of the Kosinkadink fork)'))
+@register
+class AWQ_W4A16(Format):
+    "Asymmetric uint4 codes with a float scale and zero per group of 64 input features; float activations."
+    name, layout, aliases = 'awq_w4a16', AWQLayout, ('awq', 'w4a16')
+    storage = Storage(torch.int8, ('weight_scale', 'weight_zeros'), group_size=64,
+                      row_assembly={'weight_scale': 1, 'weight_zeros': 1},
+                      value_rules={'weight_scale': ValueRule('a group scale multiplies its codes (a constant group has 0)',
+                                                             zero_ok=True)})
+    options = (Option('group_size', 64, int, 'G: input features sharing one scale and zero (even, divides K)', nested=False),
+               Option('clip_search', True, bool,
+                      'data-free encoder: per-group clip search and refit (False: plain min/max)', stored=False))
+    kitchen_layout = 'TensorCoreAWQW4A16Layout'
+    loader = Loader(since='present in ComfyUI comfy/quant_ops.py @ 0271a469 (undated; newer than the 2026-08-22 '
+                          'snapshot, absent from the 2026-10 loader of the Kosinkadink fork)', quantize_input=False)
+    native_compute, calibrated = staticmethod(_everywhere), staticmethod(awq_calibrated)
+    def rows_independent(self, opts:dict) -> bool: return True

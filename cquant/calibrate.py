@@ -22,27 +22,27 @@ class CalibrationWarning(UserWarning):
     "A requested format gets no calibrated `input_scale` (dynamic activations)."
 
 # %% ../nbs/15_calibrate.ipynb #e1f582e3
-def input_scale_rule(fmt, # format name or FormatSpec
+def input_scale_rule(fmt, # format name or Format
                     ) -> ScaleRule|None: # None when the format keeps activations dynamic
     "The `input_scale` formula of `fmt`, asked of the registry: None for formats that load (or use) no input_scale."
     spec = get_format(fmt)
-    return spec.input_scale_rule if 'input_scale' in spec.extra_keys else None
+    return spec.activations.scale_rule if 'input_scale' in spec.storage.extra_keys else None
 
 # %% ../nbs/15_calibrate.ipynb #da4851ea
 def why_dynamic(fmt) -> str:
     "Why `fmt` gets no calibrated input_scale."
     spec = get_format(fmt)
-    if 'input_scale' not in spec.extra_keys:
+    if 'input_scale' not in spec.storage.extra_keys:
         return f'{spec.name} loads no input_scale (activations quantized inside the kernel)'
-    return spec.dynamic_reason or f'{spec.name} declares no input_scale_rule'
+    return spec.activations.dynamic_reason or f'{spec.name} declares no input_scale_rule'
 
 # %% ../nbs/15_calibrate.ipynb #5005c835
 def _smoothing_format(fmt=None):
     "The spec of `fmt` (default: the registered format cquant searches smoothing for), checked to declare `smoothing`."
-    spec = get_format(fmt) if fmt is not None else next((s for s in FORMATS.values() if s.smoothing), None)
-    if spec is None or not spec.smoothing or spec.input_scale_rule is None:
+    spec = get_format(fmt) if fmt is not None else next((s for s in FORMATS.values() if s.activations.smoothing), None)
+    if spec is None or not spec.activations.smoothing or spec.activations.scale_rule is None:
         raise ValueError(f"search_smoothing: {getattr(spec, 'name', None)!r} declares no smoothing search "
-                         f"(formats with one: {[n for n, s in FORMATS.items() if s.smoothing]})")
+                         f"(formats with one: {[n for n, s in FORMATS.items() if s.activations.smoothing]})")
     return spec
 
 # %% ../nbs/15_calibrate.ipynb #f64c071d
@@ -310,7 +310,7 @@ def _smoothed_out(spec, w, xs, s, xam=None):
     xam = _channel_amax(xs, K) if xam is None else xam
     ws = w if s is None else w / s
     qt = quantize(ws.float(), spec)
-    isc = _scale(spec.input_scale_rule, (xam if s is None else xam * s).amax())
+    isc = _scale(spec.activations.scale_rule, (xam if s is None else xam * s).amax())
     sig = noise = 0.0
     for x in xs:
         x2 = x.float().reshape(-1, K)
@@ -393,7 +393,7 @@ def calibrate_layer(fmt, # the layer's format
         if inputs is None:
             raise ValueError(f"calibrate_layer: {get_format(fmt).name} needs the layer's inputs or their statistics")
         stats = ActivationStats().update(inputs)
-    if smoothing and inputs is not None and get_format(fmt).smoothing:
+    if smoothing and inputs is not None and get_format(fmt).activations.smoothing:
         r = search_smoothing(weight, inputs, x_absmax=stats.channel_amax, fmt=fmt)
         if r['alpha'] is not None:
             p = r['pre_quant_scale']
@@ -470,7 +470,7 @@ class Calibration:
         self.stats = self._collected(collect_stats, model, want)
         gptq = set(gptq)
         rows = {k for k, f in (plan or {}).items() if self.search and input_scale_rule(f) is not None or
-                self.smoothing and get_format(f).smoothing} | gptq
+                self.smoothing and get_format(f).activations.smoothing} | gptq
         x = self._collected(collect_inputs, model, rows, self.gptq_rows) if rows else {}   # a GPTQ bank: per expert
         self.inputs = {k: v if k in gptq or split_expert_key(k)[0] in gptq else spaced_rows(v, self.max_rows) for k, v in x.items()}
         return self
@@ -538,7 +538,7 @@ def rounding_kwargs(name:str, # the layer
                    ) -> dict: # keywords for `cquant.quantize`
     "The `quantize` keywords that round layer `name` as asked: GPTQ on its calibration inputs, or MSE without them."
     if rounding == 'nearest':
-        if fmt is None or not get_format(fmt).calibrated: return {}
+        if fmt is None or not get_format(fmt).declares('calibrated'): return {}
         if x is None:
             warnings.warn(f"{name}: {get_format(fmt).name} calibrates on the layer's inputs and none were given; "
                           "its data-free variant instead", CalibrationWarning, stacklevel=3)
@@ -572,7 +572,7 @@ def quantize_model(model:nn.Module, # a float model, quantized in place
     roundings = {key(k): getattr(d, 'rounding', 'nearest') for k, d in dict(plan).items()}
     plan = {key(k): plan_entry(d)[:3] for k, d in dict(plan).items()}
     keep = gptq_layers(roundings, calibration, 'quantize_model') | {
-        k for k, d in plan.items() if d[0] is not None and get_format(d[0]).calibrated}
+        k for k, d in plan.items() if d[0] is not None and get_format(d[0]).declares('calibrated')}
     if calibration is not None:
         calibration = Calibration.of(calibration).prepare(model, {k: d[0] for k, d in plan.items() if d[0] is not None},
                                                           keep)

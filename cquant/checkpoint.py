@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 import torch
 from .formats import FORMATS
-from .tensor import (FormatSpec, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
+from .tensor import (Format, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
                            get_format, load_quantized, unique_keys, check_activations)
 from .comfy import expert_tensors, file_value, split_bank
 from .plain import parse_size, _fmt_bytes, size_ratio, text_table, _footnotes, markdown_table
@@ -672,7 +672,7 @@ def group_modules(keys) -> dict[str, dict[str, str]]:
 # %% ../nbs/11_checkpoint.ipynb #93c6a633
 def scale_keys() -> set:
     "Every per-module tensor name a registered format reads beside `weight` (the scale-key universe)."
-    return {k for s in FORMATS.values() for k in s.keys + s.optional_keys + s.extra_keys}
+    return {k for s in FORMATS.values() for k in s.storage.keys + s.storage.optional_keys + s.storage.extra_keys}
 
 # %% ../nbs/11_checkpoint.ipynb #a2d26f91
 def shapes_of(model:torch.nn.Module) -> dict:
@@ -686,7 +686,7 @@ class ModuleEntry:
     name: str
     keys: dict                       # suffix -> full key
     config: dict|None = None         # decoded comfy_quant
-    spec: FormatSpec|None = None
+    spec: Format|None = None
     options: dict = field(default_factory=dict)
     shape: tuple|None = None         # logical weight shape (given or inferred)
     shape_inferred: bool = False
@@ -737,10 +737,10 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
         e.options = spec.resolve(cfg, p)
     except QuantFormatError as err: raise _in_file(path, err) from None
     if file_value(cfg, 'num_experts') is not None: _bank_config(path, e, infos)
-    want = ('weight',) + spec.keys
+    want = ('weight',) + spec.storage.keys
     missing = [s for s in want if s not in infos]
     if missing: raise CheckpointError(path, f"'{p}{missing[0]}': expected {spec.name} tensors {list(want)}, found {p}{missing[0]} missing")
-    allowed = set(spec.weight_keys) | set(spec.extra_keys)
+    allowed = set(spec.weight_keys) | set(spec.storage.extra_keys)
     extra = sorted(s for s in infos if (s in known or s.startswith('weight_')) and s not in allowed)
     if extra: raise CheckpointError(path, f"'{p}{extra[0]}': expected only {spec.name} tensors {sorted(allowed)}, found extra {[p + s for s in extra]}")
     lopts = {**spec.layout_kwargs, **e.options}
@@ -759,7 +759,7 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
         raise CheckpointError(path, f"'{p}input_scale': expected one value, found shape {infos['input_scale'].shape}")
     if 'pre_quant_scale' in infos and infos['pre_quant_scale'].numel != K:
         raise CheckpointError(path, f"'{p}pre_quant_scale': expected {K} values (one per input feature), found shape {infos['pre_quant_scale'].shape}")
-    try: check_activations(spec, {s: ck[p + s] for s in spec.extra_keys if s in infos}, p)
+    try: check_activations(spec, {s: ck[p + s] for s in spec.storage.extra_keys if s in infos}, p)
     except QuantFormatError as err: raise _in_file(path, err) from None
     return _check_bias(path, e, infos)
 
@@ -1017,14 +1017,14 @@ def _umask() -> int:
 # %% ../nbs/11_checkpoint.ipynb #e9509aff
 def comfy_unread(mods:Mapping) -> dict:
     "`{module: [keys]}` of the modules (`Checkpoint.modules()`) storing tensors ComfyUI's loader never reads."
-    out = {m: [k for k in getattr(FORMATS.get(e.format), 'comfy_unread', ()) if k in e.keys] for m, e in mods.items()}
+    out = {m: [k for k in (FORMATS[e.format].loader.unread if e.format in FORMATS else ()) if k in e.keys] for m, e in mods.items()}
     return {m: ks for m, ks in out.items() if ks}
 
 def _comfy_unloadable(mods:Mapping) -> dict:
-    "`{format: modules}` of the modules whose format ComfyUI's core loader does not register (`FormatSpec.comfy_loader`)."
+    "`{format: modules}` of the modules whose format ComfyUI's core loader does not register (`Format.loader.registered`)."
     out = {}
     for m, e in mods.items():
-        if e.format in FORMATS and not FORMATS[e.format].comfy_loader: out[e.format] = out.get(e.format, 0) + 1
+        if e.format in FORMATS and not FORMATS[e.format].loader.registered: out[e.format] = out.get(e.format, 0) + 1
     return out
 
 def _warn_comfy_unread(path, mods:Mapping):
@@ -1301,7 +1301,7 @@ def provenance(metadata:Mapping) -> dict:
 # %% ../nbs/11_checkpoint.ipynb #600e3574
 def _row(ck:Checkpoint, e:ModuleEntry) -> dict:
     w = ck.info(e.prefix + 'weight')
-    tensors = (e.spec.weight_keys + e.spec.extra_keys) if e.quantized else ('weight',)
+    tensors = (e.spec.weight_keys + e.spec.storage.extra_keys) if e.quantized else ('weight',)
     nbytes = sum(ck.info(e.keys[s]).nbytes for s in tensors if s in e.keys)
     opts = {}
     if e.quantized:

@@ -432,9 +432,9 @@ def add_attention_parser(subparsers):
 def formats_table(as_json:bool=False) -> str:
     "The registered formats: storage dtype, scale keys, options with defaults, group size."
     from cquant.formats import FORMATS
-    rows = [dict(format=s.name, storage=str(s.storage_dtype).replace('torch.', ''), keys=list(s.keys),
-                 options={o.name: o.default for o in s.options if o.stored}, group_size=s.group_size,
-                 quantize_input=s.quantize_input) for s in FORMATS.values()]
+    rows = [dict(format=s.name, storage=str(s.storage.dtype).replace('torch.', ''), keys=list(s.storage.keys),
+                 options={o.name: o.default for o in s.options if o.stored}, group_size=s.storage.group_size,
+                 quantize_input=s.loader.quantize_input) for s in FORMATS.values()]
     if as_json: return json.dumps(rows, indent=1)
     lines = [f"{'format':<18} {'storage':<14} {'group':>5}  keys / stored options"]
     lines += [f"{r['format']:<18} {r['storage']:<14} {str(r['group_size'] or '-'):>5}  {', '.join(r['keys'])}"
@@ -533,7 +533,7 @@ def _facts() -> dict:
     def tier(c):
         spec = c.spec()
         return dict(label=c.label, bits=round(8 * storage_bytes(w, spec, **c.opts) / w.numel(), 3), native=_native(spec),
-                    calibrated=spec.calibrated is not None)
+                    calibrated=spec.declares('calibrated'))
     return dict(modes={k: dict(doc=m.doc, tiers=[tier(c) for c in (m.chain[0], *m.budget[:1])]) for k, m in MODES.items()},
                 presets=list(PRESETS), preset_spellings=preset_spellings(), selections=list(SELECTIONS),
                 float_dtypes=list(FLOAT_WRITE_DTYPES), comfyui_levels=list(COMFYUI_LEVELS), device_classes=list(DEVICE_CLASSES),

@@ -54,7 +54,7 @@ def row_dim(k:str) -> int: return _ROW_DIM.get(k, 0)
 
 # %% ../nbs/10_comfy.ipynb #88377281
 def flagged_formats(fact:str) -> list:
-    "The registered formats whose `FormatSpec` sets `fact` (for messages)."
+    "The registered formats whose `Format` sets `fact` (for messages)."
     return [n for n, s in FORMATS.items() if getattr(s, fact)]
 
 # %% ../nbs/10_comfy.ipynb #7834aa76

@@ -30,10 +30,10 @@ __all__ = ['Report', 'plot_report', 'quantize_checkpoint', 'report_error', 'conv
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #7afae215
 def _rowwise(fmt, options:dict) -> dict|None:
-    """The format's row-block assembly rules (`FormatSpec.row_assembly`) if `fmt` with `options` quantizes row block
+    """The format's row-block assembly rules (`Format.storage.row_assembly`) if `fmt` with `options` quantizes row block
     by row block, else None."""
     spec = get_format(fmt)
-    return dict(spec.row_assembly) if spec.rows_independent(options) else None
+    return dict(spec.storage.row_assembly) if spec.rows_independent(options) else None
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #9a86be96
 BLOCK_MIN, BLOCK_MAX = 1 << 20, 1 << 24     # elements per row block: 1/16 of the weight, within these bounds
@@ -678,7 +678,7 @@ def _placed_bytes(ck:Checkpoint, keys:dict, d, drop) -> int:
     if d is None or not d.format or 'weight' not in keys: return rest
     spec = get_format(d.format)
     opts = {**spec.layout_kwargs, **{o.name: o.default for o in spec.options}, **d.options}
-    try: w = math.prod(spec.layout.storage_shape(tuple(d.shape), opts)) * torch.empty(0, dtype=spec.storage_dtype).element_size()
+    try: w = math.prod(spec.layout.storage_shape(tuple(d.shape), opts)) * torch.empty(0, dtype=spec.storage.dtype).element_size()
     except Exception: w = ck.info(keys['weight']).nbytes      # a shape the layout does not size (a bank): the source's
     return rest + w * 5 // 4 + 4096
 
@@ -895,7 +895,7 @@ def _zero_weight_repairs(ck:Checkpoint) -> tuple:
         if 'comfy_quant' not in keys: continue
         try: cfg = decode_json(ck[keys['comfy_quant']]); spec = get_format(cfg['format'])
         except Exception: continue                               # not a zero weight: the module scan reports it
-        zk = spec.zero_weight_key
+        zk = spec.storage.zero_weight_key
         if zk not in keys or math.prod(ck.info(keys[zk]).shape) != 1 or float(ck[keys[zk]]) != 0: continue
         t = {s: ck[k] for s, k in keys.items() if s in spec.weight_keys}
         if not _zero_weight(spec, t): continue

@@ -13,7 +13,7 @@ from fastcore.basics import patch
 import torch
 import torch.nn.functional as F
 from .formats import FORMATS, storage_bytes, _nbytes
-from .tensor import FormatSpec, QuantizedTensor, get_format, quantize, same_bits
+from .tensor import Format, QuantizedTensor, get_format, quantize, same_bits
 from .numerics import rotate
 from .convert import layer_ticks, _SQNR_MEANS
 from .modules import plan_entry
@@ -56,7 +56,7 @@ def _dist(v, cur) -> float:
     return abs(math.log2(v / cur)) + (1e-3 if v > cur else 0.0)
 
 # %% ../nbs/20_explore.ipynb #eba41d3a
-def fit_options(fmt, # format name or `FormatSpec`
+def fit_options(fmt, # format name or `Format`
                 shape:tuple, # logical weight shape (N, K)
                 **opts, # options as given (others take their defaults)
                ) -> dict|None: # all resolved options, int options moved to fit; None if nothing fits
@@ -75,7 +75,7 @@ def fit_options(fmt, # format name or `FormatSpec`
 # %% ../nbs/20_explore.ipynb #d52744be
 _TRIALS: dict = {}
 
-def accepts(fmt, # format name or `FormatSpec`
+def accepts(fmt, # format name or `Format`
             shape:tuple, # logical weight shape (N, K)
             **opts, # options
            ) -> bool: # the shape rules pass and the encoder accepts the options
@@ -91,7 +91,7 @@ def accepts(fmt, # format name or `FormatSpec`
     return _TRIALS[key]
 
 # %% ../nbs/20_explore.ipynb #dac7e84e
-def option_domain(fmt, # format name or `FormatSpec`
+def option_domain(fmt, # format name or `Format`
                   name:str, # option name
                   shape:tuple, # logical weight shape (N, K)
                   **opts, # the other options' current values
@@ -110,7 +110,7 @@ def option_domain(fmt, # format name or `FormatSpec`
     return [v for v, o in fitted if o is not None and accepts(spec, shape, **o)]
 
 # %% ../nbs/20_explore.ipynb #fd14bb29
-def normalize_options(fmt, # format name or `FormatSpec`
+def normalize_options(fmt, # format name or `Format`
                       shape:tuple, # logical weight shape (N, K)
                       **opts, # options as given
                      ) -> dict|None: # resolved options that fit, each int option inside its `option_domain`
@@ -168,13 +168,13 @@ def _rotation(opts:dict) -> int|None:
     return g if isinstance(g, int) and not isinstance(g, bool) and opts.get('convrot', True) else None
 
 # %% ../nbs/20_explore.ipynb #4215b264
-def _block(spec:FormatSpec, opts:dict) -> int|None:
+def _block(spec:Format, opts:dict) -> int|None:
     "The block along K that the format scales by: the `group_size` option, else the registry's `group_size`."
-    g = opts.get('group_size', spec.group_size)
+    g = opts.get('group_size', spec.storage.group_size)
     return g if isinstance(g, int) and not isinstance(g, bool) and g > 0 else None
 
 # %% ../nbs/20_explore.ipynb #6e30f0b5
-def _short_opts(spec:FormatSpec, opts:dict) -> dict:
+def _short_opts(spec:Format, opts:dict) -> dict:
     "The options that differ from their defaults (and are not tensors)."
     out = {}
     for o in spec.options:
@@ -208,7 +208,7 @@ class Analysis:
     numbers: dict = field(default_factory=dict)
 
     @property
-    def spec(self) -> FormatSpec: return get_format(self.format)
+    def spec(self) -> Format: return get_format(self.format)
     @property
     def block(self) -> int|None: return _block(self.spec, self.options)
     @property
@@ -242,7 +242,7 @@ def __repr__(self:Analysis):
 
 # %% ../nbs/20_explore.ipynb #110a1398
 def analyze(w, # 2-D float weight (a QuantizedTensor is dequantized first)
-            fmt, # format name or `FormatSpec`
+            fmt, # format name or `Format`
             name:str='weight', # layer name for titles and errors
             max_elems:int|None=2**20, # analyse sampled rows above this many values (None: all)
             nbytes:int|None=None, # bytes of the full weight, if already known (skips `storage_bytes`)

@@ -29,8 +29,8 @@ def declaring_modules(folder:Path, # a package folder
 
 def format_module_names(folder:Path=None, # default: the cquant package
                        ) -> list: # module names, in their notebooks' order
-    "The modules that declare a format (a top-level `NAME = register_format(...)`)."
-    return declaring_modules(folder or Path(tensor.__file__).parent, re.compile(r"^\w+ = register_format\(", re.M))
+    "The modules that declare a format (a top-level class decorated `@register`)."
+    return declaring_modules(folder or Path(tensor.__file__).parent, re.compile(r"^@register$", re.M))
 
 # %% ../nbs/08_formats.ipynb #5d2f8d27
 FORMAT_MODULES = tuple(importlib.import_module(f'cquant.{n}') for n in format_module_names())
@@ -40,7 +40,7 @@ def _nbytes(tensors:dict) -> int: return sum(v.numel() * v.element_size() for v 
 
 # %% ../nbs/08_formats.ipynb #92d05d03
 def storage_bytes(w:torch.Tensor, # the full 2-D weight
-                  fmt, # format name or `FormatSpec`
+                  fmt, # format name or `Format`
                   quantizer=None, # optional fn(rows) -> {key: tensor} (default: cquant's file entries)
                   **opts, # format options
                  ) -> int: # bytes of every file entry of the quantized weight (not comfy_quant)

@@ -11,7 +11,7 @@ import torch
 
 from .numerics import FP8_DTYPES, FP16_MIN_NORMAL, fp8_max, absmax
 from .tensor import ScaleRule, ValueRule, nvidia_compute
-from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, round_stochastic
+from .tensor import Option, Params, Layout, Format, register, Storage, Loader, Activations, format_error, round_stochastic
 from .tensor import Grid
 
 # %% auto #0
@@ -161,7 +161,7 @@ class FP8Layout(Layout):
 
 # %% ../nbs/02_fp8.ipynb #041db7c8
 def fp8_grid(fp8_dtype:torch.dtype):
-    "The `FormatSpec.grid` hook of an FP8 dtype: its elements under one per-tensor scale."
+    "The `Format.grid` hook of an FP8 dtype: its elements under one per-tensor scale."
     def grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
         given = opts.get('scale') is not None
         s = fp32_scalar(opts['scale']) if given else absmax(w).float() * tensor_clip / fp8_max(fp8_dtype)
@@ -175,23 +175,33 @@ def fp8_grid(fp8_dtype:torch.dtype):
 _SCALE_OPTION = Option('scale', None, (float, int, torch.Tensor, type(None)),
                        doc='per-tensor scale; None = max|w| / fp8 max (kitchen\'s absmax)', stored=False)
 
-# rows decode from their own storage and the one scale (embeddings); ComfyUI: NVIDIA Ada+ with torch >= 2.3
-_FP8_FACTS = dict(value_rules={'weight_scale': ValueRule('the one scale multiplies every stored value', zero_codes=True)},
-                  zero_weight_key='weight_scale',
-                  row_gather=True, embedding=True, kitchen_layout='TensorCoreFP8Layout',
-                  native_compute=nvidia_compute(FP8Layout.MIN_SM_VERSION, (2, 3)),
-                  comfy_since='2026-08')   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
+def _fp8_storage(dtype:torch.dtype) -> Storage:
+    "An FP8 weight of `dtype` under one scale (0 only over an all-zero weight), with its activation's `input_scale`."
+    rule = ValueRule('the one scale multiplies every stored value', zero_codes=True)
+    return Storage(dtype, ('weight_scale',), extra_keys=('input_scale',), zero_weight_key='weight_scale',
+                   value_rules={'weight_scale': rule})
 
-FP8_E4M3 = register_format(FormatSpec(
-    'float8_e4m3fn', FP8Layout, torch.float8_e4m3fn, keys=('weight_scale',), extra_keys=('input_scale',),
-    options=(_SCALE_OPTION,), quantize_input=True, layout_kwargs={'fp8_dtype': torch.float8_e4m3fn},
-    doc='FP8 E4M3 elements with one fp32 scale per tensor.', aliases=('fp8', 'e4m3', 'fp8_e4m3fn'),
-    input_scale_rule=ScaleRule('amax / 448 (finfo(e4m3).max)', fp8_max(torch.float8_e4m3fn), torch.float8_e4m3fn),
-    kitchen_kwargs=lambda o: dict(dtype=torch.float8_e4m3fn), grid=fp8_grid(torch.float8_e4m3fn), **_FP8_FACTS))
+class _FP8Format(Format):
+    "The facts and hooks the two FP8 formats share; each sets its dtype's storage, layout argument and scale rule."
+    layout, options = FP8Layout, (_SCALE_OPTION,)
+    row_gather, embedding = True, True  # rows decode from their own storage and the one scale (embeddings)
+    kitchen_layout = 'TensorCoreFP8Layout'
+    loader = Loader(since='2026-08')    # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
+    native_compute = staticmethod(nvidia_compute(FP8Layout.MIN_SM_VERSION, (2, 3)))   # NVIDIA Ada+ with torch >= 2.3
+    def kitchen_kwargs(self, opts:dict) -> dict: return dict(dtype=self.storage.dtype)
+    def grid(self, w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
+        return fp8_grid(self.storage.dtype)(w, opts, tensor_clip)
 
-FP8_E5M2 = register_format(FormatSpec(
-    'float8_e5m2', FP8Layout, torch.float8_e5m2, keys=('weight_scale',), extra_keys=('input_scale',),
-    options=(_SCALE_OPTION,), quantize_input=True, layout_kwargs={'fp8_dtype': torch.float8_e5m2},
-    doc='FP8 E5M2 elements with one fp32 scale per tensor.', aliases=('e5m2', 'fp8_e5m2'),
-    input_scale_rule=ScaleRule('amax / 57344 (finfo(e5m2).max)', fp8_max(torch.float8_e5m2), torch.float8_e5m2),
-    kitchen_kwargs=lambda o: dict(dtype=torch.float8_e5m2), grid=fp8_grid(torch.float8_e5m2), **_FP8_FACTS))
+@register
+class FP8_E4M3(_FP8Format):
+    "FP8 E4M3 elements with one fp32 scale per tensor."
+    name, aliases = 'float8_e4m3fn', ('fp8', 'e4m3', 'fp8_e4m3fn')
+    storage, layout_kwargs = _fp8_storage(torch.float8_e4m3fn), {'fp8_dtype': torch.float8_e4m3fn}
+    activations = Activations(ScaleRule('amax / 448 (finfo(e4m3).max)', fp8_max(torch.float8_e4m3fn), torch.float8_e4m3fn))
+
+@register
+class FP8_E5M2(_FP8Format):
+    "FP8 E5M2 elements with one fp32 scale per tensor."
+    name, aliases = 'float8_e5m2', ('e5m2', 'fp8_e5m2')
+    storage, layout_kwargs = _fp8_storage(torch.float8_e5m2), {'fp8_dtype': torch.float8_e5m2}
+    activations = Activations(ScaleRule('amax / 57344 (finfo(e5m2).max)', fp8_max(torch.float8_e5m2), torch.float8_e5m2))

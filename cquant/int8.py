@@ -10,7 +10,7 @@ import functools
 from dataclasses import dataclass
 import torch
 from .tensor import ValueRule, int8_compute
-from .tensor import (Params, Layout, Option, FormatSpec, register_format, format_error, check_2d,
+from .tensor import (Params, Layout, Option, Format, register, Storage, Loader, format_error, check_2d,
                            round_stochastic)
 from .numerics import absmax, rotate, FP16_MIN_NORMAL, SCALE_DTYPES, is_power_of_4, residual_energy
 from .tensor import Grid, as_fp32
@@ -361,22 +361,24 @@ def int8_grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
                 inputs, tensor_scale=not per_row, runtime_inputs=runtime, stored=lambda q, p: q.float().mul_(p.scale.float()))
 
 # %% ../nbs/05_int8.ipynb #bfc4ac49
-INT8_TENSORWISE = register_format(FormatSpec(
-    'int8_tensorwise', Int8Layout, torch.int8, keys=('weight_scale',),
-    options=(Option('per_row', False, bool, 'one scale per output row ([N, 1]) instead of one per tensor',
-                    stored=False),
-             Option('convrot', False, bool,
-                    'ConvRot: Hadamard-rotate groups of input features first (implies per_row)', write='non_default'),
-             Option('convrot_groupsize', 256, int, 'ConvRot group: a power of 4 dividing K',
-                    write=lambda o: bool(o['convrot']))),
-    quantize_input=False, extra_keys=(), aliases=('int8', 'int8_convrot', 'w8a8'),
-    value_rules={'weight_scale': ValueRule('the tensor or row scale multiplies the int8 values', zero_codes=True)},
-    doc='Symmetric absmax INT8, tensor-wise or per-row scale, optional ConvRot; per-token INT8 activations in the linear.',
-    row_gather=True, embedding=True, grid=int8_grid, row_independent=int8_per_row, flat_banks=_int8_flat_banks,
-    flags_nonfinite=True, measures_error=_int8_measures_error,
-    kitchen_layout='TensorWiseINT8Layout', native_compute=int8_compute,
-    comfy_since='2026-08',   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
-    kitchen_kwargs=lambda o: dict(per_channel=int8_per_row(o), convrot=bool(o.get('convrot')),
-                                  convrot_groupsize=o.get('convrot_groupsize', 256)),
-    study_variants=(('int8_per_row', {'per_row': True}),
-                    *((f'int8_convrot{g}', {'convrot': True, 'convrot_groupsize': g}) for g in (16, 64, 256)))))
+@register
+class INT8_TENSORWISE(Format):
+    "Symmetric absmax INT8, tensor-wise or per-row scale, optional ConvRot; per-token INT8 activations in the linear."
+    name, layout, aliases = 'int8_tensorwise', Int8Layout, ('int8', 'int8_convrot', 'w8a8')
+    storage = Storage(torch.int8, ('weight_scale',), value_rules={
+        'weight_scale': ValueRule('the tensor or row scale multiplies the int8 values', zero_codes=True)})
+    options = (Option('per_row', False, bool, 'one scale per output row ([N, 1]) instead of one per tensor', stored=False),
+               Option('convrot', False, bool,
+                      'ConvRot: Hadamard-rotate groups of input features first (implies per_row)', write='non_default'),
+               Option('convrot_groupsize', 256, int, 'ConvRot group: a power of 4 dividing K',
+                      write=lambda o: bool(o['convrot'])))
+    row_gather, embedding, flags_nonfinite = True, True, True
+    kitchen_layout = 'TensorWiseINT8Layout'
+    loader = Loader(since='2026-08', quantize_input=False)   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
+    study_variants = (('int8_per_row', {'per_row': True}),
+                      *((f'int8_convrot{g}', {'convrot': True, 'convrot_groupsize': g}) for g in (16, 64, 256)))
+    rows_independent, bank_is_flat = staticmethod(int8_per_row), staticmethod(_int8_flat_banks)
+    native_compute, measures, grid = staticmethod(int8_compute), staticmethod(_int8_measures_error), staticmethod(int8_grid)
+    def kitchen_kwargs(self, opts:dict) -> dict:
+        return dict(per_channel=int8_per_row(opts), convrot=bool(opts.get('convrot')),
+                    convrot_groupsize=opts.get('convrot_groupsize', 256))

@@ -443,7 +443,7 @@ def _basis_parts(m:str, qt, opts:dict, how:dict, patches:list, elems:int):
     down factor is taken into the basis (r rows, not N), the grid's nearest rounding packs the block; no basis change
     of the weight either way. `parts(energies)` for `_write_quantized`; None where the format offers no stored basis."""
     spec, (N, K) = get_format(qt.format), qt.shape
-    if spec.grid is None: return None
+    if not spec.declares('grid'): return None
     grid = lambda n: spec.grid(torch.empty(n, K, dtype=qt.dtype, device='meta'), opts)
     try: g = grid(N)
     except (RuntimeError, NotImplementedError): return None        # a grid that needs the weight's values (W4A8's encoder)

@@ -37,7 +37,7 @@ def _qparam(qt:QuantizedTensor) -> nn.Parameter: return nn.Parameter(qt, require
 class QuantModule(nn.Module):
     "Base of the quantized modules: loading/saving Comfy state dicts, compute flags, device moves."
     _extra_keys: tuple = ()            # activation tensors the module loads (Linear: input_scale, pre_quant_scale)
-    _fact: str|None = None             # the FormatSpec flag a format needs here (None: every registered format)
+    _fact: str|None = None             # the Format flag a format needs here (None: every registered format)
     _top_level_only: bool = False      # options only from the top level of comfy_quant (embeddings)
     _default_scale: bool = False       # a missing scale tensor defaults to a scalar 1.0 (embeddings)
 
@@ -121,7 +121,7 @@ def _target(self:QuantModule) -> tuple:
 def _load_extras(self:QuantModule, sd, prefix, spec, K) -> dict:
     out = {}
     for k in self._extra_keys:
-        if k not in spec.extra_keys or prefix + k not in sd: continue   # others stay: unexpected keys
+        if k not in spec.storage.extra_keys or prefix + k not in sd: continue   # others stay: unexpected keys
         t = sd[prefix + k]
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn,
             torch.float8_e5m2):
@@ -152,7 +152,7 @@ def _load_from_state_dict(self:QuantModule, state_dict, prefix, local_metadata, 
         conf = {k: v for k, v in cfg.items() if k != 'params'} if self._top_level_only else cfg
         tensors = {prefix + k: state_dict[prefix + k] for k in spec.weight_keys if prefix + k in state_dict}
         if self._default_scale:
-            for k in spec.keys: tensors.setdefault(prefix + k, torch.ones((), dtype=torch.float32))
+            for k in spec.storage.keys: tensors.setdefault(prefix + k, torch.ones((), dtype=torch.float32))
         dtype, device = self._target()
         qt = load_quantized(tensors, prefix, shape, dtype, conf)
         if device is not None and qt.device != device: qt = qt.to(device)
@@ -182,7 +182,7 @@ def _save_to_state_dict(self:QuantModule, destination, prefix, keep_vars):
 
 # %% ../nbs/12_modules.ipynb #f7154e55
 @patch
-def quantize_(self:QuantModule, fmt, # format name (or FormatSpec)
+def quantize_(self:QuantModule, fmt, # format name (or Format)
               *, stochastic_rounding:int=0, # 0: round to nearest; else a seed
               full_precision_matrix_mult:bool=False, # write (and honour) the file flag
               **options): # format options, as `cquant.quantize`

@@ -11,7 +11,7 @@ import torch
 
 from .numerics import absmax, e8m0_encode, e8m0_decode, to_blocked, from_blocked, pad_to_multiple, round_up
 from .tensor import ValueRule, nvidia_compute
-from .tensor import Params, Layout, FormatSpec, register_format, format_error, check_2d
+from .tensor import Params, Layout, Format, register, Storage, Loader, Activations, format_error, check_2d
 from .fp8 import round_to_fp8, fp8_linear_fp32
 
 # %% auto #0
@@ -151,14 +151,16 @@ class MXFP8Layout(Layout):
         return mxfp8_linear(x, qdata, params.block_scale, params.orig_shape, bias)
 
 # %% ../nbs/04_mxfp8.ipynb #304d462b
-MXFP8 = register_format(FormatSpec(
-    'mxfp8', MXFP8Layout, torch.float8_e4m3fn, keys=('weight_scale',), extra_keys=('input_scale',),
-    group_size=MXFP8_BLOCK, quantize_input=True,
-    value_rules={'weight_scale': ValueRule('a block exponent 2**(e-127) multiplies its 32 values; 0xFF is NaN')},
-    doc='e4m3 elements with one E8M0 (power-of-two) scale per 32 elements along K; padded to 32x32.',
-    dynamic_reason='mxfp8 quantizes activations dynamically (its linear ignores input_scale)',
-    kitchen_layout='TensorCoreMXFP8Layout', native_compute=nvidia_compute(MXFP8Layout.MIN_SM_VERSION, (2, 10)),
-    comfy_since='2026-08'))   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot (when kitchen has the layout)
+@register
+class MXFP8(Format):
+    "e4m3 elements with one E8M0 (power-of-two) scale per 32 elements along K; padded to 32x32."
+    name, layout = 'mxfp8', MXFP8Layout
+    storage = Storage(torch.float8_e4m3fn, ('weight_scale',), extra_keys=('input_scale',), group_size=MXFP8_BLOCK,
+                      value_rules={'weight_scale': ValueRule('a block exponent 2**(e-127) multiplies its 32 values; 0xFF is NaN')})
+    activations = Activations(dynamic_reason='mxfp8 quantizes activations dynamically (its linear ignores input_scale)')
+    kitchen_layout = 'TensorCoreMXFP8Layout'
+    loader = Loader(since='2026-08')    # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot (when kitchen has the layout)
+    native_compute = staticmethod(nvidia_compute(MXFP8Layout.MIN_SM_VERSION, (2, 10)))
 
 # %% ../nbs/04_mxfp8.ipynb #827066e1
 def plot_block_exponents(qt, # an mxfp8 QuantizedTensor

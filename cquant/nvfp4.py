@@ -15,7 +15,7 @@ from .numerics import (E2M1_VALUES, FP16_MIN_NORMAL, round_up, absmax, cast_fp8,
                              pack_nibbles, _constant_cache,
                              unpack_nibbles, pad_to_multiple, to_blocked, from_blocked)
 from .tensor import ScaleRule, ValueRule, nvidia_compute
-from .tensor import Option, Params, Layout, FormatSpec, register_format, format_error, check_2d, round_stochastic
+from .tensor import Option, Params, Layout, Format, register, Storage, Loader, Activations, format_error, check_2d, round_stochastic
 from .tensor import Grid
 
 # %% auto #0
@@ -266,17 +266,18 @@ def nvfp4_grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
                 tensor_scale=not given, runtime_inputs=runtime)
 
 # %% ../nbs/03_nvfp4.ipynb #1933e017
-NVFP4 = register_format(FormatSpec(
-    'nvfp4', NVFP4Layout, torch.uint8, keys=('weight_scale', 'weight_scale_2'),
-    extra_keys=('input_scale', 'pre_quant_scale'),
-    zero_weight_key='weight_scale_2',
-    value_rules={'weight_scale': ValueRule('a block scale multiplies its 16 values (an all-zero block has 0)', zero_ok=True),
-                 'weight_scale_2': ValueRule('the global scale multiplies every block scale (an all-zero weight has 0)',
-                                             zero_ok=True)},
-    options=(Option('scale', None, (float, int, type(None)), stored=False,
-                    doc='global scale (weight_scale_2); None = amax(|w|)/(448*6) in the weight dtype'),),
-    group_size=_GROUP, quantize_input=True, grid=nvfp4_grid,
-    doc='NVFP4: E2M1 codes in blocks of 16 with e4m3 block scales (swizzled) and an fp32 global scale.',
-    input_scale_rule=ScaleRule('amax / (448 * 6): the global activation scale', 448 * 6), smoothing=True,
-    kitchen_layout='TensorCoreNVFP4Layout', native_compute=nvidia_compute(NVFP4Layout.MIN_SM_VERSION),
-    comfy_since='2026-08'))   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
+@register
+class NVFP4(Format):
+    "NVFP4: E2M1 codes in blocks of 16 with e4m3 block scales (swizzled) and an fp32 global scale."
+    name, layout = 'nvfp4', NVFP4Layout
+    storage = Storage(torch.uint8, ('weight_scale', 'weight_scale_2'), extra_keys=('input_scale', 'pre_quant_scale'),
+                      group_size=_GROUP, zero_weight_key='weight_scale_2', value_rules={
+        'weight_scale': ValueRule('a block scale multiplies its 16 values (an all-zero block has 0)', zero_ok=True),
+        'weight_scale_2': ValueRule('the global scale multiplies every block scale (an all-zero weight has 0)', zero_ok=True)})
+    options = (Option('scale', None, (float, int, type(None)), stored=False,
+                      doc='global scale (weight_scale_2); None = amax(|w|)/(448*6) in the weight dtype'),)
+    activations = Activations(ScaleRule('amax / (448 * 6): the global activation scale', 448 * 6), smoothing=True)
+    kitchen_layout = 'TensorCoreNVFP4Layout'
+    loader = Loader(since='2026-08')    # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
+    native_compute = staticmethod(nvidia_compute(NVFP4Layout.MIN_SM_VERSION))
+    grid = staticmethod(nvfp4_grid)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .tensor import ROUNDINGS, FORMATS, FormatSpec, QuantFormatError, QuantizedTensor, get_format, quantize
+from .tensor import ROUNDINGS, FORMATS, Format, QuantFormatError, QuantizedTensor, get_format, quantize
 from .tensor import input_stats, checked_stats
 from .fp8 import FP8_E4M3
 from .nvfp4 import NVFP4
@@ -216,8 +216,8 @@ class Choice:
     @property
     def opts(self) -> dict: return dict(self.options)
 
-    def spec(self) -> FormatSpec:
-        "The registered `FormatSpec` (a clear error if the format is not registered)."
+    def spec(self) -> Format:
+        "The registered `Format` (a clear error if the format is not registered)."
         if self.format not in FORMATS:
             raise QuantFormatError(f"{self.label} needs format {self.format!r}, which is not registered "
                                    f"(registered: {sorted(FORMATS)}); import the module that defines it")
@@ -726,9 +726,9 @@ def _unmatched(policy:Policy, names):
 
 # %% ../nbs/16_policy.ipynb #0cf1fe79
 def _rounded(d:Decision, rounding:str) -> Decision:
-    "`d` with `rounding` where its format can search (`FormatSpec.grid`), else `d` saying why it stays nearest."
+    "`d` with `rounding` where its format can search (`Format.grid`), else `d` saying why it stays nearest."
     if d.format is None: return d
-    if get_format(d.format).grid is None: return replace(d, reason=d.reason + f"; rounding nearest ({d.format} has no grid)")
+    if not get_format(d.format).declares('grid'): return replace(d, reason=d.reason + f"; rounding nearest ({d.format} has no grid)")
     return replace(d, rounding=rounding, reason=d.reason + f"; rounding {rounding}")
 
 # %% ../nbs/16_policy.ipynb #b1f1e62d

@@ -8,7 +8,7 @@ Docs: https://cquant-dev.github.io/cquant/rounding.html.md"""
 from __future__ import annotations
 import math, warnings
 import torch
-from .tensor import FormatSpec, Grid, QuantFormatError, register_rounding, format_error, as_fp32
+from .tensor import Format, Grid, QuantFormatError, register_rounding, format_error, as_fp32
 from .tensor import input_stats, input_rows, checked_stats
 
 # %% auto #0
@@ -43,7 +43,7 @@ def _search_rows(grid:Grid, rows:torch.Tensor, clips) -> tuple:
     return torch.cat(scales), best_e
 
 # %% ../nbs/23_rounding.ipynb #aa16d81b
-def search_scales(grid:Grid, # a format's rounding (`FormatSpec.grid`)
+def search_scales(grid:Grid, # a format's rounding (`Format.grid`)
                   wb:torch.Tensor, # the weight in the grid's basis, fp32 [N, K']
                   clips=CLIPS, # clip factors tried per row of each column group
                  ) -> tuple: # ([scale of each column group], squared error per row [N], fp32)
@@ -60,7 +60,7 @@ def search_scales(grid:Grid, # a format's rounding (`FormatSpec.grid`)
 # %% ../nbs/23_rounding.ipynb #b624cc75
 COARSE_CLIPS = CLIPS[::4]                                 # 1.0, 0.9, ..., 0.5: the per-tensor candidates' first pass
 
-def tensor_grid(spec:FormatSpec, w:torch.Tensor, opts:dict, tensor_clips=TENSOR_CLIPS) -> Grid:
+def tensor_grid(spec:Format, w:torch.Tensor, opts:dict, tensor_clips=TENSOR_CLIPS) -> Grid:
     "The format's grid, at the per-tensor scale of least weight error where it has one (each with coarse row clips)."
     grid = spec.grid(w, opts, 1.0)
     if grid is None:                                      # the hook covers some variants of its format only
@@ -72,7 +72,7 @@ def tensor_grid(spec:FormatSpec, w:torch.Tensor, opts:dict, tensor_clips=TENSOR_
         grid = min((spec.grid(w, opts, tc) for tc in tensor_clips), key=coarse)
     return grid
 
-def mse_grid(spec:FormatSpec, w:torch.Tensor, opts:dict, tensor_clips=TENSOR_CLIPS, clips=CLIPS) -> tuple:
+def mse_grid(spec:Format, w:torch.Tensor, opts:dict, tensor_clips=TENSOR_CLIPS, clips=CLIPS) -> tuple:
     "(grid, basis weight, scales, error) of least squared weight error over per-tensor and per-group clips."
     grid = tensor_grid(spec, w, opts, tensor_clips)
     wb = grid.basis(w)
@@ -91,7 +91,7 @@ def _no_worse(spec, w, opts, qdata, params) -> tuple:
     return ref if _weight_error(spec, w, *ref) < _weight_error(spec, w, qdata, params) else (qdata, params)
 
 # %% ../nbs/23_rounding.ipynb #65bb3cc1
-def mse_rounding(spec:FormatSpec, w:torch.Tensor, opts:dict, calibration=None, name:str='weight') -> tuple:
+def mse_rounding(spec:Format, w:torch.Tensor, opts:dict, calibration=None, name:str='weight') -> tuple:
     "rounding='mse': the clip of least weight error per row/block (and per tensor), never worse than nearest."
     if calibration is not None:
         raise format_error('', 'calibration', "None with rounding='mse' (data-free; rounding='gptq' uses inputs)",
@@ -253,7 +253,7 @@ def runtime_target(grid:Grid, # the format's rounding, with `runtime_inputs`
 
 
 # %% ../nbs/23_rounding.ipynb #5a298ba5
-def gptq_rounding(spec:FormatSpec, w:torch.Tensor, opts:dict, calibration=None, name:str='weight',
+def gptq_rounding(spec:Format, w:torch.Tensor, opts:dict, calibration=None, name:str='weight',
                   damp:float=GPTQ_DAMP, block:int=GPTQ_BLOCK, act_order:bool=False, activations:str='float') -> tuple:
     """rounding='gptq': error-compensating column rounding on the layer's inputs (or their recorded Σxᵀx), in the format's basis; with
     `act_order`, columns of larger Hessian diagonal first where the scales are fixed (per row, per tensor);

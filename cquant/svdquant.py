@@ -8,7 +8,7 @@ Docs: https://cquant-dev.github.io/cquant/svdquant.html.md"""
 from __future__ import annotations
 from dataclasses import dataclass, replace
 import torch
-from .tensor import Params, Layout, Int4PackedLayout, Option, FormatSpec, ValueRule, register_format, format_error, check_2d
+from .tensor import Params, Layout, Int4PackedLayout, Option, Format, ValueRule, register, Storage, Loader, format_error, check_2d
 from .tensor import check_finite, round_stochastic, input_stats, checked_stats
 from .numerics import pack_int4, unpack_int4, SCALE_DTYPES
 
@@ -375,23 +375,24 @@ def _check_calibration(x, shape:tuple, prefix:str) -> torch.Tensor:
     return x
 
 # %% ../nbs/07b_svdquant.ipynb #7be1099f
-SVDQUANT_W4A4 = register_format(FormatSpec(
-    'svdquant_w4a4', SVDQuantLayout, torch.int8,
-    keys=('weight_scale', 'weight_proj_down', 'weight_proj_up', 'weight_smooth_factor'),
-    options=(Option('rank', None, (int, type(None)), 'rank R of the low-rank branch (None: min(32, N, K) when quantizing, '
-                    'read from weight_proj_down when loading)'),
-             Option('layout', None, (str, type(None)), f"storage: None (natural) or '{TILE_PACKED}'",
-                    choices=(None, TILE_PACKED), write='non_default'),
-             Option('act_unsigned', False, bool, 'post-GELU layers: input + 0.171875 on the unsigned int4 grid (calibrated: '
-                    'chosen where the inputs allow)',
-                    write='non_default'),
-             Option('group_clip', 'absmax', str, "residual group scales: 'absmax' (max/7) or 'mse' (clip searched)",
-                    choices=('absmax', 'mse'), stored=False),
-             Option('alpha', None, (float, int, type(None)), 'smoothing exponent (None: chosen from none, 0, 1/8, ..., 1)',
-                    stored=False)),
-    quantize_input=False, extra_keys=(), aliases=('svdquant', 'svdq'),
-    value_rules={'weight_scale': ValueRule('a group scale multiplies its int4 values', zero_ok=True),
-                 'weight_smooth_factor': ValueRule('the input is divided by it before it is quantized')},
-    doc='SVDQuant: int4 residual with per-64 group scales, int4 activations, a 16-bit rank-R branch and smoothing.',
-    kitchen_layout='TensorCoreSVDQuantW4A4Layout', native_compute=lambda dev: True, comfy_loader=False,
-    calibrated=svdquant_calibrated))
+@register
+class SVDQUANT_W4A4(Format):
+    "SVDQuant: int4 residual with per-64 group scales, int4 activations, a 16-bit rank-R branch and smoothing."
+    name, layout, aliases = 'svdquant_w4a4', SVDQuantLayout, ('svdquant', 'svdq')
+    storage = Storage(torch.int8, ('weight_scale', 'weight_proj_down', 'weight_proj_up', 'weight_smooth_factor'), value_rules={
+        'weight_scale': ValueRule('a group scale multiplies its int4 values', zero_ok=True),
+        'weight_smooth_factor': ValueRule('the input is divided by it before it is quantized')})
+    options = (Option('rank', None, (int, type(None)), 'rank R of the low-rank branch (None: min(32, N, K) when quantizing, '
+                      'read from weight_proj_down when loading)'),
+               Option('layout', None, (str, type(None)), f"storage: None (natural) or '{TILE_PACKED}'",
+                      choices=(None, TILE_PACKED), write='non_default'),
+               Option('act_unsigned', False, bool, 'post-GELU layers: input + 0.171875 on the unsigned int4 grid '
+                      '(calibrated: chosen where the inputs allow)', write='non_default'),
+               Option('group_clip', 'absmax', str, "residual group scales: 'absmax' (max/7) or 'mse' (clip searched)",
+                      choices=('absmax', 'mse'), stored=False),
+               Option('alpha', None, (float, int, type(None)), 'smoothing exponent (None: chosen from none, 0, 1/8, ..., 1)',
+                      stored=False))
+    kitchen_layout = 'TensorCoreSVDQuantW4A4Layout'
+    loader = Loader(registered=False, quantize_input=False)
+    calibrated = staticmethod(svdquant_calibrated)
+    def native_compute(self, dev) -> bool: return True

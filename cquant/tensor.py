@@ -13,8 +13,8 @@ import torch
 
 # %% auto #0
 __all__ = ['FORMATS', 'QuantFormatError', 'QuantFormatWarning', 'encode_json', 'decode_json', 'unique_keys', 'Option', 'Params',
-           'Layout', 'Int4PackedLayout', 'FormatSpec', 'register_format', 'ScaleRule', 'ValueRule', 'Grid',
-           'get_format', 'QuantizedTensor', 'quantize', 'load_quantized']
+           'Layout', 'Int4PackedLayout', 'Format', 'register', 'ScaleRule', 'ValueRule', 'Grid', 'get_format',
+           'QuantizedTensor', 'quantize', 'load_quantized']
 
 # %% ../nbs/01_tensor.ipynb #464385b5
 log = logging.getLogger("cquant")
@@ -217,48 +217,93 @@ def layout_op(layout:type, op:str, /, *args, **kwargs):
 
 # %% ../nbs/01_tensor.ipynb #094d9b11
 @dataclass(frozen=True)
-class FormatSpec:
-    "Everything about one Comfy quantization format, declared once."
-    name: str
-    layout: type
-    storage_dtype: torch.dtype
-    keys: tuple                         # required tensors beside `weight`
+class Storage:
+    "What a format stores: the `weight` dtype, the tensors beside it, how row blocks join, the values its scales may hold."
+    dtype: torch.dtype                  # storage dtype of `<m>.weight`
+    keys: tuple = ()                    # required tensors beside `weight`
     optional_keys: tuple = ()           # tensors that may be present beside `weight`
     extra_keys: tuple = ()              # activation tensors a Linear loads (input_scale, pre_quant_scale)
-    options: tuple = ()                 # `Option`s
     group_size: int|None = None         # block/group along K (padding or scale group)
+    row_assembly: dict = field(default_factory=dict)   # row blocks join per key: 'shared' or the concat dim (default 0)
+    value_rules: dict = field(default_factory=dict)    # stored scale key -> `ValueRule`: the values it may hold
+    zero_weight_key: str|None = None    # the per-tensor scale a writer sets to 0 for an all-zero weight (named in refusals)
+
+# %% ../nbs/01_tensor.ipynb #a41f0001
+@dataclass(frozen=True)
+class Loader:
+    "What ComfyUI's core loader does with a format."
+    since: str = ''                     # the first loader level registering it (`cquant.validate`), or 'present in <snapshot>'
+    registered: bool = True             # its QUANT_ALGOS has it (False: only cquant's module layer and comfy-kitchen read it)
+    unread: tuple = ()                  # stored keys the loader never reads
     quantize_input: bool = True         # activations quantized outside the kernel (ComfyUI `quantize_input`)
-    layout_kwargs: dict = field(default_factory=dict)
-    doc: str = ''
+
+# %% ../nbs/01_tensor.ipynb #a41f0002
+@dataclass(frozen=True)
+class Activations:
+    "How a format's activation tensors are calibrated."
+    scale_rule: ScaleRule|None = None   # clip -> calibrated input_scale (None: activations stay dynamic)
+    smoothing: bool = False             # cquant searches a SmoothQuant pre_quant_scale for it
+    dynamic_reason: str = ''            # why activations stay dynamic although `input_scale` is loaded
+
+# %% ../nbs/01_tensor.ipynb #a41f0003
+class Format:
+    "A Comfy quantization format. Subclass, set `name`, `layout` and `storage`, override the hooks that differ, `register`."
+    name: str                           # comfy_quant['format']
+    layout: type                        # its `Layout`
+    storage: Storage
+    options: tuple = ()                 # `Option`s, named as `layout.quantize`'s keyword arguments
     aliases: tuple = ()                 # other names people pass (policy modes, short names): errors suggest this format
+    layout_kwargs: dict = {}            # fixed `layout.quantize` arguments telling formats of one layout apart
+    loader: Loader = Loader()
+    activations: Activations = Activations()
+    kitchen_layout: str|None = None     # comfy-kitchen's layout registry name (None: kitchen has none)
+    study_variants: tuple = ()          # extra ((label, options), ...) the quality studies compare
     row_gather: bool = False            # a gather of storage rows and their scales dequantizes those rows exactly
     embedding: bool = False             # an Embedding table may use it (ComfyUI's quantized embedding)
-    row_independent: Any = False        # bool or hook(options) -> bool: each output row quantizes from itself alone
-    row_assembly: dict = field(default_factory=dict)   # row blocks join per key: 'shared' or the concat dim (default 0)
-    flat_banks: Any = False             # bool or hook(options, tensors|None) -> bool: MoE banks stored as [E*N, ...] rows
-    input_scale_rule: Any = None        # a `ScaleRule`: clip -> calibrated input_scale (None: none)
-    dynamic_reason: str = ''            # why activations stay dynamic although `input_scale` is loaded
-    smoothing: bool = False             # cquant searches a SmoothQuant pre_quant_scale for it
-    kitchen_layout: str|None = None     # comfy-kitchen's layout registry name
-    kitchen_kwargs: Any = None          # hook(options) -> comfy-kitchen quantize kwargs
-    native_compute: Any = None          # hook(device) -> bool: ComfyUI computes it natively there (None: never)
-    study_variants: tuple = ()          # extra ((label, options), ...) the quality studies compare
-    comfy_unread: tuple = ()            # stored keys ComfyUI's loader never reads
-    comfy_loader: bool = True           # ComfyUI's core loader registers it (False: only cquant's module layer and comfy-kitchen read it)
-    comfy_since: str = ''               # the first ComfyUI loader level registering it (`cquant.validate`), or 'present in <snapshot>'
-    value_rules: dict = field(default_factory=dict)  # stored scale key -> `ValueRule`: the values it may hold
-    zero_weight_key: str|None = None    # the per-tensor scale a writer sets to 0 for an all-zero weight (named in refusals)
-    grid: Any = None                    # hook(w, options, tensor_clip) -> `Grid`: its rounding, for rounding='mse'/'gptq'
-    calibrated: Any = None              # hook(w, options, calibration, name) -> (qdata, params): its own data-aware encoder
-    flags_nonfinite: bool = False       # on CPU a non-finite weight always gives a scale `value_rules` refuse (or a ValueError
-                                        # from the encoder), so `quantize` checks the input only then: one pass less
-    measures_error: Any = None          # hook(w, options) -> bool: its layout's quantize takes energies= (a list it extends
-                                        # with (Σw², Σ(w - dequantize)²) from the encoder's own residual: `quantize(energies=...)`)
+    flags_nonfinite: bool = False       # on CPU a non-finite weight always gives a scale `value_rules` refuse (or a
+                                        # ValueError from the encoder), so `quantize` checks the input only then
 
+    def __init__(self):
+        missing = [a for a in ('name', 'layout', 'storage') if not hasattr(self, a)]
+        if missing: raise TypeError(f"format class {type(self).__name__} must set {missing} (see `Format`)")
+    def __setattr__(self, k, v): raise AttributeError(f"{self.name}: a format's facts are its class's, not settable ({k})")
+    def __repr__(self): return f"<format {self.name}>"
+    def __reduce__(self): return get_format, (self.name,)
+    def __deepcopy__(self, memo): return self
+
+    # the hooks: override where the format differs
+    def rows_independent(self, opts:dict) -> bool:
+        "Whether, with options `opts`, every output row quantizes from its own values (row blocks are bit-exact)."
+        return False
+    def bank_is_flat(self, opts:dict, tensors:dict|None=None) -> bool:
+        "Whether an MoE bank with options `opts` (and, when loading, file `tensors`) is stored as `[E*N, ...]` rows."
+        return False
+    def kitchen_kwargs(self, opts:dict) -> dict:
+        "comfy-kitchen's quantize keywords for options `opts`."
+        return {}
+    def native_compute(self, dev) -> bool:
+        "Whether ComfyUI computes the format natively on `dev` (a `torch.device` or `DeviceClass`)."
+        return False
+    def measures(self, w:torch.Tensor, opts:dict) -> bool:
+        "Whether the layout's quantize of `w` with `opts` takes `energies=` and measures its error from its own residual."
+        return False
+    def grid(self, w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid|None:
+        "The format's rounding opened up for rounding='mse'/'gptq' (None: not for these options)."
+        return None
+    def calibrated(self, w:torch.Tensor, opts:dict, calibration, name:str) -> tuple:
+        "(qdata, params) from the format's own data-aware encoder on `calibration` (inputs or their statistics)."
+        raise NotImplementedError(f"{self.name} has no data-aware encoder")
+
+    def declares(self, hook:str) -> bool:
+        "Whether the format overrides the optional hook `hook` ('grid', 'calibrated', ...)."
+        return getattr(type(self), hook) is not getattr(Format, hook)
+
+    @property
+    def doc(self) -> str: return type(self).__doc__ or ''
     @property
     def option_names(self) -> tuple: return tuple(o.name for o in self.options)
     @property
-    def weight_keys(self) -> tuple: return ('weight',) + self.keys + self.optional_keys
+    def weight_keys(self) -> tuple: return ('weight',) + self.storage.keys + self.storage.optional_keys
 
     def option(self, name:str) -> Option:
         for o in self.options:
@@ -267,7 +312,7 @@ class FormatSpec:
 
     def resolve(self, config:dict|None=None, prefix:str='', **given) -> dict:
         "Option values: `given` keywords, else top-level `config`, else `config['params']`, else defaults."
-        return _format_spec_resolve(self, config, prefix, **given)
+        return _resolve_options(self, config, prefix, **given)
 
     def fits(self, shape:tuple, **opts) -> bool:
         "Whether a weight of `shape` passes this format's shape rules with options `opts`."
@@ -279,30 +324,16 @@ class FormatSpec:
         "The `comfy_quant` dict a writer emits for resolved options `opts` (ComfyUI's spelling)."
         return {'format': self.name, **{o.name: opts[o.name] for o in self.options if o.writes(opts)}}
 
-    def rows_independent(self, opts:dict) -> bool:
-        "Whether, with options `opts`, every output row quantizes from its own values (row blocks are bit-exact)."
-        return bool(self.row_independent(opts) if callable(self.row_independent) else self.row_independent)
-
-    def bank_is_flat(self, opts:dict, tensors:dict|None=None) -> bool:
-        "Whether an MoE bank with options `opts` (and, when loading, file `tensors`) is stored as `[E*N, ...]` rows."
-        return bool(self.flat_banks(opts, tensors) if callable(self.flat_banks) else self.flat_banks)
-
     def kitchen(self, opts:dict) -> tuple|None:
         "(comfy-kitchen layout name, its quantize kwargs) for options `opts`, or None without a kitchen layout."
-        if self.kitchen_layout is None: return None
-        return self.kitchen_layout, (self.kitchen_kwargs(opts) if self.kitchen_kwargs else {})
-
-    def measures(self, w:torch.Tensor, opts:dict) -> bool:
-        "Whether the encoder measures the error of `w` with options `opts` from its own residual (`measures_error`)."
-        return self.measures_error is not None and bool(self.measures_error(w, opts))
+        return None if self.kitchen_layout is None else (self.kitchen_layout, self.kitchen_kwargs(opts))
 
     def native_on(self, device) -> bool:
         "Whether ComfyUI computes this format natively on `device` (else it dequantizes the weight)."
-        dev = device if isinstance(device, DeviceClass) else torch.device(device)
-        return self.native_compute is not None and bool(self.native_compute(dev))
+        return bool(self.native_compute(device if isinstance(device, DeviceClass) else torch.device(device)))
 
 # %% ../nbs/01_tensor.ipynb #0afdead8
-def _format_spec_resolve(self, config:dict|None=None, prefix:str='', **given) -> dict:
+def _resolve_options(self, config:dict|None=None, prefix:str='', **given) -> dict:
     config = config or {}
     nested = config.get('params') if isinstance(config.get('params'), dict) else {}
     unknown = set(given) - set(self.option_names)
@@ -318,14 +349,15 @@ def _format_spec_resolve(self, config:dict|None=None, prefix:str='', **given) ->
     return out
 
 # %% ../nbs/01_tensor.ipynb #f7919c14
-FORMATS: dict[str, FormatSpec] = {}
+FORMATS: dict[str, Format] = {}
 
 # %% ../nbs/01_tensor.ipynb #5c45d394
-def register_format(spec:FormatSpec) -> FormatSpec:
-    "Add `spec` to `FORMATS` under its name (re-running a notebook re-registers: the last definition wins)."
-    FORMATS[spec.name] = spec
-    _register_linear(spec.layout)
-    return spec
+def register(cls:type) -> Format:
+    "Class decorator: add the one instance of `Format` subclass `cls` to `FORMATS` under its name, and return it."
+    fmt = cls()
+    FORMATS[fmt.name] = fmt              # re-running a notebook re-registers: the last definition wins
+    _register_linear(fmt.layout)
+    return fmt
 
 # %% ../nbs/01_tensor.ipynb #e87d4ec2
 @dataclass(frozen=True)
@@ -436,19 +468,19 @@ def _hint(fmt) -> str:
     if owner: return f"{fmt!r} is a policy mode or short name; the format is {owner!r}"
     return f"did you mean {' or '.join(map(repr, near))}?" if near else ''
 
-def get_format(fmt, # a format name or a `FormatSpec`
+def get_format(fmt, # a format name or a `Format`
                prefix:str|None=None, # a file's module prefix: the name came from `<prefix>comfy_quant`
                caller:str|None=None, # a Python argument: the function named in the error (e.g. 'cq.quantize')
-              ) -> FormatSpec:
-    "The `FormatSpec` for a name (or the spec itself); an unknown name raises, naming the key or argument and the likely format."
-    if isinstance(fmt, FormatSpec): return fmt
+              ) -> Format:
+    "The `Format` for a name (or the format itself); an unknown name raises, naming the key or argument and the likely format."
+    if isinstance(fmt, Format): return fmt
     if isinstance(fmt, str) and fmt in FORMATS: return FORMATS[fmt]
     hint = _hint(fmt)
     if prefix is not None:
         raise format_error(prefix, 'comfy_quant["format"]', f'one of {sorted(FORMATS)}',
                            repr(fmt) + (f' ({hint})' if hint else ''))
     who = f'{caller}: ' if caller else ''
-    if not isinstance(fmt, str): raise QuantFormatError(f"{who}format must be a format name (str) or a FormatSpec, got {type(fmt).__name__} {fmt!r}")
+    if not isinstance(fmt, str): raise QuantFormatError(f"{who}format must be a format name (str) or a Format, got {type(fmt).__name__} {fmt!r}")
     if _suggest(fmt)[0]: raise QuantFormatError(f"{who}format {hint}")
     raise QuantFormatError(f"{who}unknown format {fmt!r}; " + (f"{hint} " if hint else '') + f"registered formats: {sorted(FORMATS)}")
 
@@ -457,7 +489,7 @@ class QuantizedTensor(torch.Tensor):
     "A quantized weight: storage `qdata` + frozen `params` of a registered format, reporting the logical shape/dtype."
 
     @staticmethod
-    def __new__(cls, qdata:torch.Tensor, params:Params, spec:FormatSpec, transposed:bool=False):
+    def __new__(cls, qdata:torch.Tensor, params:Params, spec:Format, transposed:bool=False):
         shape = tuple(params.orig_shape)
         if transposed: shape = shape[::-1]
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=params.orig_dtype, device=qdata.device,
@@ -732,25 +764,25 @@ def _check_rule(rule:ValueRule, t:torch.Tensor, prefix:str, key:str, codes=None)
     over = ' over codes that are not all 0 (a 0 scale is legal only there)' if ok is not None and bool((bad & (v == 0)).any()) else ''
     raise format_error(prefix, key, rule.expected, _found(v, bad) + over)
 
-def _zero_weight(spec:FormatSpec, tensors:dict) -> bool:
+def _zero_weight(spec:Format, tensors:dict) -> bool:
     "Whether the file is an all-zero weight stored with NaN: the format's `zero_weight_key` (per-tensor) scale is 0, NaN beside it."
-    t = tensors.get(spec.zero_weight_key) if spec.zero_weight_key else None
+    t = tensors.get(spec.storage.zero_weight_key) if spec.storage.zero_weight_key else None
     if t is None or t.device.type == 'meta' or t.numel() != 1 or float(t) != 0: return False
     return any(v.device.type != 'meta' and bool(v.float().isnan().any()) for v in tensors.values())
 
-def check_values(spec:FormatSpec, # the format whose `value_rules` apply
+def check_values(spec:Format, # the format whose `value_rules` apply
                  tensors:dict, # key (module-relative, e.g. 'weight_scale') -> tensor
                  prefix:str='', # module prefix, for the message
                 ):
-    "Raise a `QuantFormatError` at the first tensor holding values its `spec.value_rules` rule forbids."
-    for k, rule in spec.value_rules.items():
+    "Raise a `QuantFormatError` at the first tensor holding values its `spec.storage.value_rules` rule forbids."
+    for k, rule in spec.storage.value_rules.items():
         t = tensors.get(k)
         if t is None: continue
         if t.device.type == 'meta': raise NotImplementedError(f"{prefix}{k}: checking its values needs its data, not a meta tensor")
         try: _check_rule(rule, t, prefix, k, tensors.get('weight'))
         except QuantFormatError as e:
             if not _zero_weight(spec, tensors): raise
-            raise QuantFormatError(f"{e}: its zero {spec.zero_weight_key} says the weight was all 0, stored with NaN "
+            raise QuantFormatError(f"{e}: its zero {spec.storage.zero_weight_key} says the weight was all 0, stored with NaN "
                                    "under it (comfy-kitchen 0.2.40 writes an all-zero weight so; ComfyUI would compute "
                                    "NaN)") from None
 
@@ -760,12 +792,12 @@ ACTIVATION_RULES = {
     'pre_quant_scale': ValueRule('it multiplies each input feature before quantization (0 erases the feature)')}
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
-def check_activations(spec:FormatSpec, # the format: its `extra_keys` say which activation tensors it loads
+def check_activations(spec:Format, # the format: its `storage.extra_keys` say which activation tensors it loads
                       tensors:dict, # key ('input_scale', 'pre_quant_scale') -> tensor
                       prefix:str='', # module prefix, for the message
                      ):
     "Raise a `QuantFormatError` unless each activation tensor `spec` loads is a float tensor of legal values."
-    for k in spec.extra_keys:
+    for k in spec.storage.extra_keys:
         t = tensors.get(k)
         if t is None: continue
         if not isinstance(t, torch.Tensor) or t.dtype not in ACTIVATION_DTYPES:
@@ -795,13 +827,13 @@ def checked_stats(c, K:int, name:str='weight'):
     return c
 
 # %% ../nbs/01_tensor.ipynb #e0bbb99a
-def _searched(spec:FormatSpec, w, opts:dict, rounding, calibration, stochastic_rounding:int, name:str) -> tuple:
+def _searched(spec:Format, w, opts:dict, rounding, calibration, stochastic_rounding:int, name:str) -> tuple:
     "`quantize` with a registered rounding other than 'nearest', after checking that the request makes sense."
-    if rounding == 'nearest' and spec.calibrated:
+    if rounding == 'nearest' and spec.declares('calibrated'):
         raise format_error('', 'option stochastic_rounding', f'0 with calibration inputs ({spec.name}\'s calibrated '
                            'encoder chooses the codes)', repr(stochastic_rounding))
     if rounding == 'nearest':
-        own = sorted(n for n, s in FORMATS.items() if s.calibrated)
+        own = sorted(n for n, s in FORMATS.items() if s.declares('calibrated'))
         raise format_error('', 'calibration', f"None with rounding='nearest' for {spec.name} (inputs choose the codes of "
                            f"rounding='gptq'; formats with a data-aware encoder of their own: {own})",
                            type(calibration).__name__)
@@ -810,9 +842,9 @@ def _searched(spec:FormatSpec, w, opts:dict, rounding, calibration, stochastic_r
     if stochastic_rounding:
         raise format_error('', 'option stochastic_rounding', f'0 with rounding={rounding!r} (it chooses the codes)',
                            repr(stochastic_rounding))
-    if spec.grid is None:
+    if not spec.declares('grid'):
         raise QuantFormatError(f"{name}: {spec.name} declares no rounding grid, so rounding={rounding!r} cannot run "
-                               f"(formats with one: {sorted(n for n, s in FORMATS.items() if s.grid)})")
+                               f"(formats with one: {sorted(n for n, s in FORMATS.items() if s.declares('grid'))})")
     return ROUNDINGS[rounding](spec, w, opts, calibration, name)
 
 # %% ../nbs/01_tensor.ipynb #29dc2461
@@ -821,8 +853,8 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     """Quantize float tensor `w` (named `name` in errors, e.g. 'blocks.0.proj.weight') to format `fmt` with its `options`.
     `rounding`: 'nearest' (the format's encoder: comfy-kitchen's bytes), 'mse' (scales chosen for the least weight
     error) or 'gptq' (codes chosen for the least output error on `calibration` inputs [..., K]). A format with a
-    data-aware encoder of its own (`FormatSpec.calibrated`, e.g. AWQ) uses `calibration` with rounding='nearest'.
-    `energies`: a list; where the encoder measures its own error (`FormatSpec.measures`: the rotated formats on CPU), it
+    data-aware encoder of its own (`Format.calibrated`, e.g. AWQ) uses `calibration` with rounding='nearest'.
+    `energies`: a list; where the encoder measures its own error (`Format.measures`: the rotated formats on CPU), it
     is extended with (Σw², Σ(w - dequantize)²) pairs, one per block, without a dequantize (it stays empty otherwise)."""
     spec = get_format(fmt, caller='cq.quantize')
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or isinstance(w, QuantizedTensor):
@@ -842,7 +874,7 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
             kw = dict(stochastic_rounding=stochastic_rounding, **spec.layout_kwargs, **opts)
             if energies is not None and spec.measures(w, opts): qdata, params = spec.layout.quantize(w, energies=energies, **kw)
             else: qdata, params = layout_op(spec.layout, 'quantize', w, **kw)
-        elif rounding == 'nearest' and spec.calibrated and not stochastic_rounding:
+        elif rounding == 'nearest' and spec.declares('calibrated') and not stochastic_rounding:
             qdata, params = spec.calibrated(w, opts, calibration, name)
         else: qdata, params = _searched(spec, w, opts, rounding, calibration, stochastic_rounding, name)
     except ValueError:
@@ -886,8 +918,8 @@ def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dt
         config = decode_json(sd[prefix + 'comfy_quant'], prefix + 'comfy_quant')
     spec = get_format(check_comfy_quant(config, prefix)['format'], prefix)
     opts = spec.resolve(config, prefix)
-    missing = [k for k in ('weight',) + spec.keys if prefix + k not in sd]
-    if missing: raise format_error(prefix, missing[0], f'{spec.name} tensors {list(("weight",) + spec.keys)}',
+    missing = [k for k in ('weight',) + spec.storage.keys if prefix + k not in sd]
+    if missing: raise format_error(prefix, missing[0], f'{spec.name} tensors {list(("weight",) + spec.storage.keys)}',
                                    f'{prefix + missing[0]} missing')
     tensors = {k: sd[prefix + k] for k in spec.weight_keys if prefix + k in sd}
     for k, t in tensors.items():
@@ -897,11 +929,11 @@ def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dt
     spec.layout.check_shape(shape, opts, prefix)
     want = spec.layout.storage_shape(shape, opts)
     w = tensors['weight']
-    if w.dtype != spec.storage_dtype and not (w.dtype == torch.uint8 and spec.storage_dtype.itemsize == 1):
-        raise format_error(prefix, 'weight', f'{spec.name} storage dtype {spec.storage_dtype}', f'{w.dtype}')
+    if w.dtype != spec.storage.dtype and not (w.dtype == torch.uint8 and spec.storage.dtype.itemsize == 1):
+        raise format_error(prefix, 'weight', f'{spec.name} storage dtype {spec.storage.dtype}', f'{w.dtype}')
     if tuple(w.shape) != tuple(want): raise format_error(prefix, 'weight',
                                                          f'storage shape {tuple(want)} for logical shape {shape}', f'{tuple(w.shape)}')
-    if w.dtype != spec.storage_dtype: tensors['weight'] = w.view(spec.storage_dtype)
+    if w.dtype != spec.storage.dtype: tensors['weight'] = w.view(spec.storage.dtype)
     qdata, params = spec.layout.from_tensors(tensors, {**spec.layout_kwargs, **opts}, shape, dtype, prefix)
     check_values(spec, spec.layout.tensors(qdata, params), prefix)
     return QuantizedTensor(qdata, params, spec)
@@ -910,7 +942,7 @@ def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dt
 def check_stray_scales(keys, caller:str):
     "Raise a `QuantFormatError` naming the first `<module>.<scale key>` in `keys` whose module has no `comfy_quant`."
     keys = set(keys)
-    known = {k for s in FORMATS.values() for k in s.keys + s.optional_keys + s.extra_keys}
+    known = {k for s in FORMATS.values() for k in s.storage.keys + s.storage.optional_keys + s.storage.extra_keys}
     stray = sorted(k for k in keys if k.rpartition('.')[2] in known
                    and k[:len(k) - len(k.rpartition('.')[2])] + 'comfy_quant' not in keys)
     if stray:

@@ -119,14 +119,14 @@ def _attention_problems(config, key:str, level:str) -> list:
 
 # %% ../nbs/17a_validate.ipynb #d9b4ae4b
 def _level_problems(spec, level:str) -> tuple[list, list]:
-    "(errors, warnings): whether ComfyUI's loader at `level` registers `spec`'s format (`FormatSpec.comfy_since`)."
-    f, since = spec.name, spec.comfy_since
+    "(errors, warnings): whether ComfyUI's loader at `level` registers `spec`'s format (`Format.loader.since`)."
+    f, since = spec.name, spec.loader.since
     if since in COMFYUI_LEVELS:
         if not _before(level, since): return [], []
         return [f"{f}: needs a newer ComfyUI loader: {COMFYUI_LEVELS[since]}; a --comfyui {level} loader has no "
                 "QUANT_ALGOS entry for it (loading raises KeyError)"], []
     if since: return [], [f"{f}: no dated ComfyUI loader level registers it; {since}"]
-    return [], [f"{f}: declares no ComfyUI loader level (FormatSpec.comfy_since): ComfyUI may not load it"]
+    return [], [f"{f}: declares no ComfyUI loader level (Format.loader.since): ComfyUI may not load it"]
 
 # %% ../nbs/17a_validate.ipynb #b0195ada
 def _msg(e:Exception, path:str) -> str: return str(e).removeprefix(f"{path}: ")   # the report names the file once

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 from .tensor import ValueRule, int8_compute
-from .tensor import Params, Layout, Int4PackedLayout, Option, FormatSpec, register_format, format_error, check_2d, round_stochastic
+from .tensor import Params, Layout, Int4PackedLayout, Option, Format, register, Storage, Loader, format_error, check_2d, round_stochastic
 from .numerics import absmax, rotate, pack_int4, unpack_int4, is_power_of_4, SCALE_DTYPES, residual_energy
 from .int8 import int_mm, quantize_rows_int8, _rotation_blocks
 from .tensor import Grid
@@ -212,17 +212,20 @@ def w4a4_grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
                 inputs, runtime_inputs=runtime, stored=stored)
 
 # %% ../nbs/06_convrot_w4a4.ipynb #35c0929a
-CONVROT_W4A4 = register_format(FormatSpec(
-    'convrot_w4a4', W4A4Layout, torch.int8, keys=('weight_scale',),
-    options=(Option('convrot_groupsize', 256, int, 'ConvRot group G: a power of 4 dividing K'),
-             Option('linear_dtype', 'int4', str, "activations in the linear: 'int4' or 'int8' per token",
-                    choices=W4A4_LINEAR_DTYPES, write='non_default')),
-    quantize_input=False, extra_keys=(), aliases=('w4a4', 'int4', 'int4_full', 'int4_mixed'),
-    value_rules={'weight_scale': ValueRule('a row scale multiplies its int4 values (an all-zero fp16 row has 0: kitchen\'s 1e-10 floor underflows)',
-                                           zero_ok=True)},
-    doc='ConvRot-rotated symmetric int4, one scale per output row, packed low nibble first; int4 or int8 activations.',
-    row_independent=True, grid=w4a4_grid, kitchen_layout='TensorCoreConvRotW4A4Layout', native_compute=int8_compute,
-    flags_nonfinite=True, measures_error=lambda w, o: w.device.type == 'cpu',   # the rotated residual on CPU (on a GPU, kernels dequantize fast)
-    comfy_since='2026-08',   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
-    kitchen_kwargs=lambda o: dict(convrot_groupsize=o.get('convrot_groupsize', 256),
-                                  linear_dtype=o.get('linear_dtype', 'int4'))))
+@register
+class CONVROT_W4A4(Format):
+    "ConvRot-rotated symmetric int4, one scale per output row, packed low nibble first; int4 or int8 activations."
+    name, layout, aliases = 'convrot_w4a4', W4A4Layout, ('w4a4', 'int4', 'int4_full', 'int4_mixed')
+    storage = Storage(torch.int8, ('weight_scale',), value_rules={'weight_scale': ValueRule(
+        'a row scale multiplies its int4 values (an all-zero fp16 row has 0: kitchen\'s 1e-10 floor underflows)', zero_ok=True)})
+    options = (Option('convrot_groupsize', 256, int, 'ConvRot group G: a power of 4 dividing K'),
+               Option('linear_dtype', 'int4', str, "activations in the linear: 'int4' or 'int8' per token",
+                      choices=W4A4_LINEAR_DTYPES, write='non_default'))
+    flags_nonfinite, kitchen_layout = True, 'TensorCoreConvRotW4A4Layout'
+    loader = Loader(since='2026-08', quantize_input=False)   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
+    native_compute, grid = staticmethod(int8_compute), staticmethod(w4a4_grid)
+    def rows_independent(self, opts:dict) -> bool: return True
+    def measures(self, w:torch.Tensor, opts:dict) -> bool:
+        return w.device.type == 'cpu'    # the rotated residual on CPU (on a GPU, kernels dequantize fast)
+    def kitchen_kwargs(self, opts:dict) -> dict:
+        return dict(convrot_groupsize=opts.get('convrot_groupsize', 256), linear_dtype=opts.get('linear_dtype', 'int4'))

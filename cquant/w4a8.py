@@ -10,7 +10,7 @@ import dataclasses, functools, math, sys
 from dataclasses import dataclass
 import torch
 from .tensor import ValueRule, int8_compute
-from .tensor import Params, Layout, Option, FormatSpec, register_format, format_error, check_2d, Grid
+from .tensor import Params, Layout, Option, Format, register, Storage, Loader, format_error, check_2d, Grid
 from .numerics import absmax, rotate, hadamard, pack_uint4, unpack_uint4, pack_6bit, unpack_6bit, unpack_nibbles, is_power_of_4, in_workers
 from .int8 import int8_linear, _row_blocks, _rotation_blocks
 
@@ -573,13 +573,6 @@ _W4A8_OPTIONS = (Option('group_size', 16, int, 'G: columns sharing one s_rel'),
 _SEARCH_OPTION = Option('scale_search', True, bool,
                         'search several stored scales per group and row (False: one candidate)', stored=False)
 
-# rows quantize alone and ComfyUI stores MoE banks as [E*N, ...] rows; integer kernels
-_W4A8_FACTS = dict(value_rules={
-    'weight_s_rel': ValueRule('a group scale multiplies its codes (byte 0 is a zero group)', zero_ok=True),
-    'weight_s_channel': ValueRule('the row scale multiplies every group scale of its row')},
-                   row_independent=True, flat_banks=True, kitchen_layout='AsymW4A8Int8Layout', flags_nonfinite=True,
-                   native_compute=int8_compute)
-
 def _codebook_kw(o:dict) -> dict:
     "comfy-kitchen's codebook keywords for the `codebook` option (True, False or a [16] table)."
     cb = o.get('codebook', True)
@@ -598,7 +591,7 @@ def _table_nearest(val:torch.Tensor, t:torch.Tensor, code:torch.Tensor) -> torch
 
 # %% ../nbs/07_w4a8.ipynb #b5dd1469
 def w4a8_grid(bits:int): # 4 (asym_w4a8_int8) or 6 (w6a8_int8)
-    "The `FormatSpec.grid` hook of the 4- or 6-bit format: symmetric variants only (None for symmetric=False)."
+    "The `Format.grid` hook of the 4- or 6-bit format: symmetric variants only (None for symmetric=False)."
     layout = W6A8Layout if bits == 6 else W4A8Layout
     def grid(w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid|None:
         if bits == 4 and not opts.get('symmetric', True): return None
@@ -630,28 +623,40 @@ def w4a8_grid(bits:int): # 4 (asym_w4a8_int8) or 6 (w6a8_int8)
     return grid
 
 # %% ../nbs/07_w4a8.ipynb #a6dba1fd
-ASYM_W4A8_INT8 = register_format(FormatSpec(
-    'asym_w4a8_int8', W4A8Layout, torch.int8, keys=('weight_s_rel', 'weight_s_channel'),
-    optional_keys=('weight_codebook', 'weight_correction'),
-    options=_W4A8_OPTIONS + (Option('codebook', True, (bool, torch.Tensor),
-                                    'True: the default Lloyd-Max table; False: uniform levels; or a [16] table',
-                                    stored=False),
-                             Option('symmetric', True, bool,
-                                    'False: asymmetric (uniform levels + per-group correction)', stored=False),
-                             _SEARCH_OPTION),
-    group_size=16, quantize_input=False, layout_kwargs={'bits': 4}, grid=w4a8_grid(4), aliases=('w4a8', 'w4a8_int8'),
-    doc='ConvRot-rotated 4-bit codes (codebook, uniform or asymmetric) with e4m3 group scales and fp32 row scales; int8 activations.',
-    row_assembly={'weight_codebook': 'shared', 'weight_correction': 1}, comfy_unread=('weight_correction',),
-    comfy_since='2026-08',   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
-    kitchen_kwargs=lambda o: dict(group_size=o.get('group_size', 16), convrot_groupsize=o.get('convrot_groupsize', 256),
-                                  symmetric=o.get('symmetric', True), scale_search=o.get('scale_search', True), bits=4,
-                                  **_codebook_kw(o)), **_W4A8_FACTS))
+class _W4A8Format(Format):
+    "The facts and hooks the 4- and 6-bit formats share; each sets its layout, options and kitchen keywords."
+    storage = Storage(torch.int8, ('weight_s_rel', 'weight_s_channel'), group_size=16, value_rules={
+        'weight_s_rel': ValueRule('a group scale multiplies its codes (byte 0 is a zero group)', zero_ok=True),
+        'weight_s_channel': ValueRule('the row scale multiplies every group scale of its row')})
+    flags_nonfinite, kitchen_layout = True, 'AsymW4A8Int8Layout'
+    native_compute = staticmethod(int8_compute)
+    def rows_independent(self, opts:dict) -> bool: return True               # rows quantize alone
+    def bank_is_flat(self, opts:dict, tensors:dict|None=None) -> bool: return True   # ComfyUI stores banks as [E*N, ...] rows
+    def grid(self, w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid|None:
+        return w4a8_grid(self.layout.bits)(w, opts, tensor_clip)
+    def kitchen_kwargs(self, opts:dict) -> dict:
+        return dict(group_size=opts.get('group_size', 16), convrot_groupsize=opts.get('convrot_groupsize', 256),
+                    scale_search=opts.get('scale_search', True), bits=self.layout.bits)
 
-W6A8_INT8 = register_format(FormatSpec(
-    'w6a8_int8', W6A8Layout, torch.int8, keys=('weight_s_rel', 'weight_s_channel'), optional_keys=(),
-    options=_W4A8_OPTIONS + (_SEARCH_OPTION,),
-    group_size=16, quantize_input=False, layout_kwargs={'bits': 6}, grid=w4a8_grid(6), aliases=('w6a8',),
-    doc='ConvRot-rotated uniform 6-bit codes (two-plane packing) with e4m3 group scales and fp32 row scales; int8 activations.',
-    kitchen_kwargs=lambda o: dict(group_size=o.get('group_size', 16), convrot_groupsize=o.get('convrot_groupsize', 256),
-                                  scale_search=o.get('scale_search', True), codebook=False, bits=6),
-    comfy_since='2026-09', **_W4A8_FACTS))   # ComfyUI PR #16483, merged 2026-09-29
+@register
+class ASYM_W4A8_INT8(_W4A8Format):
+    "ConvRot-rotated 4-bit codes (codebook, uniform or asymmetric) with e4m3 group scales and fp32 row scales; int8 activations."
+    name, layout, aliases, layout_kwargs = 'asym_w4a8_int8', W4A8Layout, ('w4a8', 'w4a8_int8'), {'bits': 4}
+    storage = dataclasses.replace(_W4A8Format.storage, optional_keys=('weight_codebook', 'weight_correction'),
+                      row_assembly={'weight_codebook': 'shared', 'weight_correction': 1})
+    options = _W4A8_OPTIONS + (Option('codebook', True, (bool, torch.Tensor),
+                                      'True: the default Lloyd-Max table; False: uniform levels; or a [16] table', stored=False),
+                               Option('symmetric', True, bool,
+                                      'False: asymmetric (uniform levels + per-group correction)', stored=False),
+                               _SEARCH_OPTION)
+    loader = Loader(since='2026-08', unread=('weight_correction',), quantize_input=False)  # QUANT_ALGOS of 2026-08-22
+    def kitchen_kwargs(self, opts:dict) -> dict:
+        return dict(super().kitchen_kwargs(opts), symmetric=opts.get('symmetric', True), **_codebook_kw(opts))
+
+@register
+class W6A8_INT8(_W4A8Format):
+    "ConvRot-rotated uniform 6-bit codes (two-plane packing) with e4m3 group scales and fp32 row scales; int8 activations."
+    name, layout, aliases, layout_kwargs = 'w6a8_int8', W6A8Layout, ('w6a8',), {'bits': 6}
+    options = _W4A8_OPTIONS + (_SEARCH_OPTION,)
+    loader = Loader(since='2026-09', quantize_input=False)   # ComfyUI PR #16483, merged 2026-09-29
+    def kitchen_kwargs(self, opts:dict) -> dict: return dict(super().kitchen_kwargs(opts), codebook=False)

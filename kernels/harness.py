@@ -216,10 +216,10 @@ def main(argv=None):
         rel = ((yk.float() - ye.float()).norm() / ye.float().norm().clamp_min(1e-30)).item()
         t_bf16 = peer(lambda: F.linear(x, w, bias))
         t_int = peer(lambda: torch._int_mm(torch.ones(max(M, 17), NK, dtype=torch.int8, device=dev), qe.qdata.t())) \
-            if spec.storage_dtype == torch.int8 and qe.qdata.shape[1] == NK else None
+            if spec.storage.dtype == torch.int8 and qe.qdata.shape[1] == NK else None
         t_sc = None
-        if spec.storage_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and fmt != 'mxfp8':
-            xf = x.to(spec.storage_dtype) if spec.storage_dtype == torch.float8_e4m3fn else x.to(torch.float8_e4m3fn)
+        if spec.storage.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and fmt != 'mxfp8':
+            xf = x.to(spec.storage.dtype) if spec.storage.dtype == torch.float8_e4m3fn else x.to(torch.float8_e4m3fn)
             one = torch.ones((), device=dev)
             t_sc = peer(lambda: torch._scaled_mm(xf, qe.qdata.t(), one, one, bias=bias, out_dtype=torch.bfloat16))
         kl = kitchen_linear(fmt, qe, x, bias)

@@ -115,7 +115,7 @@ def test_unknown_format_suggests_the_closest():
     with pytest.raises(cq.QuantFormatError) as err: cq.quantize(w, 'zzzz')
     assert str(err.value) == f"cq.quantize: unknown format 'zzzz'; registered formats: {names}"
     with pytest.raises(cq.QuantFormatError) as err: cq.quantize(w, None)
-    assert str(err.value) == "cq.quantize: format must be a format name (str) or a FormatSpec, got NoneType None"
+    assert str(err.value) == "cq.quantize: format must be a format name (str) or a Format, got NoneType None"
     with pytest.raises(cq.QuantFormatError) as err: cq.QuantLinear.from_float(nn.Linear(64, 32), 'fp8')
     assert str(err.value).startswith("QuantLinear.quantize_: format 'fp8' is a policy mode")
 

@@ -58,14 +58,15 @@ def test_declared_facts_reproduce_the_old_tables():
     i8 = F['int8_tensorwise']
     assert i8.bank_is_flat({'per_row': True}) and not i8.bank_is_flat({'per_row': True}, {'weight_scale': torch.ones(())})
     assert i8.bank_is_flat({}, {'weight_scale': torch.ones(2, 3, 1)})
-    assert {n: s.row_assembly for n, s in F.items() if s.row_assembly} == {
+    assert {n: s.storage.row_assembly for n, s in F.items() if s.storage.row_assembly} == {
         'asym_w4a8_int8': {'weight_codebook': 'shared', 'weight_correction': 1},
         'awq_w4a16': {'weight_scale': 1, 'weight_zeros': 1}}
-    assert {n: s.input_scale_rule.divisor for n, s in F.items() if s.input_scale_rule} == {
+    assert {n: s.activations.scale_rule.divisor for n, s in F.items() if s.activations.scale_rule} == {
         'float8_e4m3fn': 448.0, 'float8_e5m2': 57344.0, 'nvfp4': 2688}
-    assert flag('smoothing') == {'nvfp4'} and flag('dynamic_reason') == {'mxfp8'}
-    assert {n: s.comfy_unread for n, s in F.items() if s.comfy_unread} == {'asym_w4a8_int8': ('weight_correction',)}
-    assert {n for n, s in F.items() if not s.comfy_loader} == {'svdquant_w4a4'}
+    assert {n for n, s in F.items() if s.activations.smoothing} == {'nvfp4'}
+    assert {n for n, s in F.items() if s.activations.dynamic_reason} == {'mxfp8'}
+    assert {n: s.loader.unread for n, s in F.items() if s.loader.unread} == {'asym_w4a8_int8': ('weight_correction',)}
+    assert {n for n, s in F.items() if not s.loader.registered} == {'svdquant_w4a4'}
     assert [l for _, s in F.items() for l, _ in s.study_variants] == ['int8_per_row', 'int8_convrot16', 'int8_convrot64', 'int8_convrot256']
 
 

@@ -171,11 +171,11 @@ def test_row_blocks_join_along_n():
     "Data-free rows are independent: row blocks quantize to the same bytes, the group tensors joined along dim 1."
     spec = cq.FORMATS[FMT]
     w = weight((40, 192), torch.bfloat16, 8, outliers=0.02)
-    assert spec.rows_independent({}) and spec.row_assembly == {"weight_scale": 1, "weight_zeros": 1}
+    assert spec.rows_independent({}) and spec.storage.row_assembly == {"weight_scale": 1, "weight_zeros": 1}
     whole = cq.quantize(w, FMT).state_dict("")
     parts = [cq.quantize(w[i:i + 16], FMT).state_dict("") for i in range(0, 40, 16)]
     for k, t in whole.items():
-        assert same_bits(t, torch.cat([p[k] for p in parts], spec.row_assembly.get(k, 0))), k
+        assert same_bits(t, torch.cat([p[k] for p in parts], spec.storage.row_assembly.get(k, 0))), k
 
 
 def test_checkpoint_round_trip_through_modules(tmp_path):
@@ -266,9 +266,9 @@ def test_bad_files_name_the_key():
 
 def test_declared_facts():
     spec = cq.FORMATS[FMT]
-    assert (spec.keys, spec.storage_dtype, spec.group_size, spec.quantize_input) == (("weight_scale", "weight_zeros"), torch.int8, 64, False)
+    assert (spec.storage.keys, spec.storage.dtype, spec.storage.group_size, spec.loader.quantize_input) == (("weight_scale", "weight_zeros"), torch.int8, 64, False)
     assert spec.kitchen_layout == "TensorCoreAWQW4A16Layout" and spec.layout.MIN_SM_VERSION == KL.MIN_SM_VERSION
-    assert spec.calibrated is not None and spec.native_on("cpu") and spec.native_on("xpu")
+    assert spec.declares('calibrated') and spec.native_on("cpu") and spec.native_on("xpu")
     assert spec.config(spec.resolve(None)) == {"format": FMT, "group_size": 64}
     assert spec.resolve({"format": FMT, "params": {"group_size": 32}})["group_size"] == 64     # top level only
     assert spec.resolve({"format": FMT, "group_size": 32, "params": {"group_size": 16}})["group_size"] == 32

@@ -47,7 +47,7 @@ def _model():
         qt = cq.quantize(torch.randn(shape, generator=g).to(torch.bfloat16), fmt, **opts)
         sd[m + '.weight'] = qt; sd[m + '.bias'] = torch.randn(shape[0], generator=g).to(torch.bfloat16)
         shapes[m], qts[m] = shape, qt
-        if 'input_scale' in cq.FORMATS[fmt].extra_keys: sd[m + '.input_scale'] = torch.tensor(0.125)
+        if 'input_scale' in cq.FORMATS[fmt].storage.extra_keys: sd[m + '.input_scale'] = torch.tensor(0.125)
     sd['blocks.0.norm.weight'] = torch.randn(64, generator=g)
     sd['embed.weight'] = torch.randn(10, 8, generator=g).to(torch.float16)
     sd['blocks.0.attn.comfy_attention.config'] = encode_json([{'attention': 'comfy_kitchen_sol', 'tau': 1.25}, {'attention': 'future_method', 'x': [1, 2]}, {'attention': 'comfy_kitchen_int8'}])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import cquant as cq
-from cquant.tensor import FORMATS, FormatSpec, Layout, Option, Params, format_error, register_format, quantize
+from cquant.tensor import FORMATS, Format, Layout, Option, Params, Storage, format_error, register, quantize
 from cquant.numerics import error_report, from_blocked, representable_values, rotate
 from cquant.explore import (Analysis, Comparison, Explorer, analyze, block_error, block_grid, compare_formats, explore,
                             fewest_bits_format, default_layer, fit_options, format_color, format_variants, layer_sqnr, normalize_options, option_domain,
@@ -64,15 +64,17 @@ class ToyGLayout(Layout):
     def tensors(cls, q, p): return {'weight': q, 'weight_scale': p.scale}
 
 
-TOY = FormatSpec('toy_grouped', ToyGLayout, torch.int8, keys=('weight_scale',),
-                 options=(Option('group_size', 16, int, 'elements per scale'), Option('clip', False, bool, stored=False)))
+class ToyGrouped(Format):
+    "A toy grouped int8 format registered only by the `toy` fixture."
+    name, layout, storage = 'toy_grouped', ToyGLayout, Storage(torch.int8, keys=('weight_scale',))
+    options = (Option('group_size', 16, int, 'elements per scale'), Option('clip', False, bool, stored=False))
 
 
 @pytest.fixture
 def toy():
-    register_format(TOY)
-    yield TOY.name
-    FORMATS.pop(TOY.name, None)
+    register(ToyGrouped)
+    yield ToyGrouped.name
+    FORMATS.pop(ToyGrouped.name, None)
 
 
 def _w(n=128, k=256, seed=0, outlier=True):

@@ -83,7 +83,7 @@ INT8_VARIANTS = [v for v in VARIANTS if v.fmt == "int8_tensorwise"]
 
 
 def need(fmt: str):
-    "The registered FormatSpec of `fmt`: every expected format must be registered (a missing one is a failure)."
+    "The registered Format of `fmt`: every expected format must be registered (a missing one is a failure)."
     assert fmt in cq.FORMATS, f"format {fmt!r} is not registered in cq.FORMATS (have {sorted(cq.FORMATS)})"
     return cq.FORMATS[fmt]
 
@@ -229,8 +229,8 @@ def test_storage_dtype_and_keys(v):
     spec = need(v.fmt)
     w = make_weight((33, 256) if v.convrot else (33, 50), torch.bfloat16)
     k = kitchen_quantize(v, w).state_dict("weight")
-    assert spec.storage_dtype == k["weight"].dtype or (k["weight"].dtype == torch.uint8 and spec.storage_dtype.itemsize == 1)
-    assert set(spec.keys) <= set(k) - {"weight"} and set(k) <= set(spec.weight_keys), (spec.weight_keys, sorted(k))
+    assert spec.storage.dtype == k["weight"].dtype or (k["weight"].dtype == torch.uint8 and spec.storage.dtype.itemsize == 1)
+    assert set(spec.storage.keys) <= set(k) - {"weight"} and set(k) <= set(spec.weight_keys), (spec.weight_keys, sorted(k))
     qt = cq.quantize(w, v.fmt, **v.opts)
     cfg = qt.config
     assert cfg["format"] == v.fmt
@@ -543,7 +543,7 @@ def test_4096_square(v, dtype, request):
 # ----------------------------------------------------------------------------------------------------------------
 # 5. rounding='mse' / 'gptq' (cquant.rounding) write the same formats: kitchen decodes them to cquant's values
 # ----------------------------------------------------------------------------------------------------------------
-ROUNDED = [v for v in VARIANTS if cq.get_format(v.fmt).grid is not None]
+ROUNDED = [v for v in VARIANTS if cq.get_format(v.fmt).declares('grid')]
 
 
 def _rounding_kw(rounding, K, seed=3):

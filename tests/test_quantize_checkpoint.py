@@ -110,7 +110,7 @@ def test_row_blocks_are_bit_exact():
         if fmt not in cq.FORMATS: continue
         spec = cq.get_format(fmt)
         assert spec.rows_independent(opts)
-        how = spec.row_assembly
+        how = spec.storage.row_assembly
         parts = list(quantize_rows(w, fmt, opts, elems=768 * 33))
         assert len(parts) == 3
         for k, t in cq.quantize(w, fmt, **opts).state_dict('').items():

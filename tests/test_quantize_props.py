@@ -184,7 +184,7 @@ def test_option_errors_name_the_option(fmt, opts, unit, data, name):
             cq.load_quantized(sd, "m.", shape=(4, 256), dtype=torch.float32)
 
 
-# Formats that check finiteness after encoding (`FormatSpec.flags_nonfinite`): the error must be check_finite's, exactly,
+# Formats that check finiteness after encoding (`Format.flags_nonfinite`): the error must be check_finite's, exactly,
 # for any count and magnitude of bad values, in `quantize` and in the converter's row blocks (whole-weight indices).
 FLAGGED = [pytest.param(f, o, u, id=i) for i, f, o, u in VARIANTS if f in cq.FORMATS and cq.FORMATS[f].flags_nonfinite]
 

@@ -84,8 +84,8 @@ def test_levels(tmp_path):
 def test_every_format_declares_its_level():
     "Each format ComfyUI's core loader registers names a level, or the snapshot it is present in (no guessed date)."
     for n, s in cq.FORMATS.items():
-        if s.comfy_loader: assert s.comfy_since in COMFYUI_LEVELS or s.comfy_since.startswith('present in '), n
-    assert cq.FORMATS['w6a8_int8'].comfy_since == '2026-09' and cq.FORMATS['awq_w4a16'].comfy_since.startswith('present in ')
+        if s.loader.registered: assert s.loader.since in COMFYUI_LEVELS or s.loader.since.startswith('present in '), n
+    assert cq.FORMATS['w6a8_int8'].loader.since == '2026-09' and cq.FORMATS['awq_w4a16'].loader.since.startswith('present in ')
 
 
 def test_undated_and_unregistered_formats_warn(tmp_path):
