@@ -288,6 +288,7 @@ class AWQ_W4A16(Format):
                Option('clip_search', True, bool,
                       'data-free encoder: per-group clip search and refit (False: plain min/max)', stored=False))
     kitchen_layout = 'TensorCoreAWQW4A16Layout'
+    choices = {'AWQ W4A16': {'group_size': 64}}     # the 4-bit modes' weight_only layers
     loader = Loader(since='present in ComfyUI comfy/quant_ops.py @ 0271a469 (undated; newer than the 2026-08-22 '
                           'snapshot, absent from the 2026-10 loader of the Kosinkadink fork)', quantize_input=False)
     native_compute, calibrated = staticmethod(_everywhere), staticmethod(awq_calibrated)

@@ -11,7 +11,7 @@ import torch
 
 from .numerics import FP8_DTYPES, FP16_MIN_NORMAL, fp8_max, absmax
 from .tensor import ScaleRule, ValueRule, nvidia_compute
-from .tensor import Option, Params, Layout, Format, register, Storage, Loader, Activations, format_error, round_stochastic
+from .tensor import Option, Params, Layout, Format, register, Storage, Loader, Activations, PolicyMode, format_error, round_stochastic
 from .tensor import Grid
 
 # %% auto #0
@@ -196,6 +196,8 @@ class _FP8Format(Format):
 class FP8_E4M3(_FP8Format):
     "FP8 E4M3 elements with one fp32 scale per tensor."
     name, aliases = 'float8_e4m3fn', ('fp8', 'e4m3', 'fp8_e4m3fn')
+    choices = {'FP8': {}}
+    modes = {'fp8': PolicyMode(('FP8',), doc='float8_e4m3fn with a per-tensor scale')}
     storage, layout_kwargs = _fp8_storage(torch.float8_e4m3fn), {'fp8_dtype': torch.float8_e4m3fn}
     activations = Activations(ScaleRule('amax / 448 (finfo(e4m3).max)', fp8_max(torch.float8_e4m3fn), torch.float8_e4m3fn))
 

@@ -10,7 +10,7 @@ import functools
 from dataclasses import dataclass
 import torch
 from .tensor import ValueRule, int8_compute
-from .tensor import (Params, Layout, Option, Format, register, Storage, Loader, format_error, check_2d,
+from .tensor import (Params, Layout, Option, Format, register, Storage, Loader, PolicyMode, format_error, check_2d,
                            round_stochastic)
 from .numerics import absmax, rotate, FP16_MIN_NORMAL, SCALE_DTYPES, is_power_of_4, residual_energy
 from .tensor import Grid, as_fp32
@@ -377,6 +377,9 @@ class INT8_TENSORWISE(Format):
     loader = Loader(since='2026-08', quantize_input=False)   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
     study_variants = (('int8_per_row', {'per_row': True}),
                       *((f'int8_convrot{g}', {'convrot': True, 'convrot_groupsize': g}) for g in (16, 64, 256)))
+    choices = {'INT8': {'per_row': True}, 'INT8 ConvRot': {'convrot': True, 'convrot_groupsize': 256}}
+    modes = {'int8': PolicyMode(('INT8',), doc='per-row INT8 W8A8 everywhere'),
+             'int8_convrot': PolicyMode(('INT8 ConvRot', 'INT8'), doc='ConvRot INT8 where K % 256 == 0, else per-row INT8')}
     rows_independent, bank_is_flat = staticmethod(int8_per_row), staticmethod(_int8_flat_banks)
     native_compute, measures, grid = staticmethod(int8_compute), staticmethod(_int8_measures_error), staticmethod(int8_grid)
     def kitchen_kwargs(self, opts:dict) -> dict:

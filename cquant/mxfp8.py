@@ -11,7 +11,7 @@ import torch
 
 from .numerics import absmax, e8m0_encode, e8m0_decode, to_blocked, from_blocked, pad_to_multiple, round_up
 from .tensor import ValueRule, nvidia_compute
-from .tensor import Params, Layout, Format, register, Storage, Loader, Activations, format_error, check_2d
+from .tensor import Params, Layout, Format, register, Storage, Loader, Activations, PolicyMode, format_error, check_2d
 from .fp8 import round_to_fp8, fp8_linear_fp32
 
 # %% auto #0
@@ -161,6 +161,8 @@ class MXFP8(Format):
     kitchen_layout = 'TensorCoreMXFP8Layout'
     loader = Loader(since='2026-08')    # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot (when kitchen has the layout)
     native_compute = staticmethod(nvidia_compute(MXFP8Layout.MIN_SM_VERSION, (2, 10)))
+    choices = {'MXFP8': {}}
+    modes = {'mxfp8': PolicyMode(('MXFP8', 'FP8'), doc='MXFP8 (E4M3 blocks of 32), else FP8')}
 
 # %% ../nbs/04_mxfp8.ipynb #827066e1
 def plot_block_exponents(qt, # an mxfp8 QuantizedTensor

@@ -15,7 +15,7 @@ from .numerics import (E2M1_VALUES, FP16_MIN_NORMAL, round_up, absmax, cast_fp8,
                              pack_nibbles, _constant_cache,
                              unpack_nibbles, pad_to_multiple, to_blocked, from_blocked)
 from .tensor import ScaleRule, ValueRule, nvidia_compute
-from .tensor import Option, Params, Layout, Format, register, Storage, Loader, Activations, format_error, check_2d, round_stochastic
+from .tensor import Option, Params, Layout, Format, register, Storage, Loader, Activations, PolicyMode, format_error, check_2d, round_stochastic
 from .tensor import Grid
 
 # %% auto #0
@@ -281,3 +281,5 @@ class NVFP4(Format):
     loader = Loader(since='2026-08')    # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
     native_compute = staticmethod(nvidia_compute(NVFP4Layout.MIN_SM_VERSION))
     grid = staticmethod(nvfp4_grid)
+    choices = {'NVFP4': {}}
+    modes = {'nvfp4': PolicyMode(('NVFP4', 'FP8'), doc='NVFP4 (E2M1 blocks of 16), else FP8', weight_only=('AWQ W4A16',))}

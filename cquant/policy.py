@@ -12,16 +12,9 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .tensor import ROUNDINGS, FORMATS, Format, QuantFormatError, QuantizedTensor, get_format, quantize
+from .tensor import ROUNDINGS, Format, PolicyMode, QuantFormatError, QuantizedTensor, get_format, quantize
 from .tensor import input_stats, checked_stats
-from .fp8 import FP8_E4M3
-from .nvfp4 import NVFP4
-from .mxfp8 import MXFP8
-from .int8 import INT8_TENSORWISE
-from .w4a4 import CONVROT_W4A4
-from .w4a8 import ASYM_W4A8_INT8
-from .awq import AWQ_W4A16
-from .svdquant import SVDQUANT_W4A4
+from .formats import FORMATS
 from .checkpoint import Checkpoint, open_checkpoint
 from .numerics import energy_db, is_power_of_4
 from .modules import QuantEmbedding, QuantLinear, is_linear, submodule, swap_module
@@ -239,17 +232,16 @@ class Choice:
 def _choice(label, fmt, **opts) -> Choice: return Choice(label, fmt, tuple(sorted(opts.items())))
 
 # %% ../nbs/16_policy.ipynb #df58c238
-# the choices name their formats through the declarations (data, never a name test)
-_INT8 = _choice('INT8', INT8_TENSORWISE.name, per_row=True)
-_INT8_CONVROT = _choice('INT8 ConvRot', INT8_TENSORWISE.name, convrot=True, convrot_groupsize=256)
-_W4A4 = _choice('W4A4', CONVROT_W4A4.name, convrot_groupsize=256)
-_W4A8 = _choice('W4A8', ASYM_W4A8_INT8.name, group_size=16, convrot_groupsize=256)
-_FP8 = _choice('FP8', FP8_E4M3.name)
-_NVFP4 = _choice('NVFP4', NVFP4.name)
-_MXFP8 = _choice('MXFP8', MXFP8.name)
-_AWQ = _choice('AWQ W4A16', AWQ_W4A16.name, group_size=64)
-_SVDQ = _choice('SVDQuant W4A4', SVDQUANT_W4A4.name)
-CHOICES = {c.label: c for c in (_INT8, _INT8_CONVROT, _W4A4, _W4A8, _FP8, _NVFP4, _MXFP8, _AWQ, _SVDQ)}   # by label
+def _declared_choices() -> dict:
+    "Every format's declared `choices`, as `Choice`s by label (a label declared twice is an error)."
+    out = {}
+    for f in FORMATS.values():
+        for label, opts in f.choices.items():
+            if label in out: raise QuantFormatError(f"policy choice {label!r} is declared by {out[label].format} and {f.name}")
+            out[label] = _choice(label, f.name, **opts)
+    return out
+
+CHOICES = _declared_choices()   # by label, in registry order
 
 # %% ../nbs/16_policy.ipynb #a1f0c002
 AUTO_GROUPS = (256, 64, 16, 4)   # convrot_groupsize='auto': tried largest first
@@ -282,23 +274,20 @@ class Mode:
     chain: tuple
     budget: tuple = ()
     doc: str = ''
-    weight_only: bool = False   # the preset's weight_only layers get AWQ W4A16 first (the 4-bit modes)
+    weight_only: tuple = ()     # the choices tried first on the preset's weight_only layers (the 4-bit modes: AWQ W4A16)
 
 # %% ../nbs/16_policy.ipynb #dc59716f
-MODES: dict[str, Mode] = {m.name: m for m in [
-    Mode('int8', (_INT8,), doc='per-row INT8 W8A8 everywhere'),
-    Mode('int8_convrot', (_INT8_CONVROT, _INT8), doc='ConvRot INT8 where K % 256 == 0, else per-row INT8'),
-    Mode('int4_mixed', (_W4A4, _INT8), (_INT8_CONVROT, _INT8),
-         doc='ConvRot W4A4, with int4_mixed_ratio of the W4-compatible layers in ConvRot INT8', weight_only=True),
-    Mode('int4_full', (_W4A4, _INT8), doc='ConvRot W4A4 wherever it fits, else per-row INT8', weight_only=True),
-    Mode('w4a8', (_W4A8, _INT8), doc='asymmetric 4-bit weights with INT8 ConvRot activations, else per-row INT8',
-         weight_only=True),
-    Mode('fp8', (_FP8,), doc='float8_e4m3fn with a per-tensor scale'),
-    Mode(NVFP4.name, (_NVFP4, _FP8), doc='NVFP4 (E2M1 blocks of 16), else FP8', weight_only=True),
-    Mode(MXFP8.name, (_MXFP8, _FP8), doc='MXFP8 (E4M3 blocks of 32), else FP8'),
-    Mode('svdquant', (_SVDQ, _INT8), doc='SVDQuant W4A4 (int4 residual + low-rank branch, calibrated) wherever it fits, '
-         'else per-row INT8', weight_only=True),
-]}
+def _declared_mode(name:str, m:PolicyMode) -> Mode:
+    "The `Mode` of a format's declared `PolicyMode`: its labels resolved to `CHOICES` (an unknown label is an error)."
+    def choices(labels):
+        unknown = [l for l in labels if l not in CHOICES]
+        if unknown: raise QuantFormatError(f"policy mode {name!r}: choices {unknown} are declared by no registered format "
+                                           f"(declared: {list(CHOICES)})")
+        return tuple(CHOICES[l] for l in labels)
+    return Mode(name, choices(m.chain), choices(m.budget), m.doc, choices(m.weight_only))
+
+# %% ../nbs/16_policy.ipynb #a16c0002
+MODES: dict[str, Mode] = {n: _declared_mode(n, m) for f in FORMATS.values() for n, m in f.modes.items()}   # registry order
 
 # %% ../nbs/16_policy.ipynb #269c933b
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -610,7 +599,7 @@ def rounding_names() -> tuple:
     "The roundings a policy may ask for: 'nearest' (the formats' own encoders) and the registered searches."
     return ('nearest', *sorted(ROUNDINGS))
 
-FALLBACKS = {'keep_float': None, 'int8': _INT8}   # Policy.fallback -> the choice a rejected override falls back to
+FALLBACKS = {'keep_float': None, 'int8': MODES['int8'].chain[0]}   # Policy.fallback -> what a rejected override falls back to
 FLOAT_WRITE_DTYPES = ('bfloat16', 'float16', 'float32')   # Policy.float_dtype: what float tensors may be written as
 
 # %% ../nbs/16_policy.ipynb #be7243c4
@@ -696,7 +685,7 @@ def _plan(policy:Policy, src:LayerSource, calibration, model, outputs=None, gree
         if k is not None: out[name] = _float(f"keep_float pattern {k[0]!r} ({k[1]})", 'keep_float', info.shape); continue
         w = next((p for p in wo if p in name), None) if mode.weight_only else None
         if w is not None:
-            out[name] = _walk((_AWQ,) + mode.chain, info, name, policy.mode, f"weight_only pattern {w!r} (preset {preset})",
+            out[name] = _walk(mode.weight_only + mode.chain, info, name, policy.mode, f"weight_only pattern {w!r} (preset {preset})",
                               False, g); continue
         out[name] = None; pending.append(name)
         if mode.budget and grouped(mode.chain[0], info.shape, name, g).check(info.shape, name + '.') is None:

@@ -8,7 +8,7 @@ Docs: https://cquant-dev.github.io/cquant/svdquant.html.md"""
 from __future__ import annotations
 from dataclasses import dataclass, replace
 import torch
-from .tensor import Params, Layout, Int4PackedLayout, Option, Format, ValueRule, register, Storage, Loader, format_error, check_2d
+from .tensor import Params, Layout, Int4PackedLayout, Option, Format, ValueRule, register, Storage, Loader, PolicyMode, format_error, check_2d
 from .tensor import check_finite, round_stochastic, input_stats, checked_stats
 from .numerics import pack_int4, unpack_int4, SCALE_DTYPES
 
@@ -395,4 +395,7 @@ class SVDQUANT_W4A4(Format):
     kitchen_layout = 'TensorCoreSVDQuantW4A4Layout'
     loader = Loader(registered=False, quantize_input=False)
     calibrated = staticmethod(svdquant_calibrated)
+    choices = {'SVDQuant W4A4': {}}
+    modes = {'svdquant': PolicyMode(('SVDQuant W4A4', 'INT8'), weight_only=('AWQ W4A16',),
+                                    doc='SVDQuant W4A4 (int4 residual + low-rank branch, calibrated) wherever it fits, else per-row INT8')}
     def native_compute(self, dev) -> bool: return True

@@ -245,6 +245,15 @@ class Activations:
     smoothing: bool = False             # cquant searches a SmoothQuant pre_quant_scale for it
     dynamic_reason: str = ''            # why activations stay dynamic although `input_scale` is loaded
 
+# %% ../nbs/01_tensor.ipynb #a41f0004
+@dataclass(frozen=True)
+class PolicyMode:
+    "A policy mode a format leads: choice labels tried in order on each layer (the first that fits wins)."
+    chain: tuple                        # choice labels (declared by any format's `choices`), first that fits wins
+    budget: tuple = ()                  # the chain of the layers inside the mode's INT8 budget (int4_mixed)
+    doc: str = ''                       # one line for `--help` and the docs
+    weight_only: tuple = ()             # labels tried first on the preset's weight_only layers (the 4-bit modes)
+
 # %% ../nbs/01_tensor.ipynb #a41f0003
 class Format:
     "A Comfy quantization format. Subclass, set `name`, `layout` and `storage`, override the hooks that differ, `register`."
@@ -258,6 +267,8 @@ class Format:
     activations: Activations = Activations()
     kitchen_layout: str|None = None     # comfy-kitchen's layout registry name (None: kitchen has none)
     study_variants: tuple = ()          # extra ((label, options), ...) the quality studies compare
+    choices: dict = {}                  # policy choice label -> options: what the policy modes may give a layer
+    modes: dict = {}                    # policy mode name -> `PolicyMode`, for the modes this format leads
     row_gather: bool = False            # a gather of storage rows and their scales dequantizes those rows exactly
     embedding: bool = False             # an Embedding table may use it (ComfyUI's quantized embedding)
     flags_nonfinite: bool = False       # on CPU a non-finite weight always gives a scale `value_rules` refuse (or a

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 from .tensor import ValueRule, int8_compute
-from .tensor import Params, Layout, Int4PackedLayout, Option, Format, register, Storage, Loader, format_error, check_2d, round_stochastic
+from .tensor import Params, Layout, Int4PackedLayout, Option, Format, register, Storage, Loader, PolicyMode, format_error, check_2d, round_stochastic
 from .numerics import absmax, rotate, pack_int4, unpack_int4, is_power_of_4, SCALE_DTYPES, residual_energy
 from .int8 import int_mm, quantize_rows_int8, _rotation_blocks
 from .tensor import Grid
@@ -224,6 +224,10 @@ class CONVROT_W4A4(Format):
     flags_nonfinite, kitchen_layout = True, 'TensorCoreConvRotW4A4Layout'
     loader = Loader(since='2026-08', quantize_input=False)   # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
     native_compute, grid = staticmethod(int8_compute), staticmethod(w4a4_grid)
+    choices = {'W4A4': {'convrot_groupsize': 256}}
+    modes = {'int4_mixed': PolicyMode(('W4A4', 'INT8'), ('INT8 ConvRot', 'INT8'), weight_only=('AWQ W4A16',),
+                                     doc='ConvRot W4A4, with int4_mixed_ratio of the W4-compatible layers in ConvRot INT8'),
+             'int4_full': PolicyMode(('W4A4', 'INT8'), doc='ConvRot W4A4 wherever it fits, else per-row INT8', weight_only=('AWQ W4A16',))}
     def rows_independent(self, opts:dict) -> bool: return True
     def measures(self, w:torch.Tensor, opts:dict) -> bool:
         return w.device.type == 'cpu'    # the rotated residual on CPU (on a GPU, kernels dequantize fast)

@@ -10,7 +10,7 @@ import dataclasses, functools, math, sys
 from dataclasses import dataclass
 import torch
 from .tensor import ValueRule, int8_compute
-from .tensor import Params, Layout, Option, Format, register, Storage, Loader, format_error, check_2d, Grid
+from .tensor import Params, Layout, Option, Format, register, Storage, Loader, PolicyMode, format_error, check_2d, Grid
 from .numerics import absmax, rotate, hadamard, pack_uint4, unpack_uint4, pack_6bit, unpack_6bit, unpack_nibbles, is_power_of_4, in_workers
 from .int8 import int8_linear, _row_blocks, _rotation_blocks
 
@@ -650,6 +650,9 @@ class ASYM_W4A8_INT8(_W4A8Format):
                                       'False: asymmetric (uniform levels + per-group correction)', stored=False),
                                _SEARCH_OPTION)
     loader = Loader(since='2026-08', unread=('weight_correction',), quantize_input=False)  # QUANT_ALGOS of 2026-08-22
+    choices = {'W4A8': {'group_size': 16, 'convrot_groupsize': 256}}
+    modes = {'w4a8': PolicyMode(('W4A8', 'INT8'), doc='asymmetric 4-bit weights with INT8 ConvRot activations, else per-row INT8',
+                                weight_only=('AWQ W4A16',))}
     def kitchen_kwargs(self, opts:dict) -> dict:
         return dict(super().kitchen_kwargs(opts), symmetric=opts.get('symmetric', True), **_codebook_kw(opts))
 

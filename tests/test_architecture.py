@@ -40,6 +40,18 @@ def test_no_format_names_outside_format_modules():
     assert not hits, 'format names outside the format modules (ask cquant.tensor.FORMATS instead):\n' + '\n'.join(hits)
 
 
+def format_importers(graph:dict) -> dict:
+    "`{module: [format modules it imports]}` for the modules outside the format layer (the package re-exports aside)."
+    fm = set(format_module_names())
+    return {m: sorted(ts & fm) for m, ts in graph.items() if m not in fm | {'formats', '__init__'} and ts & fm}
+
+
+def test_a_format_touches_only_its_own_files():
+    "No module outside the format layer imports a format: the policy's choices and modes come from the declarations."
+    assert format_importers(import_graph()[0]) == {}
+    assert format_importers({'policy': {'fp8', 'tensor'}, 'w4a4': {'int8'}}) == {'policy': ['fp8']}   # not vacuous
+
+
 def test_the_check_finds_a_name(tmp_path, monkeypatch):
     "The scanner is not vacuous: a planted name test is reported with its line."
     (tmp_path / 'planted.py').write_text("x = 1\nif x == 'nvfp4': pass\n")

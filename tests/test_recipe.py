@@ -136,7 +136,7 @@ def test_yaml_and_toml_compile_to_the_same_policy(recipe_file, tmp_path):
      "{f}:2: rules[0].options: options {{'per_row': True}} given to a rule that keeps layers float"),
     ("rules:\n  - {format: float}\n", "{f}:2: rules[0]: expected one of match (a glob, or re:REGEX) and contains"),
     ("mode: int8\n\nfallback: fp8\n", "{f}:3: fallback: expected None or one of ['keep_float', 'int8'], found 'fp8'"),
-    ("mode: int9\n", "{f}:1: mode: expected one of ['int8'"),
+    ("mode: int9\n", "{f}:1: mode: expected one of ['fp8', 'nvfp4'"),
     ("keep_float: ['']\n", "{f}:1: keep_float: expected non-empty strings"),
     ("mode: int8\nmode: fp8\n", "{f}:2: mode: duplicate key"),
     ("mode: int8\nrules: [\n", "{f}:3: invalid YAML: expected the node content"),
