@@ -64,7 +64,7 @@ def bench_row(row: Row, w: torch.Tensor, repeats: int, stat: Callable = min) -> 
     spec = cq.FORMATS[row.fmt]
     opts = spec.resolve(None, **row.opts)
     cq_q = lambda: cq.quantize(w, row.fmt, **row.opts)
-    cq_layout_q = lambda: spec.layout.quantize(w, **spec.layout_kwargs, **opts)   # without cq.quantize's input checks
+    cq_layout_q = lambda: spec.layout.quantize(w, **opts)   # without cq.quantize's input checks
     ck_q = lambda: KQT.from_float(w, row.k_layout, **row.k_kw)
     qt, kt = cq_q(), ck_q()                       # warm-up (also the tensors the dequantize timings use)
     qt.dequantize(); kt.dequantize(); cq_layout_q()

@@ -743,7 +743,7 @@ def _scan_module(ck:Checkpoint, name:str, keys:dict, shape=None, known:set|None=
     allowed = set(spec.weight_keys) | set(spec.storage.extra_keys)
     extra = sorted(s for s in infos if (s in known or s.startswith('weight_')) and s not in allowed)
     if extra: raise CheckpointError(path, f"'{p}{extra[0]}': expected only {spec.name} tensors {sorted(allowed)}, found extra {[p + s for s in extra]}")
-    lopts = {**spec.layout_kwargs, **e.options}
+    lopts = e.options
     metas = {s: _meta(infos[s]) for s in spec.weight_keys if s in infos}
     if e.num_experts is not None: return _check_bias(path, _scan_bank(ck, e, metas, shape), infos)
     try:
@@ -770,7 +770,7 @@ def _check_bias(path, e:ModuleEntry, infos:dict) -> ModuleEntry:
     if 'bias' not in infos: return e
     b, k = tuple(infos['bias'].shape), 1 if e.num_experts is not None else 0
     lead, rows = tuple(e.shape[:k]), tuple(e.shape[k:])
-    N, lay, lopts = rows[0], e.spec.layout, {**e.spec.layout_kwargs, **e.options}
+    N, lay, lopts = rows[0], e.spec.layout, e.options
     same = lambda n: n == N or e.shape_inferred and 0 < n < N and lay.storage_shape((n, *rows[1:]), lopts) == lay.storage_shape(rows, lopts)
     if len(b) != len(lead) + 1 or b[:-1] != lead or not same(b[-1]):
         raise CheckpointError(path, f"'{e.prefix}bias': expected shape {list(lead + (N,))} (one value per output feature of "
@@ -796,7 +796,7 @@ def _scan_bank(ck:Checkpoint, e:ModuleEntry, metas:dict, shape=None) -> ModuleEn
     try:
         if shape is None:
             take, _, _ = expert_tensors(metas, e.config, E, p)
-            shape, e.shape_inferred = spec.layout.logical_shape(take(0), {**spec.layout_kwargs, **e.options}), True
+            shape, e.shape_inferred = spec.layout.logical_shape(take(0), e.options), True
         shape = tuple(int(d) for d in shape)
         if len(shape) == 3:
             if shape[0] != E: raise CheckpointError(path, f"'{p}comfy_quant[\"num_experts\"]': expected {shape[0]} (module {name!r} is a bank of shape {list(shape)}), found {E}")

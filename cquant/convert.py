@@ -677,7 +677,7 @@ def _placed_bytes(ck:Checkpoint, keys:dict, d, drop) -> int:
     rest = sum(ck.info(k).nbytes for s, k in keys.items() if not (d is not None and d.format and (s == 'weight' or s in drop)))
     if d is None or not d.format or 'weight' not in keys: return rest
     spec = get_format(d.format)
-    opts = {**spec.layout_kwargs, **{o.name: o.default for o in spec.options}, **d.options}
+    opts = {**{o.name: o.default for o in spec.options}, **d.options}
     try: w = math.prod(spec.layout.storage_shape(tuple(d.shape), opts)) * torch.empty(0, dtype=spec.storage.dtype).element_size()
     except Exception: w = ck.info(keys['weight']).nbytes      # a shape the layout does not size (a bank): the source's
     return rest + w * 5 // 4 + 4096
@@ -901,7 +901,7 @@ def _zero_weight_repairs(ck:Checkpoint) -> tuple:
         if not _zero_weight(spec, t): continue
         p = keys[zk][:-len(zk)]
         opts = spec.resolve(cfg, p)
-        out.update(quantize(torch.zeros(spec.layout.logical_shape(t, {**spec.layout_kwargs, **opts})), spec, **opts).state_dict(p))
+        out.update(quantize(torch.zeros(spec.layout.logical_shape(t, opts)), spec, **opts).state_dict(p))
         formats[m] = spec.name
         warnings.warn(f"{ck.path}: module {m!r} ({spec.name}) is an all-zero weight stored with NaN (comfy-kitchen 0.2.40's "
                       "encoding): rewritten as exact zeros", CheckpointWarning, stacklevel=3)

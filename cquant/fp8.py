@@ -15,7 +15,7 @@ from .tensor import Option, Params, Layout, Format, register, Storage, Loader, A
 from .tensor import Grid
 
 # %% auto #0
-__all__ = ['quantize_per_tensor_fp8', 'dequantize_per_tensor_fp8', 'FP8Params', 'fp8_linear_fp32', 'FP8Layout']
+__all__ = ['quantize_per_tensor_fp8', 'dequantize_per_tensor_fp8', 'FP8Params', 'fp8_linear_fp32', 'FP8Layout', 'FP8E5M2Layout']
 
 # %% ../nbs/02_fp8.ipynb #b1e1b7e1
 def fp8_absmax_scale(w:torch.Tensor, # weight (fp32, bf16 or fp16)
@@ -107,12 +107,14 @@ def fp8_linear_fp32(xq:torch.Tensor, # activation: FP8 [M, K] (or any float [M, 
 
 # %% ../nbs/02_fp8.ipynb #f5ba5fe3
 class FP8Layout(Layout):
-    "Per-tensor scaled FP8 (`float8_e4m3fn` / `float8_e5m2`); the FP8 dtype is the layout argument `fp8_dtype`."
+    "Per-tensor scaled FP8 storing the class's `fp8_dtype` (`float8_e4m3fn`; `FP8E5M2Layout` stores `float8_e5m2`)."
     Params = FP8Params
     MIN_SM_VERSION = (8, 9)     # comfy-kitchen's TensorCoreFP8Layout
+    fp8_dtype = torch.float8_e4m3fn
 
     @classmethod
-    def quantize(cls, w, stochastic_rounding=0, fp8_dtype=torch.float8_e4m3fn, scale=None):
+    def quantize(cls, w, stochastic_rounding=0, fp8_dtype=None, scale=None):
+        fp8_dtype = fp8_dtype or cls.fp8_dtype
         if scale is None:
             s = fp8_absmax_scale(w, fp8_dtype)
             if not bool(torch.isfinite((1.0 / s).to(w.dtype))):     # all zero, or kitchen would overflow
@@ -159,6 +161,10 @@ class FP8Layout(Layout):
         "Any view/reshape: elements map 1:1 to storage and the one scale means the same for every shape."
         return func(qdata, list(shape)), replace(params, orig_shape=tuple(shape))
 
+class FP8E5M2Layout(FP8Layout):
+    "`FP8Layout` storing `float8_e5m2` (a class of its own, so the format needs no layout arguments)."
+    fp8_dtype = torch.float8_e5m2
+
 # %% ../nbs/02_fp8.ipynb #041db7c8
 def fp8_grid(fp8_dtype:torch.dtype):
     "The `Format.grid` hook of an FP8 dtype: its elements under one per-tensor scale."
@@ -182,7 +188,7 @@ def _fp8_storage(dtype:torch.dtype) -> Storage:
                    value_rules={'weight_scale': rule})
 
 class _FP8Format(Format):
-    "The facts and hooks the two FP8 formats share; each sets its dtype's storage, layout argument and scale rule."
+    "The facts and hooks the two FP8 formats share; each sets its dtype's storage and scale rule (E5M2 its layout)."
     layout, options = FP8Layout, (_SCALE_OPTION,)
     row_gather, embedding = True, True  # rows decode from their own storage and the one scale (embeddings)
     kitchen_layout = 'TensorCoreFP8Layout'
@@ -198,12 +204,12 @@ class FP8_E4M3(_FP8Format):
     name, aliases = 'float8_e4m3fn', ('fp8', 'e4m3', 'fp8_e4m3fn')
     choices = {'FP8': {}}
     modes = {'fp8': PolicyMode(('FP8',), doc='float8_e4m3fn with a per-tensor scale')}
-    storage, layout_kwargs = _fp8_storage(torch.float8_e4m3fn), {'fp8_dtype': torch.float8_e4m3fn}
+    storage = _fp8_storage(torch.float8_e4m3fn)
     activations = Activations(ScaleRule('amax / 448 (finfo(e4m3).max)', fp8_max(torch.float8_e4m3fn), torch.float8_e4m3fn))
 
 @register
 class FP8_E5M2(_FP8Format):
     "FP8 E5M2 elements with one fp32 scale per tensor."
     name, aliases = 'float8_e5m2', ('e5m2', 'fp8_e5m2')
-    storage, layout_kwargs = _fp8_storage(torch.float8_e5m2), {'fp8_dtype': torch.float8_e5m2}
+    layout, storage = FP8E5M2Layout, _fp8_storage(torch.float8_e5m2)
     activations = Activations(ScaleRule('amax / 57344 (finfo(e5m2).max)', fp8_max(torch.float8_e5m2), torch.float8_e5m2))

@@ -21,9 +21,9 @@ from .modules import QuantEmbedding, QuantLinear, is_linear, submodule, swap_mod
 from .calibrate import collect_inputs
 
 # %% auto #0
-__all__ = ['PRESETS', 'MODES', 'EMBEDDING_NAME', 'Preset', 'PolicyWarning', 'detect_preset', 'int8_budget', 'Choice',
-           'with_group', 'grouped', 'Mode', 'embedding_table', 'Decision', 'layer_errors', 'Policy', 'measure_layers',
-           'greedy_order', 'plan_ratios', 'Plan']
+__all__ = ['PRESETS', 'MODES', 'EMBEDDING_NAME', 'Preset', 'PolicyWarning', 'detect_preset', 'int8_budget', 'Choice', 'grouped',
+           'Mode', 'embedding_table', 'Decision', 'layer_errors', 'Policy', 'measure_layers', 'greedy_order',
+           'plan_ratios', 'Plan']
 
 # %% ../nbs/16_policy.ipynb #e68726bc
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ def _weight_error(spec, w, qdata, params) -> float:
 # %% ../nbs/23_rounding.ipynb #3568a2b0
 def _no_worse(spec, w, opts, qdata, params) -> tuple:
     "(qdata, params), or the format's own nearest encoding where that has less weight error."
-    ref = spec.layout.quantize(w, **spec.layout_kwargs, **opts)
+    ref = spec.layout.quantize(w, **opts)
     return ref if _weight_error(spec, w, *ref) < _weight_error(spec, w, qdata, params) else (qdata, params)
 
 # %% ../nbs/23_rounding.ipynb #65bb3cc1

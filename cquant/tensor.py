@@ -262,7 +262,6 @@ class Format:
     storage: Storage
     options: tuple = ()                 # `Option`s, named as `layout.quantize`'s keyword arguments
     aliases: tuple = ()                 # other names people pass (policy modes, short names): errors suggest this format
-    layout_kwargs: dict = {}            # fixed `layout.quantize` arguments telling formats of one layout apart
     loader: Loader = Loader()
     activations: Activations = Activations()
     kitchen_layout: str|None = None     # comfy-kitchen's layout registry name (None: kitchen has none)
@@ -882,7 +881,7 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     spec.layout.check_shape(tuple(w.shape), opts, prefix)
     try:
         if rounding == 'nearest' and calibration is None:
-            kw = dict(stochastic_rounding=stochastic_rounding, **spec.layout_kwargs, **opts)
+            kw = dict(stochastic_rounding=stochastic_rounding, **opts)
             if energies is not None and spec.measures(w, opts): qdata, params = spec.layout.quantize(w, energies=energies, **kw)
             else: qdata, params = layout_op(spec.layout, 'quantize', w, **kw)
         elif rounding == 'nearest' and spec.declares('calibrated') and not stochastic_rounding:
@@ -935,7 +934,7 @@ def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dt
     tensors = {k: sd[prefix + k] for k in spec.weight_keys if prefix + k in sd}
     for k, t in tensors.items():
         if not isinstance(t, torch.Tensor): raise format_error(prefix, k, 'a tensor', type(t).__name__)
-    if shape is None: shape = spec.layout.logical_shape(tensors, {**spec.layout_kwargs, **opts})
+    if shape is None: shape = spec.layout.logical_shape(tensors, opts)
     shape = tuple(int(s) for s in shape)
     spec.layout.check_shape(shape, opts, prefix)
     want = spec.layout.storage_shape(shape, opts)
@@ -945,7 +944,7 @@ def load_quantized(sd:dict, prefix:str='', shape:tuple|None=None, dtype:torch.dt
     if tuple(w.shape) != tuple(want): raise format_error(prefix, 'weight',
                                                          f'storage shape {tuple(want)} for logical shape {shape}', f'{tuple(w.shape)}')
     if w.dtype != spec.storage.dtype: tensors['weight'] = w.view(spec.storage.dtype)
-    qdata, params = spec.layout.from_tensors(tensors, {**spec.layout_kwargs, **opts}, shape, dtype, prefix)
+    qdata, params = spec.layout.from_tensors(tensors, opts, shape, dtype, prefix)
     check_values(spec, spec.layout.tensors(qdata, params), prefix)
     return QuantizedTensor(qdata, params, spec)
 

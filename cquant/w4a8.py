@@ -641,7 +641,7 @@ class _W4A8Format(Format):
 @register
 class ASYM_W4A8_INT8(_W4A8Format):
     "ConvRot-rotated 4-bit codes (codebook, uniform or asymmetric) with e4m3 group scales and fp32 row scales; int8 activations."
-    name, layout, aliases, layout_kwargs = 'asym_w4a8_int8', W4A8Layout, ('w4a8', 'w4a8_int8'), {'bits': 4}
+    name, layout, aliases = 'asym_w4a8_int8', W4A8Layout, ('w4a8', 'w4a8_int8')
     storage = dataclasses.replace(_W4A8Format.storage, optional_keys=('weight_codebook', 'weight_correction'),
                       row_assembly={'weight_codebook': 'shared', 'weight_correction': 1})
     options = _W4A8_OPTIONS + (Option('codebook', True, (bool, torch.Tensor),
@@ -659,7 +659,7 @@ class ASYM_W4A8_INT8(_W4A8Format):
 @register
 class W6A8_INT8(_W4A8Format):
     "ConvRot-rotated uniform 6-bit codes (two-plane packing) with e4m3 group scales and fp32 row scales; int8 activations."
-    name, layout, aliases, layout_kwargs = 'w6a8_int8', W6A8Layout, ('w6a8',), {'bits': 6}
+    name, layout, aliases = 'w6a8_int8', W6A8Layout, ('w6a8',)
     options = _W4A8_OPTIONS + (_SEARCH_OPTION,)
     loader = Loader(since='2026-09', quantize_input=False)   # ComfyUI PR #16483, merged 2026-09-29
     def kitchen_kwargs(self, opts:dict) -> dict: return dict(super().kitchen_kwargs(opts), codebook=False)

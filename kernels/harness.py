@@ -180,7 +180,7 @@ def main(argv=None):
             for M in Ms: attempt(f'{label} linear M={M} N=K={NK}', linear_op, label, fmt, M, NK, w, bias, spec, qe)
 
     def quantize_op(label, fmt, opts, NK, w, spec, qe, t_e, qc):
-        if covered(spec.layout, 'quantize') and fits(spec.layout, 'quantize', w, stochastic_rounding=0, **spec.layout_kwargs,
+        if covered(spec.layout, 'quantize') and fits(spec.layout, 'quantize', w, stochastic_rounding=0,
                                                      **spec.resolve(None, **opts)):
             qk = cq.quantize(w, fmt, **opts)
             t_k = bench(lambda: cq.quantize(w, fmt, **opts))

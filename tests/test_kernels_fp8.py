@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available(): os.environ.setdefault('TRITON_INTERPRET', '1')
 pytest.importorskip('triton', reason='triton is not installed: the kernel tests need it')
 
-from cquant.fp8 import FP8Layout, FP8Params, quantize_per_tensor_fp8
+from cquant.fp8 import FP8Layout, FP8E5M2Layout, FP8Params, quantize_per_tensor_fp8
 from cquant.numerics import absmax, fp8_max
 from cquant.tensor import FORMATS, same_bits, test_bits as _bits
 import cquant.kernels.fp8 as K
@@ -209,42 +209,44 @@ def test_linear_errors():
 
 def test_fast_paths():
     "Every FAST_PATHS entry gives the classmethod's result (bits; the linear within its bound), and fits declines what it must."
-    assert [(layout, op) for layout, op, _, _ in K.FAST_PATHS] == [(FP8Layout, 'quantize'), (FP8Layout, 'dequantize'),
-                                                                    (FP8Layout, 'linear')]
+    assert [(layout, op) for layout, op, _, _ in K.FAST_PATHS] == [
+        (FP8Layout, 'quantize'), (FP8E5M2Layout, 'quantize'), (FP8Layout, 'dequantize'), (FP8Layout, 'linear'),
+        (FP8E5M2Layout, 'dequantize'), (FP8E5M2Layout, 'linear')]
     g = torch.Generator().manual_seed(8)
-    entries = {op: (fn, fits) for _, op, fn, fits in K.FAST_PATHS}
+    entries = {(layout, op): (fn, fits) for layout, op, fn, fits in K.FAST_PATHS}
     for name in ('float8_e4m3fn', 'float8_e5m2'):
         spec = FORMATS[name]
-        assert spec.layout is FP8Layout
+        L = spec.layout
+        assert L.fp8_dtype == spec.storage.dtype and issubclass(L, FP8Layout)
         for dt in DTYPES:
             w = torch.randn(33, 70, generator=g).to(dt)
             x = torch.randn(3, 70, generator=g).to(dt)
             b = torch.randn(33, generator=g).to(dt)
-            fn, fits = entries['quantize']
+            fn, fits = entries[L, 'quantize']
             for scale in (None, 0.02):
-                kw = dict(stochastic_rounding=0, **spec.layout_kwargs, scale=scale)
+                kw = dict(stochastic_rounding=0, scale=scale)
                 assert fits(w, **kw)
                 q, params = fn(w.to(DEV), **kw)
-                qe, pe = FP8Layout.quantize(w, **kw)
+                qe, pe = L.quantize(w, **kw)
                 assert type(params) is FP8Params and params.orig_shape == pe.orig_shape and params.orig_dtype == pe.orig_dtype
                 _bits(_cpu(q), qe); _bits(_cpu(params.scale), pe.scale)
-            assert not fits(w, stochastic_rounding=1, **spec.layout_kwargs)
-            assert not fits(w.double(), stochastic_rounding=0, **spec.layout_kwargs)
-            assert not fits(w[:0], stochastic_rounding=0, **spec.layout_kwargs)
+            assert not fits(w, stochastic_rounding=1)
+            assert not fits(w.double(), stochastic_rounding=0)
+            assert not fits(w[:0], stochastic_rounding=0)
             with pytest.raises(ValueError, match='stochastic'):
-                fn(w, stochastic_rounding=1, **spec.layout_kwargs)
-            fn, fits = entries['dequantize']
+                fn(w, stochastic_rounding=1)
+            fn, fits = entries[L, 'dequantize']
             pd = FP8Params(pe.orig_shape, pe.orig_dtype, pe.scale.to(DEV))
             for out_dt in DTYPES:
                 assert fits(qe, pe, out_dt)
-                _bits(_cpu(fn(qe.to(DEV), pd, out_dt)), FP8Layout.dequantize(qe, pe, out_dt))
+                _bits(_cpu(fn(qe.to(DEV), pd, out_dt)), L.dequantize(qe, pe, out_dt))
             assert not fits(qe, pe, torch.float64) and not fits(qe.float(), pe, dt)
             assert not fits(qe, FP8Params(pe.orig_shape, dt, pe.scale.double()), dt)
-            fn, fits = entries['linear']
+            fn, fits = entries[L, 'linear']
             for isc in (None, 0.05):
                 assert fits(x, qe, pe, b, isc)
                 out = _cpu(fn(x.to(DEV), qe.to(DEV), pd, b.to(DEV), isc))
-                ref = FP8Layout.linear(x, qe, pe, b, isc)
+                ref = L.linear(x, qe, pe, b, isc)
                 assert out.dtype == ref.dtype and out.shape == ref.shape
                 assert bool(((out.double() - ref.double()).abs() <= K.fp8_linear_error_bound(x, qe, pe.scale, b, isc)).all())
             assert not fits(x, qe.reshape(-1), pe, b)                    # not 2-D: eager's generic linear

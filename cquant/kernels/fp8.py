@@ -6,7 +6,8 @@ Docs: https://cquant-dev.github.io/cquant/kernels_fp8.html.md"""
 
 # %% auto #0
 __all__ = ['FAST_PATHS', 'fp8_quantize', 'fp8_dequantize', 'fp8_linear', 'fp8_linear_error_bound', 'fp8_layout_quantize',
-           'fp8_quantize_fits', 'fp8_layout_dequantize', 'fp8_dequantize_fits', 'fp8_layout_linear', 'fp8_linear_fits']
+           'fp8_e5m2_layout_quantize', 'fp8_quantize_fits', 'fp8_layout_dequantize', 'fp8_dequantize_fits',
+           'fp8_layout_linear', 'fp8_linear_fits']
 
 # %% ../../nbs/31_kernels_fp8.ipynb #4085b5c2
 import contextlib
@@ -15,7 +16,7 @@ from .base import (jit, triton, tl, interpreting, round_to, store_as, load_f32, 
                                  fp8_code, fp8_decode, float_kind, FLOAT_DTYPES, out_view, autotuned, gemm_configs,
                                  launch_gemm, out_tile)
 from ..numerics import FP8_DTYPES, fp8_max
-from ..fp8 import FP8Layout, FP8Params, fp32_scalar, quantize_per_tensor_fp8
+from ..fp8 import FP8Layout, FP8E5M2Layout, FP8Params, fp32_scalar, quantize_per_tensor_fp8
 
 # %% ../../nbs/31_kernels_fp8.ipynb #3b04b1ce
 def _quiet():
@@ -251,15 +252,19 @@ def fp8_linear_error_bound(x:torch.Tensor, # activations [..., K]
 # %% ../../nbs/31_kernels_fp8.ipynb #d4157094
 def _is_scale(s) -> bool: return isinstance(s, torch.Tensor) and s.dtype == torch.float32 and s.numel() == 1
 
-def fp8_layout_quantize(w, stochastic_rounding=0, fp8_dtype=torch.float8_e4m3fn, scale=None):
+def fp8_layout_quantize(w, stochastic_rounding=0, fp8_dtype=None, scale=None):
     "`FP8Layout.quantize` through the Triton kernels (round to nearest only)."
     if stochastic_rounding: raise ValueError("fp8_layout_quantize: stochastic rounding is not supported by the kernel")
-    q, s = fp8_quantize(w, fp8_dtype, scale)
+    q, s = fp8_quantize(w, fp8_dtype or FP8Layout.fp8_dtype, scale)
     return q, FP8Params(tuple(w.shape), w.dtype, s)
 
-def fp8_quantize_fits(w, stochastic_rounding=0, fp8_dtype=torch.float8_e4m3fn, scale=None) -> bool:
+def fp8_e5m2_layout_quantize(w, stochastic_rounding=0, fp8_dtype=None, scale=None):
+    "`FP8E5M2Layout.quantize` through the Triton kernels."
+    return fp8_layout_quantize(w, stochastic_rounding, fp8_dtype or FP8E5M2Layout.fp8_dtype, scale)
+
+def fp8_quantize_fits(w, stochastic_rounding=0, fp8_dtype=None, scale=None) -> bool:
     return (isinstance(w, torch.Tensor) and w.dtype in FLOAT_DTYPES and w.numel() > 0 and not stochastic_rounding
-            and fp8_dtype in FP8_DTYPES)
+            and fp8_dtype in (None, *FP8_DTYPES))
 
 def fp8_layout_dequantize(qdata, params, dtype):
     "`FP8Layout.dequantize` through the Triton kernel."
@@ -279,5 +284,7 @@ def fp8_linear_fits(x, qdata, params, bias=None, input_scale=None) -> bool:
             and (bias is None or (isinstance(bias, torch.Tensor) and bias.dtype in FLOAT_DTYPES and tuple(bias.shape) == (qdata.shape[0],))))
 
 FAST_PATHS = [(FP8Layout, 'quantize', fp8_layout_quantize, fp8_quantize_fits),
-              (FP8Layout, 'dequantize', fp8_layout_dequantize, fp8_dequantize_fits),
-              (FP8Layout, 'linear', fp8_layout_linear, fp8_linear_fits)]
+              (FP8E5M2Layout, 'quantize', fp8_e5m2_layout_quantize, fp8_quantize_fits),
+              *((L, op, fn, fits) for L in (FP8Layout, FP8E5M2Layout)       # storage and scale say the rest
+                for op, fn, fits in (('dequantize', fp8_layout_dequantize, fp8_dequantize_fits),
+                                     ('linear', fp8_layout_linear, fp8_linear_fits)))]
