@@ -128,7 +128,7 @@ def gemm_rate(n:int=3072, reps:int=7) -> float:
 def gptq_child(name:str, what:str):
     "One layer's GPTQ from statistics in this process: JSON with its time (`what='time'`) or its peak memory above the start."
     import cquant as cq
-    from cquant.convert import trim_heap
+    from cquant.runtime import trim_heap
     N, K = SHAPES[name]
     torch.manual_seed(0)
     w = torch.randn(N, K) / K ** 0.5

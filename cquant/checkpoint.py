@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/checkpoint.html.md"""
 
 # %% ../nbs/11_checkpoint.ipynb #4006f88f
 from __future__ import annotations
-import errno, glob, hashlib, itertools, json, math, os, re, shutil, socket, stat, struct, tempfile, textwrap, threading, time, warnings
+import errno, glob, hashlib, itertools, json, math, os, re, shutil, stat, struct, tempfile, textwrap, threading, time, warnings
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -16,6 +16,7 @@ from .formats import FORMATS
 from .tensor import (Format, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
                            get_format, load_quantized, unique_keys, check_activations)
 from .comfy import expert_tensors, file_value, split_bank
+from .runtime import host_name, process_alive
 from .plain import parse_size, _fmt_bytes, size_ratio, text_table, _footnotes, markdown_table
 
 # %% auto #0
@@ -867,30 +868,18 @@ Checkpoint.modules, Checkpoint.quantized, Checkpoint.groups = _modules, _quantiz
 _TEMP = re.compile(r'\.cquant-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[a-z0-9_]+\.(tmp|shards)$')   # a file, or a ShardedWriter's folder
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
-def _host() -> str: return re.sub(r'[^A-Za-z0-9_.]', '_', socket.gethostname()) or 'localhost'
-
 def _unlink(p:str):
     try: os.unlink(p)
     except FileNotFoundError: pass
 
-def _alive(pid:int) -> bool:
-    "Whether process `pid` still runs (a zombie does not; another user's process does)."
-    if pid == os.getpid(): return True
-    try: os.kill(pid, 0)
-    except ProcessLookupError: return False
-    except PermissionError: return True
-    try:
-        with open(f'/proc/{pid}/stat') as f: return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
-    except (OSError, IndexError): return True
-
 # %% ../nbs/11_checkpoint.ipynb #41e2d85f
 def stale_temp_files(folder) -> list[str]:
     "cquant temporary files (and shard folders) in `folder` left by processes of this host that no longer run (killed mid-save)."
-    folder, host = os.fspath(folder), _host()
+    folder, host = os.fspath(folder), host_name()
     try: names = os.listdir(folder)
     except OSError: return []
     hits = [(n, _TEMP.search(n)) for n in names if n.startswith('.')]
-    return sorted(os.path.join(folder, n) for n, m in hits if m and m['host'] == host and not _alive(int(m['pid'])))
+    return sorted(os.path.join(folder, n) for n, m in hits if m and m['host'] == host and not process_alive(int(m['pid'])))
 
 # %% ../nbs/11_checkpoint.ipynb #923fb896
 def _remove_stale(folder:str):
@@ -903,7 +892,7 @@ def temp_file(path) -> tuple[int, str]:
     "`(fd, name)` of a new temporary file beside `path`, `.<name>.cquant-<host>-<pid>-<random>.tmp`; stale ones are removed first."
     d, base = os.path.split(os.path.abspath(path))
     _remove_stale(d)
-    return tempfile.mkstemp(prefix=f'.{base}.cquant-{_host()}-{os.getpid()}-', suffix='.tmp', dir=d)
+    return tempfile.mkstemp(prefix=f'.{base}.cquant-{host_name()}-{os.getpid()}-', suffix='.tmp', dir=d)
 
 class DiskFullError(OSError):
     "A full disk (or file-size limit) while writing a file; the message names the file, the bytes needed and the space free."
@@ -1200,7 +1189,7 @@ class ShardedWriter:
         d, base = os.path.split(self.path)
         if not os.path.isdir(d): raise CheckpointError(self.path, f"expected the folder {d!r} to hold the shard folder, found none")
         _remove_stale(d)
-        self.tmp = tempfile.mkdtemp(prefix=f'.{base}.cquant-{_host()}-{os.getpid()}-', suffix='.shards', dir=d)
+        self.tmp = tempfile.mkdtemp(prefix=f'.{base}.cquant-{host_name()}-{os.getpid()}-', suffix='.shards', dir=d)
         os.chmod(self.tmp, 0o777 & ~_umask())      # the folder it becomes: a plain new folder's permissions
         self.shards, self._of = [], {}        # StreamingWriters; module -> shard number
 

@@ -6,11 +6,11 @@ Docs: https://cquant-dev.github.io/cquant/quantize_checkpoint.html.md"""
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #02a0f22e
 from __future__ import annotations
-import contextlib, ctypes, dataclasses, json, math, os, sys, tempfile, threading, time, warnings
+import contextlib, dataclasses, json, math, os, sys, tempfile, threading, time, warnings
 from dataclasses import dataclass, field
 from typing import Callable
 import torch
-from .numerics import in_workers
+from .runtime import in_workers, malloc_arenas, restart_peak, trim_heap, _status_bytes
 from .tensor import FORMATS, QuantizedTensor, check_finite, decode_json, encode_json, format_color, get_format, quantize, same_bits, _zero_weight
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, TensorInfo, open_checkpoint, save_file,
                                split_key, scale_keys,
@@ -444,45 +444,6 @@ def _same_file(a:str, b:str) -> bool:
     if os.path.realpath(a) == os.path.realpath(b): return True
     try: return os.path.samefile(a, b)
     except OSError: return False
-
-# %% ../nbs/17_quantize_checkpoint.ipynb #6bb171f1
-_LIBC, _M_ARENA_MAX = None, -8          # glibc's handle (False elsewhere) and its mallopt parameter
-
-def _libc():
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL('libc.so.6')
-            _LIBC.malloc_trim.argtypes, _LIBC.mallopt.argtypes = [ctypes.c_size_t], [ctypes.c_int, ctypes.c_int]
-        except (OSError, AttributeError): _LIBC = False
-    return _LIBC
-
-def _status_bytes(field:str) -> int|None:
-    "Field `field` (`VmRSS`, `VmHWM`) of /proc/self/status in bytes; None where there is none (not Linux)."
-    try:
-        with open('/proc/self/status') as f: return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field + ':'))
-    except (OSError, StopIteration, ValueError): return None
-
-def restart_peak() -> int|None:
-    "Restart the kernel's peak RSS of this process (`VmHWM`) from its RSS now, and return that RSS (None off Linux)."
-    try:
-        with open('/proc/self/clear_refs', 'w') as f: f.write('5')
-    except OSError: return None
-    return _status_bytes('VmRSS')
-
-def trim_heap():
-    "Hand freed heap memory back to the OS (glibc `malloc_trim`; a no-op elsewhere), so RSS tracks the live tensors."
-    if _libc(): _LIBC.malloc_trim(0)
-
-@contextlib.contextmanager
-def malloc_arenas(n:int):
-    """At most `n` glibc malloc arenas for the threads that start inside the block, then glibc's default limit
-    (8 per CPU) again; a no-op elsewhere."""
-    libc = _libc()
-    if libc: libc.mallopt(_M_ARENA_MAX, n)
-    try: yield
-    finally:
-        if libc: libc.mallopt(_M_ARENA_MAX, 8 * (os.cpu_count() or 1))
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #17jc0001
 class JobCost:

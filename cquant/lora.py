@@ -11,12 +11,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from .numerics import energy_db
+from .runtime import malloc_arenas, trim_heap
 from .tensor import QuantizedTensor, get_format, load_quantized, quantize
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, ShardedWriter, StreamingWriter, open_checkpoint, split_key,
                                sha256_file)
 from .modules import lora_delta, requantize_options
 from .policy import layer_source
-from .convert import (JobCost, LazyRows, Report, LayerRow, block_elems, check_outputs, malloc_arenas, quantize_checkpoint, row_blocks, trim_heap,
+from .convert import (JobCost, LazyRows, Report, LayerRow, block_elems, check_outputs, quantize_checkpoint, row_blocks,
                              _err, _label, _rowwise, _source_names, _totals, _write_quantized)
 
 # %% auto #0

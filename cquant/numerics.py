@@ -9,13 +9,9 @@ __all__ = ['hadamard', 'rotate', 'energy_db', 'sqnr', 'rel_error', 'max_abs_erro
            'plot_grid', 'plot_error_hist']
 
 # %% ../nbs/00_numerics.ipynb #9d85b0b3
-import collections
-import contextlib
 import functools
 import math
 import operator
-
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -440,28 +436,3 @@ def plot_error_hist(ref:torch.Tensor, # reference tensor
     ax.set_title(f"{label + ': ' if label else ''}SQNR {s:.2f} dB, rel. error {rel_error(ref, approx):.4f}",
                  fontsize=10)
     return fig
-
-# %% ../nbs/00_numerics.ipynb #139362a1
-@contextlib.contextmanager
-def torch_threads(n:int):
-    "Run the block with `n` torch intra-op threads (it receives the previous count), then the previous count again."
-    prev = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try: yield prev
-    finally: torch.set_num_threads(prev)
-
-def in_workers(fn, # fn(i, j) -> the result of rows i..j
-               blocks:list, # (i, j) row ranges
-               workers:int|None=None, # threads at once (default torch's thread count); 1: inline, at torch's threads
-              ):
-    "Yield `fn(i, j)` for every block, in order, computed in `workers` threads of one torch thread each."
-    n = min(workers or torch.get_num_threads(), len(blocks))
-    if n <= 1:
-        for i, j in blocks: yield fn(i, j)
-        return
-    with torch_threads(1), ThreadPoolExecutor(n, thread_name_prefix='cquant-worker') as pool:
-        ahead = collections.deque()
-        for i, j in blocks:
-            ahead.append(pool.submit(fn, i, j))
-            if len(ahead) > n: yield ahead.popleft().result()
-        while ahead: yield ahead.popleft().result()

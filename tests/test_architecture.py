@@ -130,7 +130,7 @@ def test_smoothing_search_needs_a_declared_format():
 # Layers, lowest first. A module may import modules of its own layer or of a lower one (and no cycle), never a higher one;
 # the package itself (`import cquant`, i.e. `__init__`) is above every layer.
 LAYERS = (
-    ('core', {'_version', 'plain', 'numerics', 'tensor'}),
+    ('core', {'_version', 'plain', 'runtime', 'numerics', 'tensor'}),
     ('formats', {*format_module_names(), 'formats'}),
     ('attention methods', {'sol_attention', 'int8_attention'}),
     ('comfy vocabulary', {'comfy'}),

@@ -110,7 +110,7 @@ def shells_freed(monkeypatch):
         shell.user_ns.clear()
     made.clear()
     gc.collect()
-    from cquant.convert import trim_heap
+    from cquant.runtime import trim_heap
     trim_heap()
 
 

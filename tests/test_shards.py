@@ -232,9 +232,9 @@ def test_shards_filled_by_output_size_and_permissions(tmp_path):
 def test_stale_shard_folder_of_a_killed_run_is_removed(sharded, tmp_path):
     "A run killed mid-write (SIGKILL) leaves its temporary shard folder; the next writer in that folder removes it."
     p = subprocess.Popen([sys.executable, '-c', 'pass']); p.wait()          # a pid that no longer runs
-    from cquant.checkpoint import _host
-    stale = tmp_path / f'.out.cquant-{_host()}-{p.pid}-abc123.shards'
+    from cquant.runtime import host_name
+    stale = tmp_path / f'.out.cquant-{host_name()}-{p.pid}-abc123.shards'
     stale.mkdir(); (stale / 'part-00001.safetensors').write_bytes(b'x')
-    mine = tmp_path / f'.other.cquant-{_host()}-{os.getpid()}-abc123.shards'; mine.mkdir()    # a live run's: kept
+    mine = tmp_path / f'.other.cquant-{host_name()}-{os.getpid()}-abc123.shards'; mine.mkdir()    # a live run's: kept
     quiet_quantize(sharded, tmp_path / 'out', POL, measure=False, shard_size='1MB')
     assert sorted(x.name for x in tmp_path.iterdir()) == sorted([mine.name, 'out'])
