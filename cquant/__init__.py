@@ -12,7 +12,8 @@
 import importlib as _importlib, importlib.machinery, sys as _sys, types as _types
 from ._version import __version__
 
-_API = ('plain', 'tensor', 'numerics', 'formats', 'sol_attention', 'int8_attention', 'comfy', 'checkpoint', 'attention',
+_API = ('plain', 'tensor', 'numerics', 'formats', 'sol_attention', 'int8_attention', 'comfy', 'attention_config', 'checkpoint',
+        'attention',
         'quality', 'modules', 'models', 'policy', 'recipe', 'convert', 'lora', 'validate', 'explore', 'attention_explore',
         'evaluate', 'rounding', 'calibrate', 'record', 'minilm')
 _SOME = {'formats': ('FORMAT_MODULES',), 'int8_attention': ('int8_attention', 'prequantize_int8_attention', 'int8_attention_from_prequantized'),

@@ -16,15 +16,30 @@ import contextlib, fnmatch, json, os
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['attention_backends', 'AttentionRun', 'exact_attention', 'ComfyAttention', 'attention_report', 'parse_preferences',
-           'set_attention']
+__all__ = ['attention_available', 'attention_backends', 'AttentionRun', 'exact_attention', 'ComfyAttention', 'attention_report',
+           'parse_preferences', 'set_attention']
 
 # %% ../nbs/12a_attention.ipynb #e6784f22
-from .checkpoint import (ATTENTION_KEY, ATTENTION_METHODS, CheckpointError, CheckpointWarning, attention_available,
-                               attention_entries, decode_attention, encode_attention, open_checkpoint, save_file,
-                               select_attention, sol_applicable, split_key)
+from .tensor import CheckpointWarning
+from .attention_config import (ATTENTION_KEY, ATTENTION_METHODS, attention_entries, decode_attention, encode_attention,
+                                     select_attention)
+from .checkpoint import CheckpointError, open_checkpoint, save_file, split_key
 from .int8_attention import int8_attention
-from .sol_attention import sol_attention
+from .sol_attention import sol_applicable, sol_attention
+
+# %% ../nbs/12a_attention.ipynb #216d8802
+def attention_available(device=None) -> frozenset:
+    "The attention methods comfy-kitchen can run on `device` (empty without comfy-kitchen or on CPU)."
+    try: import comfy_kitchen as ck
+    except Exception: return frozenset()
+    device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+    probes = {'comfy_kitchen_sol': 'sol_attn_is_available', 'comfy_kitchen_int8': 'int8_attention_is_available'}
+    out = set()
+    for m, fn in probes.items():
+        try:
+            if getattr(ck, fn)(device): out.add(m)
+        except Exception: pass
+    return frozenset(out)
 
 # %% ../nbs/12a_attention.ipynb #9f17ebfd
 @dataclass(frozen=True)

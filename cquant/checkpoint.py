@@ -1,4 +1,4 @@
-"""Read and write Comfy quantized safetensors: validated headers, lazy access, per-module validation, legacy conversion, attention preferences, atomic saves.
+"""Read and write Comfy quantized safetensors: validated headers, lazy access, per-module validation, legacy conversion, atomic saves.
 
 Docs: https://cquant-dev.github.io/cquant/checkpoint.html.md"""
 
@@ -13,20 +13,19 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 import torch
 from .formats import FORMATS
-from .tensor import (Format, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
+from .tensor import (CheckpointWarning, Format, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
                            get_format, load_quantized, unique_keys, check_activations)
 from .comfy import expert_tensors, file_value, split_bank
+from .attention_config import ATTENTION_KEY, _usable_attention
 from .runtime import host_name, process_alive
 from .plain import parse_size, _fmt_bytes, size_ratio, text_table, _footnotes, markdown_table
 
 # %% auto #0
-__all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'INDEX_SUFFIX', 'LEGACY_QMETA', 'LEGACY_MARKER', 'ATTENTION_KEY',
-           'ATTENTION_METHODS', 'PROVENANCE_KEYS', 'CheckpointError', 'CheckpointWarning', 'TensorInfo', 'read_header',
-           'checkpoint_path', 'shard_index', 'convert_legacy', 'Checkpoint', 'open_checkpoint', 'AttentionChoice',
-           'attention_entries', 'encode_attention', 'decode_attention', 'select_attention', 'attention_available',
-           'sol_applicable', 'split_key', 'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry', 'stale_temp_files',
-           'save_file', 'comfy_unread', 'load_file', 'StreamingWriter', 'ShardedWriter', 'sha256_file', 'write_sha256',
-           'provenance', 'inspect_checkpoint', 'format_inspect']
+__all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'INDEX_SUFFIX', 'LEGACY_QMETA', 'LEGACY_MARKER', 'PROVENANCE_KEYS',
+           'CheckpointError', 'TensorInfo', 'read_header', 'checkpoint_path', 'shard_index', 'convert_legacy',
+           'Checkpoint', 'open_checkpoint', 'split_key', 'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry',
+           'stale_temp_files', 'save_file', 'comfy_unread', 'load_file', 'StreamingWriter', 'ShardedWriter',
+           'sha256_file', 'write_sha256', 'provenance', 'inspect_checkpoint', 'format_inspect']
 
 # %% ../nbs/11_checkpoint.ipynb #5a7c0e11
 from .tensor import check_stray_scales
@@ -42,9 +41,6 @@ def _in_file(path, e:Exception) -> CheckpointError:
     "`e` as a `CheckpointError` naming `path` (unchanged if it already is one)."
     if isinstance(e, CheckpointError): return e
     return CheckpointError(path, str(e) if isinstance(e, QuantFormatError) else f"{type(e).__name__}: {e}")
-
-class CheckpointWarning(UserWarning):
-    "Something in a checkpoint that cquant skips or repairs (unknown attention method, unused legacy entry)."
 
 # %% ../nbs/11_checkpoint.ipynb #94963011
 MAX_HEADER_BYTES = 100_000_000   # the header size limit of the safetensors library
@@ -547,111 +543,6 @@ def _expand_quantized(sd:dict, name) -> dict:
                 raise CheckpointError(name, f"'{cq_key}': expected a config of format {v.format!r} like the QuantizedTensor at {k!r}, found {given!r}")
         else: out[cq_key] = encode_json(v.config)
     return out
-
-# %% ../nbs/11_checkpoint.ipynb #ba88fd9c
-ATTENTION_KEY = 'comfy_attention.config'
-ATTENTION_METHODS = {'comfy_kitchen_sol': {'tau': 1.0}, 'comfy_kitchen_int8': {}}
-
-@dataclass(frozen=True)
-class AttentionChoice:
-    "The attention a module runs: method name, the options passed to it, and where the choice came from."
-    method: str
-    options: dict = field(default_factory=dict)
-    source: str = 'checkpoint'      # 'checkpoint' or 'override'
-
-# %% ../nbs/11_checkpoint.ipynb #1ea73830
-def _check_attention_entry(c, where:str):
-    "An entry is an object, its `attention` a string and each option of its method a finite number > 0 (errors name the field)."
-    if not isinstance(c, dict):
-        raise QuantFormatError(f"{where}: expected an object like {{\"attention\": \"comfy_kitchen_sol\"}}, found {type(c).__name__} {str(c)[:60]}")
-    if not isinstance(c.get('attention'), str):
-        raise QuantFormatError(f"{where}['attention']: expected a method name string, found {c.get('attention')!r}")
-    for k in ATTENTION_METHODS.get(c['attention'], {}):
-        v = c.get(k, 1.0)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
-            raise QuantFormatError(f"{where}[{k!r}]: expected a finite number > 0, found {type(v).__name__} {v!r}")
-
-# %% ../nbs/11_checkpoint.ipynb #599c2441
-def attention_entries(config, key:str=ATTENTION_KEY) -> list:
-    "The preference list of an attention config (an object becomes a one-element list); clear errors otherwise."
-    if config is None: return []
-    if isinstance(config, dict): config = [config]
-    if not isinstance(config, list):
-        raise QuantFormatError(f"'{key}': expected a JSON object or a list of objects, found {type(config).__name__} {str(config)[:60]}")
-    for i, c in enumerate(config): _check_attention_entry(c, f"'{key}'[{i}]")
-    return list(config)
-
-# %% ../nbs/11_checkpoint.ipynb #9cb7b42b
-def encode_attention(config) -> torch.Tensor:
-    "The `comfy_attention.config` tensor for `config` (an object or an ordered list of objects), order and options kept."
-    attention_entries(config)
-    return encode_json(config)
-
-# %% ../nbs/11_checkpoint.ipynb #1b6a0ddc
-def _usable_attention(config, key:str=ATTENTION_KEY):
-    """`config` less the entries ComfyUI ignores as malformed (not an object, a method that is not a string, an option
-    that is not a finite number > 0): each dropped with a `CheckpointWarning` in ComfyUI's words; None if none is left."""
-    if config is None: return None
-    entries, kept = (config if isinstance(config, list) else [config]), []
-    for i, c in enumerate(entries):
-        try: _check_attention_entry(c, f"'{key}'[{i}]"); kept.append(c)
-        except QuantFormatError as err:
-            method = c.get('attention') if isinstance(c, dict) else c
-            warnings.warn(f"Ignoring unsupported attention method {method!r} for {key.rpartition('.')[0] or 'comfy_attention'}: {err}", CheckpointWarning, stacklevel=2)
-    return None if not kept else kept if isinstance(config, list) else kept[0]
-
-def decode_attention(t:torch.Tensor, key:str=ATTENTION_KEY):
-    "Decode a `comfy_attention.config` tensor; entries ComfyUI ignores are dropped with a warning (`_usable_attention`)."
-    return _usable_attention(decode_json(t, key), key)
-
-# %% ../nbs/11_checkpoint.ipynb #83f292b0
-def select_attention(config, available, module:str='', override=None) -> AttentionChoice|None:
-    "The first entry of `config` whose method is in `available`; `override` (a method name) wins; None = normal attention."
-    if override is not None: return AttentionChoice(str(override), {}, 'override')
-    if isinstance(config, torch.Tensor): config = decode_attention(config, f'{module}.{ATTENTION_KEY}')
-    where = f'{module}.{ATTENTION_KEY}' if module else ATTENTION_KEY
-    for i, entry in enumerate(attention_entries(config, where)):
-        method = entry.get('attention')
-        if not isinstance(method, str) or method not in ATTENTION_METHODS:
-            warnings.warn(f"Ignoring unsupported attention method {method!r} for {where.rpartition('.')[0]} (not a method "
-                          "cquant runs)", CheckpointWarning); continue
-        if method not in available: continue
-        opts = {}
-        for k, default in ATTENTION_METHODS[method].items():
-            v = entry.get(k, default)
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise QuantFormatError(f"'{where}'[{i}][{k!r}]: expected a number, found {type(v).__name__} {v!r}")
-            opts[k] = float(v)
-        return AttentionChoice(method, opts)
-    return None
-
-# %% ../nbs/11_checkpoint.ipynb #216d8802
-def attention_available(device=None) -> frozenset:
-    "The attention methods comfy-kitchen can run on `device` (empty without comfy-kitchen or on CPU)."
-    try: import comfy_kitchen as ck
-    except Exception: return frozenset()
-    device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
-    probes = {'comfy_kitchen_sol': 'sol_attn_is_available', 'comfy_kitchen_int8': 'int8_attention_is_available'}
-    out = set()
-    for m, fn in probes.items():
-        try:
-            if getattr(ck, fn)(device): out.add(m)
-        except Exception: pass
-    return frozenset(out)
-
-# %% ../nbs/11_checkpoint.ipynb #0991641f
-def sol_applicable(q:torch.Tensor, k:torch.Tensor, v:torch.Tensor, heads:int|None=None, mask=None) -> bool:
-    "Whether SOL attention can run these Q/K/V: same shape, dtype and device, fp16/bf16, head dim 128, no mask."
-    if mask is not None: return False
-    ts = (q, k, v)
-    if not all(isinstance(t, torch.Tensor) for t in ts): return False
-    if len({t.dtype for t in ts}) != 1 or q.dtype not in (torch.float16, torch.bfloat16): return False
-    if len({tuple(t.shape) for t in ts}) != 1 or len({t.device for t in ts}) != 1 or q.dim() < 3: return False
-    d = q.shape[-1]
-    if heads is not None:
-        if heads <= 0 or d % heads: return False
-        d //= heads
-    return d == 128
 
 # %% ../nbs/11_checkpoint.ipynb #013c02d4
 def split_key(key:str) -> tuple[str, str]:

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import torch
 from fastcore.basics import patch
 from .formats import FORMATS
-from .tensor import DeviceClass, Option, QuantFormatError, QuantFormatWarning
+from .tensor import CheckpointWarning, DeviceClass, Option, QuantFormatError, QuantFormatWarning
+from .attention_config import ATTENTION_KEY, ATTENTION_METHODS, attention_entries
 from .comfy import FPMM, nested_params
-from .checkpoint import (ATTENTION_KEY, ATTENTION_METHODS, Checkpoint, CheckpointError, CheckpointWarning, attention_entries,
-                               comfy_unread, _comfy_unloadable, open_checkpoint, scale_keys, text_table, _footnotes, _read_json,
+from .checkpoint import (Checkpoint, CheckpointError, comfy_unread, _comfy_unloadable, open_checkpoint, scale_keys, text_table, _footnotes, _read_json,
                                _scan_module)
 from .modules import comfy_disabled_formats
 

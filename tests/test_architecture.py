@@ -133,7 +133,7 @@ LAYERS = (
     ('core', {'_version', 'plain', 'runtime', 'numerics', 'tensor'}),
     ('formats', {*format_module_names(), 'formats'}),
     ('attention methods', {'sol_attention', 'int8_attention'}),
-    ('comfy vocabulary', {'comfy'}),
+    ('comfy vocabulary', {'comfy', 'attention_config'}),
     ('checkpoint and modules', {'checkpoint', 'attention', 'modules'}),
     ('models', {'models', 'minilm'}),
     ('validation', {'validate'}),

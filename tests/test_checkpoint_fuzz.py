@@ -221,7 +221,7 @@ def test_unknown_attention_method_warns_not_fails(tmp_path):
     cfg = inspect_checkpoint(p)['attention']['blk']
     assert cfg == [{'attention': 'flash9'}, {'attention': 'comfy_kitchen_sol', 'tau': 2}]
     with pytest.warns(cq.checkpoint.CheckpointWarning, match="Ignoring unsupported attention method 'flash9' for blk"):
-        ch = cq.checkpoint.select_attention(cfg, {'comfy_kitchen_sol'}, 'blk')
+        ch = cq.select_attention(cfg, {'comfy_kitchen_sol'}, 'blk')
     assert ch.options == {'tau': 2.0}
 
 

@@ -114,7 +114,7 @@ def test_attention_tau(tmp_path, capsys, tau):
     assert_all_warn(p, "Ignoring unsupported attention method 'comfy_kitchen_sol' for blk.comfy_attention: "
                        "'blk.comfy_attention.config'[0]['tau']: expected a finite number > 0", capsys)
     with pytest.raises(ValueError, match=r"\['tau'\]: expected a finite number > 0"):     # a config given in Python: an error
-        cq.checkpoint.select_attention(json.loads(f'{{"attention": "comfy_kitchen_sol", "tau": {tau}}}'),
+        cq.select_attention(json.loads(f'{{"attention": "comfy_kitchen_sol", "tau": {tau}}}'),
                                        {'comfy_kitchen_sol'}, 'blk')
     rep = cq.validate(str(p), strict=True)
     assert not rep.ok and "'blk.comfy_attention.config'[0]['tau']" in rep.errors[0]
@@ -137,7 +137,7 @@ def test_attention_not_an_object(tmp_path, capsys, cfg):
         assert cq.open_checkpoint(p).modules()['blk'].attention is None
 
 def test_attention_valid_tau_selected():
-    got = cq.checkpoint.select_attention({'attention': 'comfy_kitchen_sol', 'tau': 0.5}, {'comfy_kitchen_sol'}, 'blk')
+    got = cq.select_attention({'attention': 'comfy_kitchen_sol', 'tau': 0.5}, {'comfy_kitchen_sol'}, 'blk')
     assert got.options == {'tau': 0.5}
 
 # 5. a leading '.' (empty module name)
