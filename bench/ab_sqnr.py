@@ -5,7 +5,7 @@ if sys.argv[1].endswith('.safetensors'): sys.argv.pop(1)
 child = r'''
 import sys, time, json; sys.path.insert(0, sys.argv[1])
 import torch
-from cquant.convert import quantize_checkpoint
+from cquant.jobs import quantize_checkpoint
 from cquant.policy import Policy
 p = Policy('int4_mixed', preset='none'); r = {}
 for m in (False, True, False, True):

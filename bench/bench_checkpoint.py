@@ -44,7 +44,7 @@ def _rss_now() -> int:
 
 def make_source(path:str, gb:float, dim:int) -> dict:
     "Write a synthetic bf16 checkpoint of at least `gb` GB; returns its size, tensor count and largest tensor."
-    from cquant.convert import StreamingWriter
+    from cquant.jobs import StreamingWriter
     per_block = sum(o * i * dim * dim * 2 + o * dim * 2 for _, o, i in BLOCK)
     blocks = max(1, -(-int(gb * 1e9) // per_block))
     g = torch.Generator().manual_seed(0)
@@ -102,7 +102,7 @@ def kitchen_job(src:str, dst:str, mode:str, sqnr:bool, device:str) -> dict:
 def child(src:str, dst:str, mode:str, sqnr:bool, job:str, device:str):
     "Run in a fresh process: baseline RSS, convert (cquant or the kitchen peer), peak RSS."
     import cquant
-    from cquant.convert import quantize_checkpoint
+    from cquant.jobs import quantize_checkpoint
     from cquant.policy import Policy
     base = _rss_now()
     cpu = lambda: sum(getattr(resource.getrusage(resource.RUSAGE_SELF), k) for k in ('ru_utime', 'ru_stime'))

@@ -179,7 +179,7 @@ def batch_table(reps:list) -> str:
 # %% ../nbs/18_cli.ipynb #0222c22e
 def cmd_quantize(args) -> int:
     "Run `cquant quantize`: one source into DST, or several (or a glob) into the folder DST, with a summary table."
-    from cquant.convert import check_outputs, quantize_checkpoint, save_plot
+    from cquant.jobs import check_outputs, quantize_checkpoint, save_plot
     from cquant.calibrate import Calibration
     from cquant.record import open_calibration
     srcs, dst = _sources(args), args.dst
@@ -244,7 +244,7 @@ def cmd_plan(args) -> int:
     "Run `cquant plan`."
     from cquant.checkpoint import open_checkpoint
     from cquant.policy import layer_source
-    from cquant.convert import plan_table
+    from cquant.jobs import plan_table
     with open_checkpoint(args.src) as ck:
         layers = layer_source(ck)
         plan = policy_from_args(args).plan(layers)
@@ -282,7 +282,7 @@ def add_recipe_parser(subparsers):
 # %% ../nbs/18_cli.ipynb #9f221af5
 def cmd_report(args) -> int:
     "Run `cquant report`."
-    from cquant.convert import check_outputs, report_error, save_plot
+    from cquant.jobs import check_outputs, report_error, save_plot
     check_outputs('', {'SRC': args.src, 'DST': args.dst}, {'--report': args.report, '--plot': args.plot})
     rep = report_error(args.src, args.dst)
     if args.report: rep.save(args.report)
@@ -304,7 +304,7 @@ def add_report_parser(subparsers):
 # %% ../nbs/18_cli.ipynb #76c9cf48
 def cmd_demo(args) -> int:
     "Run `cquant demo`."
-    from cquant.convert import demo
+    from cquant.jobs import demo
     paths = demo(args.out, args.source, progress=not args.quiet, file=sys.stderr if args.json else None)
     if args.json: print(json.dumps({**paths, 'totals': json.loads(Path(paths['report']).read_text())['totals']}, indent=1))
     return 0
@@ -323,7 +323,7 @@ def add_demo_parser(subparsers):
 # %% ../nbs/18_cli.ipynb #72e39c67
 def cmd_convert(args) -> int:
     "Run `cquant convert`."
-    from cquant.convert import convert_checkpoint
+    from cquant.jobs import convert_checkpoint
     r = convert_checkpoint(args.src, args.dst)
     if args.json: print(json.dumps(r, indent=1)); return 0
     print(f"{r['src']}: {'legacy ' + repr(r['legacy']) if r['legacy'] else 'no legacy markings (validated copy)'}; "
@@ -352,7 +352,7 @@ def lora_arg(s:str) -> tuple:
 
 def cmd_merge_lora(args) -> int:
     "Run `cquant merge-lora`."
-    from cquant.convert import check_outputs, save_plot
+    from cquant.jobs import check_outputs, save_plot
     from cquant.lora import merge_loras
     loras = [lora_arg(s) for s in args.loras]
     given = _policy_given(args)
@@ -525,7 +525,7 @@ def _facts() -> dict:
     "What the parser shows of the registries, computed from them."
     import torch
     from cquant.policy import FLOAT_WRITE_DTYPES, MODES, PRESETS, SELECTIONS
-    from cquant.convert import preset_spellings
+    from cquant.jobs import preset_spellings
     from cquant.validate import COMFYUI_LEVELS, DEVICE_CLASSES
     from cquant.record import RECORD_RECIPE
     from cquant.formats import storage_bytes

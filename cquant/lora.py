@@ -17,7 +17,7 @@ from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, Sharded
                                sha256_file)
 from .modules import lora_delta, requantize_options
 from .policy import layer_source
-from .convert import (JobCost, LazyRows, Report, LayerRow, block_elems, check_outputs, quantize_checkpoint, row_blocks,
+from .jobs import (JobCost, LazyRows, Report, LayerRow, block_elems, check_outputs, quantize_checkpoint, row_blocks,
                              _err, _label, _rowwise, _source_names, _totals, _write_quantized)
 
 # %% auto #0

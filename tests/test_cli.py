@@ -9,7 +9,7 @@ import torch
 
 import cquant as cq
 from cquant.checkpoint import CheckpointWarning
-from cquant.convert import StreamingWriter, plot_report, quantize_checkpoint
+from cquant.jobs import StreamingWriter, plot_report, quantize_checkpoint
 from cquant.policy import PRESETS, Policy, PolicyWarning
 from cquant.models import dit_state_dict
 from cquant.tensor import format_color
@@ -152,7 +152,7 @@ def test_closed_stdout_ends_quietly(dit):
 def test_ctrl_c_ends_with_one_line(dit, tmp_path):
     "SIGINT in the middle of writing: one line, status 130, no output or temporary file left."
     out_dir = tmp_path / 'o'; out_dir.mkdir()
-    code = ("import os, signal, sys, cquant.convert as cv\n"
+    code = ("import os, signal, sys, cquant.jobs as cv\n"
             "orig, n = cv._write_quantized, [0]\n"
             "def slow(*a, **k):\n"
             "    n[0] += 1\n"

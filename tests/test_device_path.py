@@ -11,7 +11,7 @@ pytest.importorskip('triton', reason='triton is not installed: the kernel path n
 
 import cquant as cq
 from cquant import tensor
-from cquant.convert import quantize_checkpoint
+from cquant.jobs import quantize_checkpoint
 from cquant.kernels import dispatch
 from cquant.policy import Policy
 from cquant.tensor import same_bits

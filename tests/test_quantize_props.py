@@ -198,7 +198,7 @@ def test_flagged_formats_are_the_rotated_and_int8_ones():
 @given(data=st.data(), dtype=dtypes, exp10=magnitudes, seed=seeds, count=st.integers(1, 6))
 @example(data=None, dtype=torch.float16, exp10=4.0, seed=1, count=1).via("fp16 near its max: rotations overflow")
 def test_flagged_nonfinite_is_named_exactly(fmt, opts, unit, data, dtype, exp10, seed, count):
-    from cquant.convert import quantize_rows
+    from cquant.jobs import quantize_rows
     from cquant.tensor import check_finite
     spec = need(fmt)
     if data is None: shape, picks = (40, 4 * max(unit, 64)), [(7, 5)]

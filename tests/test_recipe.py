@@ -7,7 +7,7 @@ import torch
 import cquant as cq
 from cquant.checkpoint import read_header
 from cquant.cli import main
-from cquant.convert import quantize_checkpoint
+from cquant.jobs import quantize_checkpoint
 from cquant.models import dit_state_dict
 from cquant.policy import PRESETS, Policy, PolicyWarning, krea2_names, rule_matches
 from cquant.recipe import RecipeError, plan_policy, plan_recipe, preset_example, read_recipe

@@ -8,7 +8,7 @@ import torch
 
 import cquant as cq
 from cquant.checkpoint import CheckpointError, ShardedWriter, open_checkpoint, read_header
-from cquant.convert import quantize_checkpoint, report_error
+from cquant.jobs import quantize_checkpoint, report_error
 from cquant.models import dit_state_dict
 from cquant.policy import Policy, PolicyWarning
 
@@ -186,7 +186,7 @@ def test_batch_conversion(sd, sharded, tmp_path):
 
 
 def test_error_midway_leaves_no_folder(sharded, tmp_path, monkeypatch):
-    import cquant.convert as C
+    import cquant.jobs as C
     calls, orig = [], C._quantize_layer
     def failing(*a, **k):
         calls.append(1)
@@ -199,7 +199,7 @@ def test_error_midway_leaves_no_folder(sharded, tmp_path, monkeypatch):
 
 
 def test_convert_over_shards(sd, sharded, tmp_path):
-    from cquant.convert import convert_checkpoint
+    from cquant.jobs import convert_checkpoint
     r = convert_checkpoint(sharded.parent, tmp_path / 'c.safetensors')
     assert r['removed'] == [] and r['added'] == []
     back = cq.load_file(tmp_path / 'c.safetensors')
