@@ -512,10 +512,10 @@ def _rounding_fields(wt:torch.Tensor, d, rk:dict, x:torch.Tensor|None, out:dict)
     return f
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #f53ba81c
-def _quantize_layer(w:StreamingWriter, ck:Checkpoint, key:str, m:str, d, weight:torch.Tensor, cal, old:list,
+def _quantize_layer(writer:StreamingWriter, ck:Checkpoint, key:str, m:str, d, weight:torch.Tensor, cal, old:list,
                     measure:bool, device='cpu') -> LayerRow:
     """Quantize weight `key` of layer `m` as `d` says (calibrated by `cal`, a `Calibration` or None) on `device` into
-    `w`; its row. `weight`: the layer's weight as read; `old`: the keys of its old quantization, dropped."""
+    `writer`; its row. `weight`: the layer's weight as read; `old`: the keys of its old quantization, dropped."""
     prefix, info = m + '.' if m else '', ck.info(key)
     wt, extras = weight, {}
     if cal is not None: wt, extras = cal.layer(m, d.format, wt)
@@ -524,11 +524,11 @@ def _quantize_layer(w:StreamingWriter, ck:Checkpoint, key:str, m:str, d, weight:
     wt = wt.to(device)
     with warnings.catch_warnings(record=True) as caught:       # a GPTQ that fell back to MSE is reported as MSE
         warnings.simplefilter('always', GPTQWarning)
-        out = _write_quantized(w, wt, key, prefix, d.format, d.options, measure, rk, x if measure else None)
+        out = _write_quantized(writer, wt, key, prefix, d.format, d.options, measure, rk, x if measure else None)
     for c in caught: warnings.warn_explicit(c.message, c.category, c.filename, c.lineno)
     if any(issubclass(c.category, GPTQWarning) for c in caught): rk = {**rk, 'rounding': 'mse'}
     for k, t in extras.items():
-        w.add(prefix + k, t); out['bytes'] += w.entry(prefix + k).nbytes
+        writer.add(prefix + k, t); out['bytes'] += writer.entry(prefix + k).nbytes
     more = _rounding_fields(wt, d, rk, x, out) if measure else ({'rounding': rk['rounding']} if 'rounding' in rk else {})
     del wt
     trim_heap()
@@ -701,49 +701,49 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
         drop = {m: _module_drop(groups[m]) for m, d in plan.items() if d.format and m in groups}
         rows, before, kept32, stored = {}, 0, 0, scale_keys() | {'comfy_quant'}
         reserve = max(1 << 16, 512 * len(ck) + len(json.dumps(meta)) + 8192 + 256 * len(ck.files))   # header written in place
-        w = (ShardedWriter(dst, shard_size, meta, reserve=reserve) if shard_size is not None
+        writer = (ShardedWriter(dst, shard_size, meta, reserve=reserve) if shard_size is not None
              else StreamingWriter(dst, meta, reserve=reserve))
         mod_bytes = {m: _placed_bytes(ck, keys, plan.get(m), drop.get(m, ())) for m, keys in groups.items()}
         ck.start_hashing()                          # the sources' SHA-256, fed by the reads below (file order)
         todo = [m for m, s in map(split_key, ck.file_order()) if s == 'weight' and (d := plan.get(m)) is not None and d.format]
         pf = _Prefetcher(layers.weight, todo, {m: _weight_host_bytes(layers.infos[m]) for m in todo},
                          device if cal is None else 'cpu')     # calibration adjusts the weight on the host first
-        with pf, w, tqdm(total=sum(ck.info(k).nbytes for k in ck), unit='B', unit_scale=True, unit_divisor=1024,
+        with pf, writer, tqdm(total=sum(ck.info(k).nbytes for k in ck), unit='B', unit_scale=True, unit_divisor=1024,
                      desc='quantize', disable=not progress, file=sys.stderr, leave=False,
                      mininterval=0.1 if tty else 10) as bar:     # a log (stderr not a terminal): a line per 10 s
             for n, key in enumerate(ck.file_order()):
                 info = ck.info(key); before += info.nbytes
                 m, s = split_key(key)
-                if shard_size is not None: w.place(m, mod_bytes[m])   # a module whole in one shard, sized by its output
+                if shard_size is not None: writer.place(m, mod_bytes[m])   # a module whole in one shard, sized by its output
                 d = plan.get(m)
                 if d is not None and d.format and s == 'weight':
                     bar.set_postfix_str(f'{n + 1}/{len(ck)} tensors, {m}: {d.label}'
                                         + ('' if d.rounding == 'nearest' else f' ({d.rounding})'), refresh=tty)
                     with cost.reading(): weight = pf.get(m)
                     with cost.layer(m):
-                        rows[m] = _quantize_layer(w, ck, key, m, d, weight, cal, [groups[m][x] for x in drop[m]], measure, device)
+                        rows[m] = _quantize_layer(writer, ck, key, m, d, weight, cal, [groups[m][x] for x in drop[m]], measure, device)
                     pf.release(m)
                 elif d is not None and d.format and s in drop[m]: pass
                 else:
                     with cost.reading(): t = ck[key]
                     out = _as_written(t, s, policy)
                     kept32 += info.nbytes if out.dtype == torch.float32 and s not in stored else 0
-                    w.add(key, out)
+                    writer.add(key, out)
                     if s == 'weight' and d is not None:
                         nb = info.nbytes + sum(ck.info(groups[m][x]).nbytes for x in groups[m] if x in stored)
-                        rows[m] = _plan_row(m, d, info, nb, nb - info.nbytes + w.entry(key).nbytes,
+                        rows[m] = _plan_row(m, d, info, nb, nb - info.nbytes + writer.entry(key).nbytes,
                                             (0.0, 0.0, 0.0) if out is t else _err(t, out), config=None)
                 bar.update(info.nbytes); bar.set_postfix_str(f'{n + 1}/{len(ck)} tensors', refresh=tty)
             bar.set_description('writing')
-            after = w.nbytes
+            after = writer.nbytes
             rows = [rows[m] for m in plan if m in rows]
             ck_infos = [ck.info(k) for k in ck]
-            w.metadata.update(cquant_sources=json.dumps(ck.file_hashes(), separators=(',', ':')),
+            writer.metadata.update(cquant_sources=json.dumps(ck.file_hashes(), separators=(',', ':')),
                               cquant_summary=json.dumps(_summary(rows, before, after), separators=(',', ':')))
             done = time.perf_counter()
         committed = time.perf_counter() - done            # the header, the checks, fsync and the rename
     if hash_output: write_sha256(source_files(dst) if shard_size is not None else [dst], sums)
-    spent = cost.result(before, w.seconds + committed)
+    spent = cost.result(before, writer.seconds + committed)
     if kept32 >= _FLOAT32_NOTE:
         warnings.warn(f"{_fmt_bytes(kept32)} of float tensors are written as float32, as in the source; "
                       "float_dtype='bfloat16' (--float-dtype bfloat16) would halve them", PolicyWarning, stacklevel=2)
@@ -883,8 +883,8 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
         mods = ck.modules(errors=errors)
         bad = {m: msg for m, msg in errors.items() if m not in repaired}
         if bad: raise CheckpointError(src, f"{len(bad)} module(s) cannot be converted:\n" + '\n'.join(f"  {m}: {msg}" for m, msg in bad.items()))
-        with StreamingWriter(dst, ck.metadata) as w:
-            for k in ck: w.add(k, fixed[k] if k in fixed else ck[k])
+        with StreamingWriter(dst, ck.metadata) as writer:
+            for k in ck: writer.add(k, fixed[k] if k in fixed else ck[k])
         keys, legacy = set(ck), ck.legacy
     formats = Counter([e.format for e in mods.values() if e.quantized] + list(repaired.values()))
     return dict(src=src, dst=dst, legacy=legacy, formats=dict(formats), repaired=sorted(repaired),

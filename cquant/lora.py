@@ -324,19 +324,19 @@ def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:
     merge); (the patched modules' `LayerRow`s, bytes before, bytes after, seconds writing); `cost` counts reads, modules."""
     rows, meta = [], {**ck.metadata, **meta}
     sizes = {m: sum(ck.info(k).nbytes for k in keys.values()) for m, keys in groups.items()}   # a bake keeps each module's size
-    with malloc_arenas(1), ShardedWriter(dst, shard_size, meta) if shard_size is not None else StreamingWriter(dst, meta) as w:
+    with malloc_arenas(1), ShardedWriter(dst, shard_size, meta) if shard_size is not None else StreamingWriter(dst, meta) as writer:
         for key in ck.file_order():          # one malloc arena: the row-block workers share the freed heap memory
             m, s = split_key(key)
-            if shard_size is not None: w.place(m, sizes[m])
+            if shard_size is not None: writer.place(m, sizes[m])
             e = mods.get(m)
             if m not in per_module or s not in _own(e):
                 with cost.reading(): t = ck[key]
-                w.add(key, t)
+                writer.add(key, t)
             elif s == 'weight':
-                with cost.layer(m): rows.append(_merge_module(w, ck, m, e, groups[m], per_module[m], ref, from_ref))
+                with cost.layer(m): rows.append(_merge_module(writer, ck, m, e, groups[m], per_module[m], ref, from_ref))
                 trim_heap()                  # the module's float32 buffers handed back before the next is read
-        after, done = w.nbytes, time.perf_counter()
-    return rows, sum(ck.info(k).nbytes for k in ck), after, w.seconds + time.perf_counter() - done
+        after, done = writer.nbytes, time.perf_counter()
+    return rows, sum(ck.info(k).nbytes for k in ck), after, writer.seconds + time.perf_counter() - done
 
 def _swap(w:torch.Tensor) -> torch.Tensor: return torch.cat([w[w.shape[0] // 2:], w[:w.shape[0] // 2]])
 
@@ -463,7 +463,7 @@ def _basis_parts(m:str, qt, opts:dict, how:dict, patches:list, elems:int):
             yield QuantizedTensor(*gb.pack(wb, scales), spec), wb
     return blocks
 
-def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches:list, ref, from_ref:bool=False) -> LayerRow:
+def _merge_module(writer:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches:list, ref, from_ref:bool=False) -> LayerRow:
     """Write module `m`'s weight (and, quantized, its scales and comfy_quant) with its LoRAs merged, as stored if they
     change nothing; its row: error against the float merge (of `ref`'s weight if given) and, with `ref`, the error of
     quantizing that merge directly. `from_ref`: what is quantized is that merge (one rounding), not the stored weight's."""
@@ -483,15 +483,15 @@ def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches
         approx = quantize(target, fmt, **opts).dequantize(torch.float32) if quantized else target.to(stored.dtype).float()
         row['direct_sqnr_db'] = energy_db(*_err(target, approx)[:2])
     if _unchanged(patches):                                            # the stored bytes
-        for k in own: w.add(k, ck[k])
+        for k in own: writer.add(k, ck[k])
         now = qt.dequantize(torch.float32) if quantized else stored.float()
         return LayerRow.of(_err(now if target is None else target, now), tier='unchanged', bytes_after=row['bytes_before'], **row)
     if not quantized and target is None:                               # merged into the read weight, block by block
         energies = []
         new = _merged_float(m, patches, stored, energies)
-        w.add(prefix + 'weight', new)
+        writer.add(prefix + 'weight', new)
         err = tuple(math.fsum(x[i] for x in energies) for i in (0, 1)) + (max(x[2] for x in energies),)
-        return LayerRow.of(err, tier='merged', bytes_after=w.entry(prefix + 'weight').nbytes, **row)
+        return LayerRow.of(err, tier='merged', bytes_after=writer.entry(prefix + 'weight').nbytes, **row)
     K = math.prod(shape[1:])
     elems = MERGE_ROWS * K * max(1, block_elems(math.prod(shape)) // (MERGE_ROWS * K))   # row blocks of whole LoRA blocks
     how = _rowwise(fmt, opts) if quantized and not from_ref and qt.dim() == 2 and _blockwise(patches) else None
@@ -506,13 +506,13 @@ def _merge_module(w:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches
         _merge_into(m, patches, buf)
         if s is not None: buf.div_(s)
     if quantized:
-        got = _write_quantized(w, buf, prefix + 'weight', prefix, fmt, opts, ref=target, elems=elems, parts=basis)
+        got = _write_quantized(writer, buf, prefix + 'weight', prefix, fmt, opts, ref=target, elems=elems, parts=basis)
         if from_ref: row['direct_sqnr_db'] = energy_db(got['sig'], got['noise'])
         return LayerRow.of((got['sig'], got['noise'], got['max_abs']), tier='requantized' if from_ref else 'baked',
                            config=got['config'], bytes_after=got['bytes'], **row)
     new = buf.to(stored.dtype)
-    w.add(prefix + 'weight', new)
+    writer.add(prefix + 'weight', new)
     err = _err(buf if target is None else target, new)
     if from_ref: row['direct_sqnr_db'] = energy_db(*err[:2])
-    return LayerRow.of(err, tier='merged', bytes_after=w.entry(prefix + 'weight').nbytes, **row)
+    return LayerRow.of(err, tier='merged', bytes_after=writer.entry(prefix + 'weight').nbytes, **row)
 
