@@ -179,7 +179,8 @@ def batch_table(reps:list) -> str:
 # %% ../nbs/18_cli.ipynb #0222c22e
 def cmd_quantize(args) -> int:
     "Run `cquant quantize`: one source into DST, or several (or a glob) into the folder DST, with a summary table."
-    from cquant.jobs import check_outputs, quantize_checkpoint, save_plot
+    from cquant.jobs import check_outputs, quantize_checkpoint
+    from cquant.plots import save_plot
     from cquant.calibrate import Calibration
     from cquant.record import open_calibration
     srcs, dst = _sources(args), args.dst
@@ -282,7 +283,8 @@ def add_recipe_parser(subparsers):
 # %% ../nbs/18_cli.ipynb #9f221af5
 def cmd_report(args) -> int:
     "Run `cquant report`."
-    from cquant.jobs import check_outputs, report_error, save_plot
+    from cquant.jobs import check_outputs, report_error
+    from cquant.plots import save_plot
     check_outputs('', {'SRC': args.src, 'DST': args.dst}, {'--report': args.report, '--plot': args.plot})
     rep = report_error(args.src, args.dst)
     if args.report: rep.save(args.report)
@@ -352,7 +354,8 @@ def lora_arg(s:str) -> tuple:
 
 def cmd_merge_lora(args) -> int:
     "Run `cquant merge-lora`."
-    from cquant.jobs import check_outputs, save_plot
+    from cquant.jobs import check_outputs
+    from cquant.plots import save_plot
     from cquant.lora import merge_loras
     loras = [lora_arg(s) for s in args.loras]
     given = _policy_given(args)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from .formats import FORMATS, storage_bytes, _nbytes
 from .tensor import Format, QuantizedTensor, get_format, quantize, same_bits
 from .numerics import rotate
-from .jobs import layer_ticks, _SQNR_MEANS
+from .jobs import _SQNR_MEANS
+from .plots import layer_ticks
 from .modules import plan_entry
 from .checkpoint import Checkpoint, open_checkpoint
 from .policy import Policy

@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 import torch
 from .runtime import in_workers, malloc_arenas, restart_peak, trim_heap, _status_bytes
-from .tensor import FORMATS, QuantizedTensor, check_finite, decode_json, encode_json, format_color, get_format, quantize, same_bits, _zero_weight
+from .tensor import FORMATS, QuantizedTensor, check_finite, decode_json, encode_json, get_format, quantize, same_bits, _zero_weight
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, TensorInfo, open_checkpoint, save_file,
                                split_key, scale_keys,
                                size_ratio, text_table, _footnotes, _fmt_bytes, read_header,
                                ShardedWriter, checkpoint_path, shard_index, read_shards, write_sha256)
 from ._version import __version__
+from .plots import plot_report, save_plot
 from .policy import CHOICES, FLOAT_WRITE_DTYPES, PRESETS, PRESET_ALIASES, Policy, PolicyWarning, Plan, layer_source
 from .models import dit_state_dict
 from .calibrate import Calibration, gptq_layers, rounding_kwargs
@@ -26,7 +27,7 @@ from .minilm import minilm_path, fetch_minilm
 from .plain import canonical_name, spelling_key
 
 # %% auto #0
-__all__ = ['Report', 'plot_report', 'quantize_checkpoint', 'report_error', 'convert_checkpoint', 'plan_table', 'demo']
+__all__ = ['Report', 'quantize_checkpoint', 'report_error', 'convert_checkpoint', 'plan_table', 'demo']
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #7afae215
 def _rowwise(fmt, options:dict) -> dict|None:
@@ -329,77 +330,6 @@ def _totals(rows:list, # `LayerRow`s
     return dict(layers=len(rows), quantized=sum(1 for r in rows if r.format), bytes_before=bytes_before,
                 bytes_after=bytes_after, compression=bytes_before / bytes_after if bytes_after else math.inf,
                 sqnr_db=energy_db(sig, noise) if measured else None, formats=fm)
-
-# %% ../nbs/17_quantize_checkpoint.ipynb #6a76852b
-_HATCHES = ('', '//', '..', 'xx', '\\\\', '++')
-
-def _style(fmt:str, label:str) -> tuple:
-    "(colour, hatch) of a layer stored as `fmt` under policy label `label`."
-    variants = [c.label for c in CHOICES.values() if c.format == fmt]
-    i = variants.index(label) if label in variants else len(variants)
-    return format_color(fmt), _HATCHES[i % len(_HATCHES)]
-
-def _cut(name:str, keep:int) -> str:
-    "`name` in at most `keep` characters: leading dotted parts dropped (the end names the layer), marked with '…'."
-    parts = name.split('.')
-    while len(parts) > 1 and len('.'.join(parts)) > keep: parts.pop(0)
-    s = '.'.join(parts)
-    return name if s == name else '…' + s[-(keep - 1):] if len(s) >= keep else '…' + s
-
-def _short_names(names:list, keep:int=32) -> tuple:
-    "(common dotted prefix, names without it, each cut to `keep` characters by `_cut`)."
-    pre = os.path.commonprefix(names) if len(names) > 1 else ''
-    pre = pre[:pre.rfind('.') + 1]
-    return pre, [_cut(n[len(pre):], keep) for n in names]
-
-# %% ../nbs/17_quantize_checkpoint.ipynb #24482132
-def layer_ticks(ax, # the Axes of one bar per layer, in order
-                names:list, # layer (or weight) names, one per bar
-                what:str='layers', # what the x label counts
-               ):
-    """Readable layer names under per-layer bars: common prefix dropped (named in the x label), long names cut,
-    every k-th where they would overlap."""
-    names = [n[:-len('.weight')] if n.endswith('.weight') else n for n in names]
-    pre, short = _short_names(names)
-    step = max(1, math.ceil(len(names) * 0.14 / max(ax.figure.get_figwidth() - 1.5, 1)))    # ~10 pt per label
-    ax.set_xticks(range(0, len(names), step), short[::step], rotation=90, fontsize=7)
-    ax.set_xlim(-0.6, len(names) - 0.4)
-    ax.set_xlabel(f"{len(names)} {what} in file order" + (f", one name in {step} shown" if step > 1 else '')
-                  + (f" (names without the prefix {pre!r})" if pre else ''), fontsize=8)
-
-# %% ../nbs/17_quantize_checkpoint.ipynb #fc4019fa
-def plot_report(report:Report, # from `quantize_checkpoint` or `report_error`
-                figsize=None, # default: width grows with the number of layers
-               ): # matplotlib Figure
-    """Per-layer SQNR bars, one fixed colour per format (`format_color`), hatched per variant; float layers left out;
-    a black mark per layer where a merge report has the SQNR of quantizing the float merge directly."""
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-    rows = [r for r in report.layers if r['format'] and r['sqnr_db'] is not None and math.isfinite(r['sqnr_db'])]
-    fig, ax = plt.subplots(figsize=figsize or (min(18, max(8, 0.16 * len(rows) + 3)), 5))
-    styles = [_style(r['format'], r['label']) for r in rows]
-    ax.bar(range(len(rows)), [r['sqnr_db'] for r in rows], color=[c for c, _ in styles], hatch=[h for _, h in styles],
-           edgecolor='white', linewidth=0)
-    direct = [(i, r['direct_sqnr_db']) for i, r in enumerate(rows) if r.get('direct_sqnr_db') is not None]
-    mark = (ax.scatter(*zip(*direct), marker='_', s=120, color='black', zorder=3, label='quantizing the float merge')
-            if direct else None)                # merge_loras with a reference: what quantizing the float merge gives
-    order = list(FORMATS)
-    kinds = sorted({(r['format'], r['label']) for r in rows},
-                   key=lambda k: (order.index(k[0]) if k[0] in order else len(order), _style(*k)[1], k[1]))
-    handles = [Patch(facecolor=_style(f, l)[0], hatch=_style(f, l)[1], edgecolor='white', linewidth=0,
-                     label=f"{l} ({sum(r['label'] == l and r['format'] == f for r in rows)})") for f, l in kinds]
-    if mark is not None: handles.append(mark)
-    if handles: ax.legend(handles=handles, fontsize=8, ncol=min(4, len(handles)), loc='lower left',
-                          bbox_to_anchor=(0, 1.0), frameon=False)   # above the bars, never on them
-    layer_ticks(ax, [r['name'] for r in rows], 'quantized layers')
-    ax.set_ylabel('weight SQNR (dB)')
-    t = report.totals
-    sq = t.get('sqnr_db')
-    ax.set_title(f"{os.path.basename(report.dst)}: {t.get('quantized', len(rows))} layers quantized, "
-                 f"{_fmt_bytes(t.get('bytes_before', 0))} -> {_fmt_bytes(t.get('bytes_after', 0))}, "
-                 + (f"aggregate SQNR {sq:.1f} dB" if sq is not None else 'SQNR not measured'), fontsize=9, pad=20)
-    fig.tight_layout()
-    return fig
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #2ae18ac9
 def check_writable(path, # an output file
@@ -899,12 +829,6 @@ def preset_spellings() -> dict:
 def preset_name(name:str) -> str:
     "The canonical preset for a spelling, ignoring case, spaces, hyphens, underscores, dots ('hidream_o1' -> 'hidream o1')."
     return canonical_name(name, preset_spellings(), 'preset')
-
-# %% ../nbs/17_quantize_checkpoint.ipynb #6227a35e
-def save_plot(rep:Report, path:str):
-    "Save `rep.plot()` as an image at `path` (at matplotlib's `savefig.dpi`, by default the figure's)."
-    import matplotlib.pyplot as plt
-    fig = rep.plot(); fig.savefig(path); plt.close(fig)
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #96d094cb
 def plan_table(plan:Plan, # from `Policy.plan`

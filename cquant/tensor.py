@@ -103,7 +103,7 @@ class Option:
     doc: str = ''
     choices: tuple|None = None
     stored: bool = True          # lives in comfy_quant (else: an encoder-only knob)
-    write: Any = 'always'        # 'always' | 'non_default' | callable(options dict) -> bool
+    write: str|Callable = 'always'   # 'always' | 'non_default' | callable(options dict) -> bool
     nested: bool = True          # ComfyUI also reads it from comfy_quant['params'] (False: the top level only)
 
     def coerce(self, value, prefix:str=''):

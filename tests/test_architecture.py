@@ -138,6 +138,7 @@ LAYERS = (
     ('models', {'models', 'minilm'}),
     ('validation', {'validate'}),
     ('calibration and policy', {'calibrate', 'record', 'policy', 'recipe', 'rounding'}),
+    ('plots', {'plots'}),
     ('jobs', {'jobs', 'lora'}),
     ('cli', {'cli', '_cli_facts'}),
     ('on top', {'explore', 'quality', 'evaluate', 'attention_explore'}),

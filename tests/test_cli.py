@@ -9,7 +9,8 @@ import torch
 
 import cquant as cq
 from cquant.checkpoint import CheckpointWarning
-from cquant.jobs import StreamingWriter, plot_report, quantize_checkpoint
+from cquant.jobs import StreamingWriter, quantize_checkpoint
+from cquant.plots import plot_report
 from cquant.policy import PRESETS, Policy, PolicyWarning
 from cquant.models import dit_state_dict
 from cquant.tensor import format_color
