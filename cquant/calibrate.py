@@ -38,7 +38,7 @@ def why_dynamic(fmt) -> str:
 
 # %% ../nbs/15_calibrate.ipynb #5005c835
 def _smoothing_format(fmt=None):
-    "The spec of `fmt` (default: the registered format cquant searches smoothing for), checked to declare `smoothing`."
+    "The spec of `fmt` (default: the registered format cquant searches smoothing for), checked to declare `activations.smoothing`."
     spec = get_format(fmt) if fmt is not None else next((s for s in FORMATS.values() if s.activations.smoothing), None)
     if spec is None or not spec.activations.smoothing or spec.activations.scale_rule is None:
         raise ValueError(f"search_smoothing: {getattr(spec, 'name', None)!r} declares no smoothing search "
@@ -329,7 +329,7 @@ def search_smoothing(layer_weight:torch.Tensor, # float weight [N, K]
                      alphas=(0.25, 0.4, 0.5, 0.6, 0.75), # candidate migration strengths
                      tol:float=1e-5, # bound on the float identity error before quantization
                      x_absmax:torch.Tensor|None=None, # [K] input absmax per channel, all calibration data (default: these)
-                     fmt=None, # a format declaring `smoothing` (default: the registered one, NVFP4)
+                     fmt=None, # a format declaring `activations.smoothing` (default: the registered one, NVFP4)
                     ) -> dict: # alpha (None: none), pre_quant_scale (None or [K]), input_scale, sqnr, sqnr_none, by_alpha
     "The SmoothQuant alpha minimizing the layer's output error (NVFP4: the smoothing format) on its calibration inputs."
     spec = _smoothing_format(fmt)

@@ -105,7 +105,7 @@ def dequantize_rows(qt:QuantizedTensor, # a 2-D [V, D] table in a row-separable 
 _FLATTEN_KEYS = ('weight', 'weight_scale', 'weight_s_rel', 'weight_s_channel')
 
 def _is_flat(spec, config:dict, tensors:dict) -> bool:
-    """ComfyUI's rule (the format's `flat_banks`): grouped formats and per-row INT8 keep the bank as rows; a 2-D weight
+    """ComfyUI's rule (the format's `bank_is_flat`): grouped formats and per-row INT8 keep the bank as rows; a 2-D weight
     already is."""
     return tensors['weight'].dim() == 2 or spec.bank_is_flat(config, tensors)
 
