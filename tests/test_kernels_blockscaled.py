@@ -23,6 +23,9 @@ from cquant.tensor import test_bits as check_bits, layout_op, register_fast_path
 import cquant.kernels.blockscaled as B
 from cquant.kernels.base import recip32
 
+# Triton's interpreter on CPU: the full tier; the quick tier checks each kernel in its notebook (nbs/3N_kernels_*)
+pytestmark = pytest.mark.long
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'
 

@@ -22,6 +22,9 @@ from cquant.tensor import same_bits
 import cquant.kernels.convrot as C
 from cquant.kernels.base import recip32
 
+# Triton's interpreter on CPU: the full tier; the quick tier checks each kernel in its notebook (nbs/3N_kernels_*)
+pytestmark = pytest.mark.long
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'
 EPS = {torch.float32: 2.0 ** -20, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}   # scale bound vs eager's BLAS

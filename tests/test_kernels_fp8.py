@@ -16,6 +16,9 @@ from cquant.numerics import absmax, fp8_max
 from cquant.tensor import FORMATS, same_bits, test_bits as _bits
 import cquant.kernels.fp8 as K
 
+# Triton's interpreter on CPU: the full tier; the quick tier checks each kernel in its notebook (nbs/3N_kernels_*)
+pytestmark = pytest.mark.long
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 F8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'

@@ -22,7 +22,8 @@ from cquant.kernels import dispatch
 import cquant.kernels.lowbit as K
 
 # fp16 overflow of huge scales happens on purpose inside the interpreter's numpy arithmetic (eager gives the same inf)
-pytestmark = pytest.mark.filterwarnings('ignore:overflow encountered:RuntimeWarning')
+# Triton's interpreter on CPU: the full tier; the quick tier checks each kernel in its notebook (nbs/3N_kernels_*)
+pytestmark = [pytest.mark.long, pytest.mark.filterwarnings('ignore:overflow encountered:RuntimeWarning')]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'

@@ -14,6 +14,9 @@ import cquant as cq
 import cquant.kernels.sol as K
 from cquant.sol_attention import random_sol_case
 
+# Triton's interpreter on CPU: the full tier; the quick tier checks each kernel in its notebook (nbs/3N_kernels_*)
+pytestmark = pytest.mark.long
+
 S = importlib.import_module('cquant.sol_attention')    # the module (cq.sol_attention is the function)
 
 

@@ -18,7 +18,8 @@ from cquant.tensor import same_bits
 import cquant.kernels.w4a8 as K
 
 # huge scales overflow on purpose inside the interpreter's numpy arithmetic (the eager side gives the same inf)
-pytestmark = pytest.mark.filterwarnings('ignore:overflow encountered:RuntimeWarning', 'ignore:invalid value encountered:RuntimeWarning')
+# Triton's interpreter on CPU: the full tier; the quick tier checks each kernel in its notebook (nbs/3N_kernels_*)
+pytestmark = [pytest.mark.long, pytest.mark.filterwarnings('ignore:overflow encountered:RuntimeWarning', 'ignore:invalid value encountered:RuntimeWarning')]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'
