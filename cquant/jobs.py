@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 import torch
 from .runtime import in_workers, malloc_arenas, restart_peak, trim_heap, _status_bytes
-from .tensor import FORMATS, QuantizedTensor, check_finite, decode_json, encode_json, get_format, quantize, same_bits, _zero_weight
+from .tensor import QuantizedTensor, check_finite, decode_json, encode_json, get_format, quantize, same_bits, _zero_weight
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, TensorInfo, open_checkpoint, save_file,
                                split_key, scale_keys,
                                size_ratio, text_table, _footnotes, _fmt_bytes, read_header,
