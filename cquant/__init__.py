@@ -12,12 +12,13 @@
 import importlib as _importlib, importlib.machinery, sys as _sys, types as _types
 from ._version import __version__
 
-_API = ('plain', 'tensor', 'numerics', 'formats', 'sol_attention', 'int8_attention', 'comfy', 'attention_config', 'checkpoint',
+_API = ('plain', 'tensor', 'numerics', 'formats', 'sol_attention', 'int8_attention', 'comfy', 'attention_config', 'gguf', 'checkpoint',
         'attention',
         'quality', 'modules', 'models', 'policy', 'recipe', 'plots', 'jobs', 'lora', 'validate', 'explore', 'attention_explore',
         'evaluate', 'rounding', 'calibrate', 'record', 'minilm')
 _SOME = {'formats': ('FORMAT_MODULES',), 'int8_attention': ('int8_attention', 'prequantize_int8_attention', 'int8_attention_from_prequantized'),
-         'lora': ('merge_loras', 'read_lora')}   # modules of which cq shows only these names (formats: its format modules)
+         'lora': ('merge_loras', 'read_lora'),
+         'gguf': ()}   # modules of which cq shows only these names (formats: its format modules; gguf: read through open_checkpoint)
 _SHADOWED = frozenset(('calibrate', 'evaluate', 'explore', 'int8_attention', 'sol_attention', 'validate'))  # a function and a module
 _shadowed = {}    # their functions: importing the submodule later sets the package's attribute to the module
 _loaded = False

@@ -10,20 +10,22 @@ import errno, glob, hashlib, itertools, json, math, os, re, shutil, stat, struct
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 import torch
 from .formats import FORMATS
-from .tensor import (CheckpointWarning, Format, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
+from .tensor import (CheckpointError, CheckpointWarning, Format, QuantFormatError, QuantizedTensor, check_comfy_quant, decode_json, encode_json,
                            get_format, load_quantized, unique_keys, check_activations)
 from .comfy import expert_tensors, file_value, split_bank
 from .attention_config import ATTENTION_KEY, _usable_attention
 from .runtime import host_name, process_alive
+from .gguf import decode_gguf, is_gguf, read_gguf
 from .plain import parse_size, _fmt_bytes, size_ratio, text_table, _footnotes, markdown_table
 
 # %% auto #0
 __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'INDEX_SUFFIX', 'LEGACY_QMETA', 'LEGACY_MARKER', 'PROVENANCE_KEYS',
-           'CheckpointError', 'TensorInfo', 'read_header', 'checkpoint_path', 'shard_index', 'convert_legacy',
-           'Checkpoint', 'open_checkpoint', 'split_key', 'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry',
+           'TensorInfo', 'read_header', 'checkpoint_path', 'shard_index', 'convert_legacy', 'Checkpoint',
+           'open_checkpoint', 'split_key', 'group_modules', 'scale_keys', 'shapes_of', 'ModuleEntry',
            'stale_temp_files', 'save_file', 'comfy_unread', 'load_file', 'StreamingWriter', 'ShardedWriter',
            'sha256_file', 'write_sha256', 'provenance', 'inspect_checkpoint', 'format_inspect']
 
@@ -31,12 +33,6 @@ __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'INDEX_SUFFIX', 'L
 from .tensor import check_stray_scales
 
 # %% ../nbs/11_checkpoint.ipynb #750ad511
-class CheckpointError(QuantFormatError):
-    "A malformed checkpoint (file or state dict); the message starts with its name."
-    def __init__(self, path, msg:str):
-        self.path = str(path)
-        super().__init__(f"{path}: {msg}")
-
 def _in_file(path, e:Exception) -> CheckpointError:
     "`e` as a `CheckpointError` naming `path` (unchanged if it already is one)."
     if isinstance(e, CheckpointError): return e
@@ -58,15 +54,21 @@ _TORCH_TO_ST = {d: k for k, (d, b) in ST_DTYPES.items() if d is not None}
 
 @dataclass(frozen=True)
 class TensorInfo:
-    "What the header says about one tensor: torch dtype and shape, byte count, absolute byte range in the file."
+    "What the header says about one tensor: torch dtype and shape as read, their byte count, absolute byte range in the file."
     name: str
     dtype: torch.dtype
     shape: tuple
     nbytes: int
     offsets: tuple|None = None     # (start, end) in the file; None for in-memory tensors
+    decode: Any = None             # fn(stored bytes, uint8) -> the tensor, for a GGUF type; None: the bytes are the tensor
+    stored_as: str|None = None     # the GGUF type of a decoded tensor
 
     @property
     def numel(self) -> int: return math.prod(self.shape)
+    @property
+    def stored_nbytes(self) -> int:
+        "The bytes it takes in its file (`nbytes` unless it is decoded from another type)."
+        return self.offsets[1] - self.offsets[0] if self.offsets else self.nbytes
 
     @classmethod
     def of(cls, name:str, t:torch.Tensor) -> 'TensorInfo':
@@ -331,9 +333,17 @@ def _check_unchanged(name:str, path:str, state:tuple, key:str):
     raise CheckpointError(name, f"'{key}': changed on disk since it was opened: {what}; open it again")
 
 
+# %% ../nbs/11_checkpoint.ipynb #gguf0001
+def _gguf_infos(path) -> tuple[dict, dict]:
+    "`read_gguf(path)` as `({name: TensorInfo}, metadata)`: each tensor with the dtype and shape it decodes to."
+    tensors, meta = read_gguf(path)
+    return {k: TensorInfo(k, t.dtype, t.shape, math.prod(t.shape) * t.dtype.itemsize, t.offsets,
+                          partial(decode_gguf, ggml_type=t.ggml_type, shape=t.shape), t.ggml_type)
+            for k, t in tensors.items()}, meta
+
 # %% ../nbs/11_checkpoint.ipynb #6dcf9d78
 class Checkpoint(Mapping):
-    "A lazy, validated view of a safetensors checkpoint (one file, HF shards, or an in-memory state dict): tensors on demand."
+    "A lazy, validated view of a checkpoint (a safetensors file, HF shards, a GGUF file, or an in-memory state dict): tensors on demand."
     def __init__(self, entries:dict, metadata:dict|None=None, path:str='state dict', legacy:str|None=None,
                  file:str|dict|None=None, device='cpu', mmap:bool=False, state:tuple|dict|None=None):
         self.path, self.metadata, self.legacy, self.device = str(path), dict(metadata or {}), legacy, device
@@ -346,11 +356,11 @@ class Checkpoint(Mapping):
 
     @classmethod
     def open(cls, path, device='cpu', convert:bool=True, mmap:bool=False) -> 'Checkpoint':
-        "Validate the header of `path` (a file, or a sharded folder / its index), convert legacy markings; a lazy `Checkpoint`."
+        "Validate the header of `path` (a safetensors or GGUF file, or a sharded folder / its index), convert legacy markings; a lazy `Checkpoint`."
         path = checkpoint_path(path)
         index = shard_index(path)
         if index is None:
-            state, (infos, meta) = file_state(path), read_header(path)
+            state, (infos, meta) = file_state(path), (_gguf_infos(path) if is_gguf(path) else read_header(path))
             ck = cls(infos, meta, path, None, path, device, mmap, state)
         else:
             infos, meta, where = read_shards(index)
@@ -410,22 +420,23 @@ class Checkpoint(Mapping):
         if state is not None: _check_unchanged(self.path, f, state, key)
         try:
             if self._hash is not None: self._hash.reading(f, i.offsets[1])
-            if self._mmap and i.nbytes > 4096:   # small entries (JSON, scalars) never need a mapping
+            if self._mmap and i.nbytes > 4096 and i.decode is None:   # small entries (JSON, scalars) never need a mapping
                 with self._lock:
                     if f not in self._handle:
                         from safetensors import safe_open
                         self._handle[f] = safe_open(f, framework='pt', device=str(self.device))
                 return self._handle[f].get_tensor(i.name)
-            buf = torch.empty(i.nbytes, dtype=torch.uint8)
-            if i.nbytes:
+            n = i.stored_nbytes
+            buf = torch.empty(n, dtype=torch.uint8)
+            if n:
                 with self._lock:
                     if f not in self._fh: self._fh[f] = open(f, 'rb', buffering=0)
                 fd, mv, got = self._fh[f].fileno(), memoryview(buf.numpy()), 0
-                while got < i.nbytes:
-                    n = os.preadv(fd, [mv[got:]], i.offsets[0] + got)
-                    if not n: raise CheckpointError(self.path, f"'{key}': expected {i.nbytes} bytes, found {got} (file truncated while open?)")
-                    got += n
-            t = buf.view(i.dtype).reshape(i.shape)
+                while got < n:
+                    if not (m := os.preadv(fd, [mv[got:]], i.offsets[0] + got)):
+                        raise CheckpointError(self.path, f"'{key}': expected {n} bytes, found {got} (file truncated while open?)")
+                    got += m
+            t = buf.view(i.dtype).reshape(i.shape) if i.decode is None else i.decode(buf)
             return t if torch.device(self.device).type == 'cpu' else t.to(self.device)
         except CheckpointError: raise
         except Exception as e: raise CheckpointError(self.path, f"'{key}': reading failed: {type(e).__name__}: {e}") from None
@@ -1182,15 +1193,15 @@ def provenance(metadata:Mapping) -> dict:
 def _row(ck:Checkpoint, e:ModuleEntry) -> dict:
     w = ck.info(e.prefix + 'weight')
     tensors = (e.spec.weight_keys + e.spec.storage.extra_keys) if e.quantized else ('weight',)
-    nbytes = sum(ck.info(e.keys[s]).nbytes for s in tensors if s in e.keys)
+    nbytes = sum(ck.info(e.keys[s]).stored_nbytes for s in tensors if s in e.keys)
     opts = {}
     if e.quantized:
         opts = {o.name: e.options[o.name] for o in e.spec.options if o.stored}
         opts.update({k: v for k, v in e.config.items() if k not in ('format', 'params') and k not in opts})
     shape = tuple(e.shape) if e.shape is not None else tuple(w.shape)
-    return dict(module=e.name, format=e.format, options=opts, storage_dtype=str(w.dtype).removeprefix('torch.'),
+    return dict(module=e.name, format=e.format, options=opts, storage_dtype=w.stored_as or str(w.dtype).removeprefix('torch.'),
                 storage_shape=list(w.shape), logical_shape=list(shape), shape_inferred=e.shape_inferred,
-                bytes=nbytes, bf16_bytes=2 * math.prod(shape))
+                bytes=nbytes, bf16_bytes=2 * math.prod(shape), gguf_type=w.stored_as)
 
 def inspect_checkpoint(src, # a path, a `Checkpoint` or a state dict
                        shapes:Mapping|None=None, # module name -> logical shape
@@ -1205,12 +1216,14 @@ def inspect_checkpoint(src, # a path, a `Checkpoint` or a state dict
         rows = [_row(ck, e) for e in mods.values() if 'weight' in e.keys]
         totals = {}
         for r in rows:
-            t = totals.setdefault(r['format'] or 'float', dict(modules=0, bytes=0, bf16_bytes=0))
+            t = totals.setdefault(r['format'] or r['gguf_type'] or 'float', dict(modules=0, bytes=0, bf16_bytes=0))
             t['modules'] += 1; t['bytes'] += r['bytes']; t['bf16_bytes'] += r['bf16_bytes']
         total = dict(modules=len(rows), bytes=sum(r['bytes'] for r in rows), bf16_bytes=sum(r['bf16_bytes'] for r in rows))
         for t in (*totals.values(), total): t['compression'] = round(t['bf16_bytes'] / t['bytes'], 3) if t['bytes'] else None
-        all_bytes = sum(ck.info(k).nbytes for k in ck)
+        all_bytes = sum(ck.info(k).stored_nbytes for k in ck)
+        gguf = Counter(ck.info(k).stored_as for k in ck if ck.info(k).stored_as)
         return dict(file=ck.path, legacy=ck.legacy, tensors=len(ck), tensor_bytes=all_bytes, modules=rows, totals=totals, total=total,
+                    gguf_types=dict(gguf.most_common()),
                     comfy_unread=comfy_unread(mods), comfy_unloadable=_comfy_unloadable(mods),
                     attention={e.name: e.attention for e in mods.values() if e.attention is not None},
                     metadata={k: (v if len(v) <= 200 else v[:200] + '...') for k, v in ck.metadata.items()},
@@ -1240,6 +1253,8 @@ def format_inspect(r:dict) -> str:
     "The text report of `cquant inspect`."
     leg = f"  (legacy {r['legacy']} converted on load)" if r['legacy'] else ''
     shards = f" in {r['shards']} shards" if r.get('shards') else ''
+    gguf = ', '.join(f"{t} {n}" for t, n in r.get('gguf_types', {}).items())
+    if gguf: leg = f"  (GGUF: {gguf}; quantized types read decoded to fp32)"
     out = [f"{r['file']}: {r['tensors']} tensors{shards}, {_fmt_bytes(r['tensor_bytes'])}{leg}", '']
     rows = [[m['module'], m['format'] or '-', f"{m['storage_dtype']}{m['storage_shape']}",
              f"{tuple(m['logical_shape'])}{'*' if m['shape_inferred'] else ''}", _fmt_bytes(m['bytes']),

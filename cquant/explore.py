@@ -767,7 +767,7 @@ def weight_layers(source, # a path, state dict or `Checkpoint`
                                   lambda n=name: ck.quantized(n, dtype=torch.float32).dequantize(torch.float32))
         elif len(i.shape) == 2 and i.dtype.is_floating_point and i.dtype not in (torch.float8_e4m3fn,
             torch.float8_e5m2):
-            out[label] = LayerRef(tuple(i.shape), None, i.dtype, i.nbytes, lambda k=key: ck[k].float())
+            out[label] = LayerRef(tuple(i.shape), None, i.dtype, i.stored_nbytes, lambda k=key: ck[k].float())
     return out
 
 # %% ../nbs/20_explore.ipynb #458188aa

@@ -7,10 +7,12 @@ Docs: https://cquant-dev.github.io/cquant/quantize_checkpoint.html.md"""
 # %% ../nbs/17_quantize_checkpoint.ipynb #02a0f22e
 from __future__ import annotations
 import contextlib, dataclasses, json, math, os, sys, tempfile, threading, time, warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 import torch
 from .runtime import in_workers, malloc_arenas, restart_peak, trim_heap, _status_bytes
+from .gguf import FLOAT_TYPES
 from .tensor import QuantizedTensor, check_finite, decode_json, encode_json, get_format, quantize, same_bits, _zero_weight
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, TensorInfo, open_checkpoint, save_file,
                                split_key, scale_keys,
@@ -268,6 +270,19 @@ def _report_table(rep:Report, width:int=70, wide:bool=False) -> str:
                      '<><>' + '>' * len(extra) + '>><', None if wide else width)
     return '\n'.join(out + notes + ['', rep.totals_text()])
 
+# %% ../nbs/17_quantize_checkpoint.ipynb #gguf0002
+def _gguf_source(infos:list) -> dict:
+    "`{'gguf_source': {ggml type: tensors}}` of a GGUF source (`{}` for any other): what the report says it measured against."
+    kinds = Counter(i.stored_as for i in infos if i.stored_as)
+    return {'gguf_source': dict(kinds.most_common())} if kinds else {}
+
+def _gguf_source_text(kinds:dict) -> str:
+    "The report's line on a GGUF source: its types, and that a quantized one is measured as decoded, its own error unseen."
+    types = ', '.join(f"{k} {n}" for k, n in kinds.items())
+    if all(k in FLOAT_TYPES for k in kinds): return f"source: GGUF ({types} tensors), float"
+    return (f"source: GGUF ({types} tensors), already lossy: each SQNR is against the decoded GGUF weights, so it "
+            "leaves out the error the GGUF quantization made")
+
 # %% ../nbs/17_quantize_checkpoint.ipynb #bca5cfce
 _SQNR_MEANS = ("SQNR: 10·log10(Σw² / Σ(w - ŵ)²) in dB, the weight's energy over its error's; higher is better, "
                "about 6 dB per bit")
@@ -299,6 +314,7 @@ def _totals_text(rep:Report) -> str:
                         else 'aggregate SQNR not measured')
                      + (f"; {rep.seconds:.1f} s" if rep.seconds and not rep.cost else ''))
     if rep.cost: lines.append(cost_text(rep.cost))
+    if t.get('gguf_source'): lines.append(_gguf_source_text(t['gguf_source']))
     for k in ('identical', 'differ', 'missing'):
         if t.get(k):
             lines.append(f"other tensors {k}: {len(t[k])} ({', '.join(t[k][:4])}{', ...' if len(t[k]) > 4 else ''})")
@@ -462,7 +478,7 @@ def _quantize_layer(writer:StreamingWriter, ck:Checkpoint, key:str, m:str, d, we
     more = _rounding_fields(wt, d, rk, x, out) if measure else ({'rounding': rk['rounding']} if 'rounding' in rk else {})
     del wt
     trim_heap()
-    before = info.nbytes + sum(ck.info(k).nbytes for k in old)
+    before = info.stored_nbytes + sum(ck.info(k).stored_nbytes for k in old)
     return _plan_row(m, d, info, before, out['bytes'], (out['sig'], out['noise'], out['max_abs']) if measure else None,
                      config=out['config'], smoothed='pre_quant_scale' in extras,
                      input_scale=float(extras['input_scale']) if 'input_scale' in extras else None, **more)
@@ -638,11 +654,11 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
         todo = [m for m, s in map(split_key, ck.file_order()) if s == 'weight' and (d := plan.get(m)) is not None and d.format]
         pf = _Prefetcher(layers.weight, todo, {m: _weight_host_bytes(layers.infos[m]) for m in todo},
                          device if cal is None else 'cpu')     # calibration adjusts the weight on the host first
-        with pf, writer, tqdm(total=sum(ck.info(k).nbytes for k in ck), unit='B', unit_scale=True, unit_divisor=1024,
+        with pf, writer, tqdm(total=sum(ck.info(k).stored_nbytes for k in ck), unit='B', unit_scale=True, unit_divisor=1024,
                      desc='quantize', disable=not progress, file=sys.stderr, leave=False,
                      mininterval=0.1 if tty else 10) as bar:     # a log (stderr not a terminal): a line per 10 s
             for n, key in enumerate(ck.file_order()):
-                info = ck.info(key); before += info.nbytes
+                info = ck.info(key); before += info.stored_nbytes
                 m, s = split_key(key)
                 if shard_size is not None: writer.place(m, mod_bytes[m])   # a module whole in one shard, sized by its output
                 d = plan.get(m)
@@ -660,10 +676,10 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                     kept32 += info.nbytes if out.dtype == torch.float32 and s not in stored else 0
                     writer.add(key, out)
                     if s == 'weight' and d is not None:
-                        nb = info.nbytes + sum(ck.info(groups[m][x]).nbytes for x in groups[m] if x in stored)
-                        rows[m] = _plan_row(m, d, info, nb, nb - info.nbytes + writer.entry(key).nbytes,
+                        nb = info.stored_nbytes + sum(ck.info(groups[m][x]).stored_nbytes for x in groups[m] if x in stored)
+                        rows[m] = _plan_row(m, d, info, nb, nb - info.stored_nbytes + writer.entry(key).nbytes,
                                             (0.0, 0.0, 0.0) if out is t else _err(t, out), config=None)
-                bar.update(info.nbytes); bar.set_postfix_str(f'{n + 1}/{len(ck)} tensors', refresh=tty)
+                bar.update(info.stored_nbytes); bar.set_postfix_str(f'{n + 1}/{len(ck)} tensors', refresh=tty)
             bar.set_description('writing')
             after = writer.nbytes
             rows = [rows[m] for m in plan if m in rows]
@@ -678,7 +694,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
         warnings.warn(f"{_fmt_bytes(kept32)} of float tensors are written as float32, as in the source; "
                       "float_dtype='bfloat16' (--float-dtype bfloat16) would halve them", PolicyWarning, stacklevel=2)
     rep = Report(src, dst, cost.row_dicts(rows),
-                 {**_totals(rows, before, after, measure), 'bytes_bf16': _bf16_bytes(ck_infos)}, policy.to_dict(),
+                 {**_totals(rows, before, after, measure), 'bytes_bf16': _bf16_bytes(ck_infos), **_gguf_source(ck_infos)}, policy.to_dict(),
                  plan.summary(), time.time() - t0, 'quantize', spent)
     if report is not None: rep.save(report)
     return rep
@@ -693,7 +709,6 @@ def stored_quantized(plan:Plan, layers) -> dict:
 def _refuse_requantize(src:str, plan:Plan, layers):
     stored = stored_quantized(plan, layers)
     if not stored: return
-    from collections import Counter
     kinds = ', '.join(f"{f} {n}" for f, n in Counter(stored.values()).most_common())
     names = ', '.join(list(stored)[:4]) + (', ...' if len(stored) > 4 else '')
     raise ValueError(f"quantize_checkpoint: {src!r} already stores {len(stored)} of the layers to quantize quantized "
@@ -772,9 +787,10 @@ def report_error(src_float, # the float (or fp8) original
                 if k not in b: missing.append(k); continue
                 same = a.info(k).dtype == b.info(k).dtype and a.info(k).shape == b.info(k).shape and same_bits(a[k], b[k])
                 (identical if same else differ).append(k)
-        before, after = sum(a.info(k).nbytes for k in a), sum(b.info(k).nbytes for k in b)
+        before, after = sum(a.info(k).stored_nbytes for k in a), sum(b.info(k).stored_nbytes for k in b)
+        source = _gguf_source([a.info(k) for k in a])
     totals = _totals(rows, before, after)
-    totals.update(identical=identical, differ=differ, missing=missing)
+    totals.update(identical=identical, differ=differ, missing=missing, **source)
     return Report(os.fspath(src_float), os.fspath(dst_quant), [r.to_dict() for r in rows], totals, None, '',
                   time.time() - t0, 'error')
 
@@ -802,7 +818,6 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
                        dst, # output file (replaced atomically on success; never the source)
                       ) -> dict: # legacy kind, quantized modules per format, modules repaired, keys removed / added
     "Rewrite `src` with per-module `comfy_quant` entries (legacy headers and markers converted, all-zero NaN modules repaired), streaming."
-    from collections import Counter
     src, dst = os.fspath(src), os.fspath(dst)
     check_outputs('convert_checkpoint', _source_names(src), {'destination': dst})
     path = checkpoint_path(src)

@@ -336,7 +336,7 @@ def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:
                 with cost.layer(m): rows.append(_merge_module(writer, ck, m, e, groups[m], per_module[m], ref, from_ref))
                 trim_heap()                  # the module's float32 buffers handed back before the next is read
         after, done = writer.nbytes, time.perf_counter()
-    return rows, sum(ck.info(k).nbytes for k in ck), after, writer.seconds + time.perf_counter() - done
+    return rows, sum(ck.info(k).stored_nbytes for k in ck), after, writer.seconds + time.perf_counter() - done
 
 def _swap(w:torch.Tensor) -> torch.Tensor: return torch.cat([w[w.shape[0] // 2:], w[:w.shape[0] // 2]])
 
@@ -478,7 +478,7 @@ def _merge_module(writer:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, pa
     fmt, opts = (qt.format, requantize_options(qt)) if quantized else (None, None)
     row = dict(name=m, shape=list(shape), format=fmt, label=_label(e.config) if quantized else 'float',
                reason=', '.join(f"{os.path.basename(p.source)} x{st:g}" for p, st, _ in patches), source_dtype=str(info.dtype).removeprefix('torch.'),
-               bytes_before=sum(ck.info(k).nbytes for k in own))
+               bytes_before=sum(ck.info(k).stored_nbytes for k in own))
     if target is not None and not from_ref:
         approx = quantize(target, fmt, **opts).dequantize(torch.float32) if quantized else target.to(stored.dtype).float()
         row['direct_sqnr_db'] = energy_db(*_err(target, approx)[:2])

@@ -12,9 +12,9 @@ from typing import Any, Callable
 import torch
 
 # %% auto #0
-__all__ = ['FORMATS', 'QuantFormatError', 'CheckpointWarning', 'QuantFormatWarning', 'encode_json', 'decode_json', 'unique_keys',
-           'Option', 'Params', 'Layout', 'Int4PackedLayout', 'Format', 'register', 'ScaleRule', 'ValueRule', 'Grid',
-           'get_format', 'QuantizedTensor', 'quantize', 'load_quantized']
+__all__ = ['FORMATS', 'QuantFormatError', 'CheckpointError', 'CheckpointWarning', 'QuantFormatWarning', 'encode_json',
+           'decode_json', 'unique_keys', 'Option', 'Params', 'Layout', 'Int4PackedLayout', 'Format', 'register',
+           'ScaleRule', 'ValueRule', 'Grid', 'get_format', 'QuantizedTensor', 'quantize', 'load_quantized']
 
 # %% ../nbs/01_tensor.ipynb #464385b5
 log = logging.getLogger("cquant")
@@ -22,6 +22,12 @@ log = logging.getLogger("cquant")
 # %% ../nbs/01_tensor.ipynb #f24eb055
 class QuantFormatError(ValueError):
     "A format, option, key, dtype or shape that does not fit the Comfy quantization format."
+
+class CheckpointError(QuantFormatError):
+    "A malformed checkpoint (file or state dict); the message starts with its name."
+    def __init__(self, path, msg:str):
+        self.path = str(path)
+        super().__init__(f"{path}: {msg}")
 
 class CheckpointWarning(UserWarning):
     "Something in a checkpoint that cquant skips or repairs (unknown attention method, unused legacy entry)."

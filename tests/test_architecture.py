@@ -134,7 +134,7 @@ LAYERS = (
     ('formats', {*format_module_names(), 'formats'}),
     ('attention methods', {'sol_attention', 'int8_attention'}),
     ('comfy vocabulary', {'comfy', 'attention_config'}),
-    ('checkpoint and modules', {'checkpoint', 'attention', 'modules'}),
+    ('checkpoint and modules', {'gguf', 'checkpoint', 'attention', 'modules'}),
     ('models', {'models', 'minilm'}),
     ('validation', {'validate'}),
     ('calibration and policy', {'calibrate', 'record', 'policy', 'recipe', 'rounding'}),
