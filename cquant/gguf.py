@@ -13,8 +13,8 @@ import gguf
 from .tensor import CheckpointError
 
 # %% auto #0
-__all__ = ['BLOCK_DECODERS', 'FLOAT_TYPES', 'GGUF_MAGIC', 'ORIG_SHAPE_KEY', 'MAX_METADATA_ITEMS', 'gguf_types', 'decode_blocks',
-           'decode_gguf', 'GGUFTensor', 'read_gguf', 'is_gguf']
+__all__ = ['BLOCK_DECODERS', 'FLOAT_TYPES', 'GGUF_MAGIC', 'ORIG_SHAPE_KEY', 'MAX_METADATA_ITEMS', 'ENCODERS', 'gguf_types',
+           'decode_blocks', 'decode_gguf', 'GGUFTensor', 'read_gguf', 'is_gguf', 'encode_gguf']
 
 # %% ../nbs/10b_gguf.ipynb #gg000006
 def _f16(b:torch.Tensor) -> torch.Tensor:
@@ -207,3 +207,169 @@ def is_gguf(path) -> bool:
         if not stat.S_ISREG(os.stat(path).st_mode): return False     # never open a FIFO or device to look
         with open(path, 'rb') as f: return f.read(4) == GGUF_MAGIC
     except OSError: return False
+
+# %% ../nbs/10b_gguf.ipynb #gg000028
+def _half_bytes(d:torch.Tensor) -> torch.Tensor:
+    "fp32 `[n, 1]` rounded to fp16, as its 2 little-endian bytes `[n, 2]`."
+    return d.half().view(torch.uint8).reshape(len(d), 2)
+
+def _pack_nibbles(q:torch.Tensor) -> torch.Tensor:
+    "Codes `[..., 2h]` (< 16) as `[..., h]` bytes: the first half in the low nibbles, the second in the high ones."
+    h = q.shape[-1] // 2
+    return q[..., :h] | (q[..., h:] << 4)
+
+def _pack_bits(b:torch.Tensor) -> torch.Tensor:
+    "Bits `[n, 8k]` (0/1) as the little-endian bit field `[n, k]` bytes (the inverse of `_bits`)."
+    w = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+    return (b.reshape(len(b), -1, 8) * w).sum(-1, dtype=torch.uint8)
+
+def _inverse(d:torch.Tensor) -> torch.Tensor: return torch.where(d == 0, torch.zeros_like(d), 1 / d)
+
+def _round_away(v:torch.Tensor) -> torch.Tensor:
+    "Round half away from zero (C's roundf), exactly as `gguf`'s `np_roundf` computes it."
+    a = v.abs()
+    f = a.floor()
+    return torch.sign(v) * (f + (2 * (a - f)).floor())
+
+def _absmax_signed(x:torch.Tensor) -> torch.Tensor:
+    "The value of largest magnitude in each row (the first of equals), `[n, 1]`."
+    return x.gather(1, x.abs().argmax(1, keepdim=True))
+
+def _e_q8_0(x):
+    d = x.abs().amax(1, keepdim=True) / 127
+    q = _round_away(x * _inverse(d)).to(torch.int8).view(torch.uint8)
+    return torch.cat([_half_bytes(d), q], 1)
+
+def _e_q4_0(x):
+    d = _absmax_signed(x) / -8
+    q = torch.trunc(x * _inverse(d) + 8.5).clamp(0, 15).to(torch.uint8)
+    return torch.cat([_half_bytes(d), _pack_nibbles(q)], 1)
+
+def _e_q4_1(x):
+    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+    d = (hi - lo) / 15
+    q = torch.trunc((x - lo) * _inverse(d) + 0.5).clamp(0, 15).to(torch.uint8)
+    return torch.cat([_half_bytes(d), _half_bytes(lo), _pack_nibbles(q)], 1)
+
+def _e_q5_0(x):
+    d = _absmax_signed(x) / -16
+    q = torch.trunc(x * _inverse(d) + 16.5).clamp(0, 31).to(torch.uint8)
+    return torch.cat([_half_bytes(d), _pack_bits(q >> 4), _pack_nibbles(q & 15)], 1)
+
+def _e_q5_1(x):
+    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+    d = (hi - lo) / 31
+    q = torch.trunc((x - lo) * _inverse(d) + 0.5).clamp(0, 31).to(torch.uint8)
+    return torch.cat([_half_bytes(d), _half_bytes(lo), _pack_bits(q >> 4), _pack_nibbles(q & 15)], 1)
+
+# %% ../nbs/10b_gguf.ipynb #gg000030
+def _min_scale_search(x, w, nmax:int, rmin:float, rdelta:float, nstep:int):
+    """make_qkx2_quants over rows `x` [n, 32] with weights `w`: codes `0..nmax`, a scale and a minimum (<= 0) chosen by
+    the weighted least-squares fit over `nstep + 1` candidate grids. Returns (scale, -min) `[n]`."""
+    lo, hi = x.amin(1, keepdim=True).clamp(max=0), x.amax(1, keepdim=True)
+    rng = hi - lo
+    flat = rng == 0
+    rng = torch.where(flat, torch.ones_like(rng), rng)
+    sw, sx = w.sum(1, keepdim=True), (w * x).sum(1, keepdim=True)
+    iscale = nmax / rng
+    scale, best_min = 1 / iscale, lo
+    L = torch.round(iscale * (x - lo)).clamp(0, nmax)
+    best = (w * (scale * L + lo - x) ** 2).sum(1, keepdim=True)
+    for i in range(nstep + 1):            # as in ggml, each grid is laid from the best minimum so far
+        lo = best_min
+        l = torch.round((rmin + rdelta * i + nmax) / torch.where(flat, torch.ones_like(lo), hi - lo) * (x - lo)).clamp(0, nmax)
+        sl, sl2, sxl = (w * l).sum(1, keepdim=True), (w * l * l).sum(1, keepdim=True), (w * l * x).sum(1, keepdim=True)
+        D = sw * sl2 - sl * sl
+        ok = D > 0
+        Ds = torch.where(ok, D, torch.ones_like(D))
+        s, m = (sw * sxl - sx * sl) / Ds, (sl2 * sx - sl * sxl) / Ds
+        pos = m > 0
+        s, m = torch.where(pos, sxl / torch.where(sl2 > 0, sl2, torch.ones_like(sl2)), s), torch.where(pos, torch.zeros_like(m), m)
+        err = (w * (s * l + m - x) ** 2).sum(1, keepdim=True)
+        better = ok & (err < best)
+        best, scale, best_min = torch.where(better, err, best), torch.where(better, s, scale), torch.where(better, m, best_min)
+    scale = torch.where(flat, torch.zeros_like(scale), scale)
+    return scale.squeeze(1), -best_min.squeeze(1)
+
+def _k_scale_bytes(ls, lm):
+    "Pack 8 six-bit scales `ls` and minimums `lm` `[n, 8]` into Q4_K/Q5_K's 12 bytes (the inverse of `_k_scales`)."
+    a = (ls[:, :4] & 63) | ((ls[:, 4:] >> 4) << 6)
+    m = (lm[:, :4] & 63) | ((lm[:, 4:] >> 4) << 6)
+    hi = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
+    return torch.cat([a, m, hi], 1)
+
+def _k_codes(x, nmax:int, rmin:float, nstep:int):
+    "Q4_K/Q5_K's fields for blocks `x` [n, 256]: d, dmin fp16 bytes, the 12 scale bytes, the codes [n, 256]."
+    n = len(x)
+    sub = x.reshape(n * 8, 32)
+    w = (sub.pow(2).sum(1, keepdim=True) / 32).sqrt() + sub.abs()
+    sc, mn = (t.reshape(n, 8) for t in _min_scale_search(sub, w, nmax, rmin, 0.1, nstep))
+    msc, mmn = sc.amax(1, keepdim=True).clamp(min=0), mn.amax(1, keepdim=True).clamp(min=0)
+    ls = torch.round(_inverse_pos(msc, 63) * sc).clamp(max=63).to(torch.uint8)
+    lm = torch.round(_inverse_pos(mmn, 63) * mn).clamp(max=63).to(torch.uint8)
+    d, dmin = (msc / 63).half(), (mmn / 63).half()
+    dj, mj = d.float() * ls.float(), dmin.float() * lm.float()
+    q = torch.round((x.reshape(n, 8, 32) + mj.unsqueeze(-1)) / torch.where(dj == 0, torch.ones_like(dj), dj).unsqueeze(-1))
+    q = torch.where(dj.unsqueeze(-1) == 0, torch.zeros_like(q), q.clamp(0, nmax)).to(torch.uint8).reshape(n, 256)
+    head = torch.cat([d.view(torch.uint8).reshape(n, 2), dmin.view(torch.uint8).reshape(n, 2), _k_scale_bytes(ls, lm)], 1)
+    return head, q
+
+def _inverse_pos(m, k): return torch.where(m > 0, k / torch.where(m > 0, m, torch.ones_like(m)), torch.zeros_like(m))
+
+def _e_q4_k(x):
+    head, q = _k_codes(x, 15, -1.0, 20)
+    return torch.cat([head, _pack_nibbles(q.reshape(len(x), 4, 64)).reshape(len(x), 128)], 1)
+
+def _e_q5_k(x):
+    head, q = _k_codes(x, 31, -0.5, 15)
+    n = len(x)
+    qh = _pack_bits((q >> 4).reshape(n, 8, 32).transpose(1, 2).reshape(n, 256)).reshape(n, 32)   # bit k of byte j: value 32k + j
+    return torch.cat([head, qh, _pack_nibbles((q & 15).reshape(n, 4, 64)).reshape(n, 128)], 1)
+
+# %% ../nbs/10b_gguf.ipynb #gg000031
+def _signed_scale_search(x, nmax:int):
+    """make_qx_quants(rmse_type=1) over rows `x` [n, 16]: codes `-nmax..nmax-1` times a signed scale, chosen among 19
+    grids by the x²-weighted least-squares fit. Returns the scale `[n]` (0 for an all-zero row)."""
+    mx = _absmax_signed(x)
+    zero = mx.abs() < 1e-15
+    mx = torch.where(zero, torch.ones_like(mx), mx)
+    w = x * x
+    def fit(k):
+        l = torch.round(-(nmax + 0.1 * k) / mx * x).clamp(-nmax, nmax - 1)
+        return (w * x * l).sum(1, keepdim=True), (w * l * l).sum(1, keepdim=True)
+    slx, sl2 = fit(0)
+    scale = torch.where(sl2 != 0, slx / torch.where(sl2 != 0, sl2, torch.ones_like(sl2)), torch.zeros_like(sl2))
+    best = scale * slx
+    for k in (*range(-9, 0), *range(1, 10)):
+        a, b = fit(k)
+        better = (b > 0) & (a * a > best * b)
+        scale = torch.where(better, a / torch.where(b > 0, b, torch.ones_like(b)), scale)
+        best = torch.where(better, scale * a, best)
+    return torch.where(zero, torch.zeros_like(scale), scale).squeeze(1)
+
+def _e_q6_k(x):
+    n = len(x)
+    sc = _signed_scale_search(x.reshape(n * 16, 16), 32).reshape(n, 16)
+    big = sc.gather(1, sc.abs().argmax(1, keepdim=True))
+    zero = big.abs() < 1e-15
+    iscale = torch.where(zero, torch.zeros_like(big), -128 / torch.where(zero, torch.ones_like(big), big))
+    d = torch.where(zero, torch.zeros_like(big), 1 / torch.where(zero, torch.ones_like(iscale), iscale)).half()
+    ls = torch.round(iscale * sc).clamp(max=127).to(torch.int8)
+    dj = (d.float() * ls.float()).unsqueeze(-1)
+    q = torch.round(x.reshape(n, 16, 16) / torch.where(dj == 0, torch.ones_like(dj), dj)).clamp(-32, 31) + 32
+    q = torch.where(dj == 0, torch.full_like(q, 32), q).to(torch.uint8).reshape(n, 2, 4, 32)   # chunk, quarter, value
+    ql = (q[:, :, :2] & 15) | ((q[:, :, 2:] & 15) << 4)                                         # [n, 2, 2, 32]
+    qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+    return torch.cat([ql.reshape(n, 128), qh.reshape(n, 64), ls.view(torch.uint8), d.view(torch.uint8).reshape(n, 2)], 1)
+
+# %% ../nbs/10b_gguf.ipynb #gg000032
+ENCODERS = {'Q8_0': _e_q8_0, 'Q4_0': _e_q4_0, 'Q4_1': _e_q4_1, 'Q5_0': _e_q5_0, 'Q5_1': _e_q5_1,
+            'Q4_K': _e_q4_k, 'Q5_K': _e_q5_k, 'Q6_K': _e_q6_k}
+
+def encode_gguf(w:torch.Tensor, ggml_type:str) -> torch.Tensor:
+    "The ggml `ggml_type` bytes of `w` (rows of whole blocks), uint8 `[..., bytes per row]`, as `decode_gguf` reads them."
+    if ggml_type not in ENCODERS: raise ValueError(f"encode_gguf: expected a ggml type cquant encodes ({', '.join(ENCODERS)}), found {ggml_type!r}")
+    bs, ts = gguf_types()[ggml_type]
+    if w.dim() < 1 or w.shape[-1] % bs:
+        raise ValueError(f"encode_gguf: expected rows of whole {ggml_type} blocks ({bs} values), found shape {tuple(w.shape)}")
+    return ENCODERS[ggml_type](w.float().reshape(-1, bs)).reshape(*w.shape[:-1], w.shape[-1] // bs * ts)

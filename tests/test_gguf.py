@@ -113,3 +113,105 @@ def test_damaged_gguf_everywhere(minilm_gguf, tmp_path):
             rc, out, err = cquant_cli(*argv)
             assert rc != 0 and msg in err and 'Traceback' not in err, (case, argv, err)
     assert sorted(os.listdir(tmp_path)) == sorted(f'{c}.gguf' for c in cases)
+
+
+# ---- The K-quant encoders against ggml's reference row quantizers, ported loop for loop (the value loops in numpy,
+# fp32 throughout): the objective each reaches, on 1,000 blocks of Gaussian rows of random scale and heavy-tailed rows.
+f32 = np.float32
+
+def _nearest(v): return np.rint(v).astype(np.int64)      # ggml's nearest_int: round half to even in fp32
+
+def _ref_qkx2(x, w, nmax, rmin, rdelta, nstep):
+    "ggml-quants.c make_qkx2_quants, loop for loop (the value loops in numpy): (codes, scale, -min)."
+    lo, hi = min(f32(x.min()), f32(0)), f32(x.max())
+    if hi == lo: return np.zeros(len(x), np.int64), f32(0), -lo
+    sw, sx = f32(w.sum(dtype=f32)), f32((w * x).sum(dtype=f32))
+    iscale = f32(nmax) / (hi - lo)
+    scale = f32(1) / iscale
+    L = np.clip(_nearest(iscale * (x - lo)), 0, nmax)
+    best = f32((w * (scale * L.astype(f32) + lo - x) ** 2).sum(dtype=f32))
+    for i in range(nstep + 1):
+        iscale = (f32(rmin) + f32(rdelta) * f32(i) + f32(nmax)) / (hi - lo)
+        l = np.clip(_nearest(iscale * (x - lo)), 0, nmax).astype(f32)
+        sl, sl2, sxl = (w * l).sum(dtype=f32), (w * l * l).sum(dtype=f32), (w * l * x).sum(dtype=f32)
+        D = sw * sl2 - sl * sl
+        if D > 0:
+            s, m = (sw * sxl - sx * sl) / D, (sl2 * sx - sl * sxl) / D
+            if m > 0: m, s = f32(0), sxl / sl2
+            err = (w * (s * l + m - x) ** 2).sum(dtype=f32)
+            if err < best: L, best, scale, lo = l.astype(np.int64), err, s, m
+    return L, scale, -lo
+
+def _ref_q4k_q5k(x, nmax, rmin, nstep):
+    "quantize_row_q4_K_ref / q5_K_ref for one block of 256: the decoded values."
+    sc, mn = np.zeros(8, f32), np.zeros(8, f32)
+    for j in range(8):
+        s = x[32 * j:32 * j + 32]
+        w = np.sqrt((s * s).sum(dtype=f32) / f32(32)) + np.abs(s)
+        _, sc[j], mn[j] = _ref_qkx2(s, w, nmax, rmin, 0.1, nstep)
+    msc, mmn = max(f32(0), sc.max()), max(f32(0), mn.max())
+    ls = np.minimum(63, _nearest((f32(63) / msc if msc > 0 else f32(0)) * sc))
+    lm = np.minimum(63, _nearest((f32(63) / mmn if mmn > 0 else f32(0)) * mn))
+    d, dmin = f32(np.float16(msc / f32(63))), f32(np.float16(mmn / f32(63)))
+    out = np.zeros(256, f32)
+    for j in range(8):
+        dj, mj = d * f32(ls[j]), dmin * f32(lm[j])
+        s = x[32 * j:32 * j + 32]
+        l = np.zeros(32, f32) if dj == 0 else np.clip(_nearest((s + mj) / dj), 0, nmax).astype(f32)
+        out[32 * j:32 * j + 32] = dj * l - mj
+    return out
+
+def _ref_qx(x, nmax):
+    "make_qx_quants(rmse_type=1): the scale."
+    i = int(np.argmax(np.abs(x)))
+    mx = x[i]
+    if abs(mx) < 1e-15: return f32(0)
+    w = x * x
+    def fit(k):
+        l = np.clip(_nearest(-(f32(nmax) + f32(0.1) * f32(k)) / mx * x), -nmax, nmax - 1).astype(f32)
+        return (w * x * l).sum(dtype=f32), (w * l * l).sum(dtype=f32)
+    slx, sl2 = fit(0)
+    scale = slx / sl2 if sl2 else f32(0)
+    best = scale * slx
+    for k in range(-9, 10):
+        if k == 0: continue
+        a, b = fit(k)
+        if b > 0 and a * a > best * b: scale = a / b; best = scale * a
+    return scale
+
+def _ref_q6k(x):
+    "quantize_row_q6_K_ref for one block of 256: the decoded values."
+    sc = np.array([_ref_qx(x[16 * j:16 * j + 16], 32) for j in range(16)], f32)
+    big = sc[int(np.argmax(np.abs(sc)))]
+    if abs(big) < 1e-15: return np.zeros(256, f32)
+    iscale = f32(-128) / big
+    d = f32(np.float16(f32(1) / iscale))
+    ls = np.minimum(127, _nearest(iscale * sc))
+    out = np.zeros(256, f32)
+    for j in range(16):
+        dj = d * f32(ls[j])
+        if dj == 0: continue
+        s = x[16 * j:16 * j + 16]
+        out[16 * j:16 * j + 16] = dj * np.clip(_nearest(s / dj), -32, 31).astype(f32)
+    return out
+
+
+REFERENCE = {'Q4_K': lambda b: _ref_q4k_q5k(b, 15, -1.0, 20), 'Q5_K': lambda b: _ref_q4k_q5k(b, 31, -0.5, 15), 'Q6_K': _ref_q6k}
+
+
+@pytest.mark.long
+@pytest.mark.parametrize('ggml_type', list(REFERENCE))
+def test_k_quants_reach_the_reference_objective(ggml_type):
+    """Over 1,000 blocks, cquant's vectorized K-quant encoder has the squared error of the loop-for-loop port within
+    1%, and most blocks decode identically (the rest differ where a float sum in another order breaks a near tie).
+    Measured here: Q4_K 1.0015x the reference's error with 96.6% of blocks identical, Q5_K 1.0002x and 84.7%,
+    Q6_K 0.9993x and 97.6%."""
+    from cquant.gguf import decode_gguf, encode_gguf
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((1000, 256)) * np.exp(rng.standard_normal((1000, 1)))).astype(f32)
+    x[::7] = rng.standard_t(3, (len(x[::7]), 256)).astype(f32)
+    want = np.stack([REFERENCE[ggml_type](b) for b in x])
+    got = decode_gguf(encode_gguf(torch.from_numpy(x), ggml_type).reshape(-1), ggml_type, x.shape).numpy()
+    ratio = ((got - x) ** 2).sum() / ((want - x) ** 2).sum()
+    same = (got == want).all(1).mean()
+    assert abs(ratio - 1) < 0.01 and same > 0.7, (ratio, same)
