@@ -119,9 +119,9 @@ def _add_policy_args(p):
     g.add_argument('--selection', choices=FACTS['selections'], help='INT8 budget order: structural (Toolkit, the default) or measured')
     g.add_argument('--convrot-groupsize', type=_group_arg, metavar='G',
                    help="ConvRot rotation group: a power of 4 (default 256) or auto (per layer, the largest that fits)")
-    g.add_argument('--rounding', choices=('nearest', 'mse', 'gptq'),
-                   help="how scales and codes are chosen: nearest (comfy-kitchen's bytes, the default), mse (data-free clipping) "
-                        'or gptq (needs --calibration); the files stay the same formats')
+    g.add_argument('--rounding', choices=('nearest', 'exact', 'mse', 'gptq'),
+                   help="how scales and codes are chosen: nearest (comfy-kitchen's bytes, the default), exact (the same scales, "
+                        'codes computed in fp32), mse (data-free clipping) or gptq (needs --calibration); the files stay the same formats')
     g.add_argument('--float-dtype', choices=FACTS['float_dtypes'],
                    help='the dtype the layers kept float are written in (default: as in SRC; bfloat16 halves float32 ones)')
     g.add_argument('--recipe', metavar='FILE', help='a recipe (.yaml, .yml or .toml; `cquant recipe SRC` writes one): its base '

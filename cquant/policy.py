@@ -551,7 +551,7 @@ class Policy:
     selection: str = 'structural'       # 'structural' (the Toolkit's nested order) or 'measured' (see below)
     overrides: tuple = ()               # ((pattern, format or None, options), ...): first match wins
     convrot_groupsize: int|str = 256    # ConvRot rotation group: a power of 4, or 'auto' (per layer, see below)
-    rounding: str = 'nearest'           # 'nearest' (kitchen's bytes), 'mse' (data-free clipping) or 'gptq' (calibration)
+    rounding: str = 'nearest'           # 'nearest' (kitchen's bytes), 'exact' (codes in fp32), 'mse' (data-free clipping) or 'gptq' (calibration)
     svdquant_rank: int|None = None      # svdquant mode: rank of the low-rank branch (None: min(32, N, K) per layer)
     fallback: str|None = None           # an override's format rejects the shape: None (fail), 'keep_float' or 'int8'
     float_dtype: str|None = None        # the dtype float tensors are written in: 'bfloat16', 'float16', 'float32' (None: as read)

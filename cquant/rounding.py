@@ -101,6 +101,18 @@ def mse_rounding(spec:Format, w:torch.Tensor, opts:dict, calibration=None, name:
 
 register_rounding('mse', mse_rounding)
 
+# %% ../nbs/23_rounding.ipynb #ex000002
+def exact_rounding(spec:Format, w:torch.Tensor, opts:dict, calibration=None, name:str='weight') -> tuple:
+    "rounding='exact': the format's absmax scales, every code computed in fp32 from the fp32 weight in its basis."
+    if calibration is not None:
+        raise format_error('', 'calibration', "None with rounding='exact' (data-free; rounding='gptq' uses inputs)",
+                           type(calibration).__name__)
+    grid = tensor_grid(spec, w, opts, (1.0,))
+    wb = grid.basis(w)
+    return grid.pack(wb, search_scales(grid, wb, (1.0,))[0])
+
+register_rounding('exact', exact_rounding)
+
 # %% ../nbs/23_rounding.ipynb #7932af56
 class GPTQWarning(UserWarning):
     "GPTQ could not run on a layer as asked (too few calibration rows, a singular Hessian): what it did instead."

@@ -870,8 +870,9 @@ def _searched(spec:Format, w, opts:dict, rounding, calibration, stochastic_round
 def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:bool=False, name:str='weight',
              rounding:str='nearest', calibration=None, energies:list|None=None, **options) -> QuantizedTensor:
     """Quantize float tensor `w` (named `name` in errors, e.g. 'blocks.0.proj.weight') to format `fmt` with its `options`.
-    `rounding`: 'nearest' (the format's encoder: comfy-kitchen's bytes), 'mse' (scales chosen for the least weight
-    error) or 'gptq' (codes chosen for the least output error on `calibration` inputs [..., K]). A format with a
+    `rounding`: 'nearest' (the format's encoder: comfy-kitchen's bytes), 'exact' (its scales, codes computed in fp32),
+    'mse' (scales chosen for the least weight error) or 'gptq' (codes chosen for the least output error on
+    `calibration` inputs [..., K]). A format with a
     data-aware encoder of its own (`Format.calibrated`, e.g. AWQ) uses `calibration` with rounding='nearest'.
     `energies`: a list; where the encoder measures its own error (`Format.measures`: the rotated formats on CPU), it
     is extended with (Σw², Σ(w - dequantize)²) pairs, one per block, without a dequantize (it stays empty otherwise)."""

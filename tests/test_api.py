@@ -155,4 +155,4 @@ import cquant.validate, cquant.explore, cquant as cq
 print(len(FORMATS), sorted(ROUNDINGS), hasattr(Policy, 'from_recipe'), callable(cq.validate), callable(cq.explore))"""
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == [str(len(cq.FORMATS)), "['gptq',", "'mse']", 'True', 'True', 'True'], r.stdout
+    assert r.stdout.split() == [str(len(cq.FORMATS)), "['exact',", "'gptq',", "'mse']", 'True', 'True', 'True'], r.stdout

@@ -541,18 +541,18 @@ def test_4096_square(v, dtype, request):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 5. rounding='mse' / 'gptq' (cquant.rounding) write the same formats: kitchen decodes them to cquant's values
+# 5. rounding='mse' / 'gptq' / 'exact' (cquant.rounding) write the same formats: kitchen decodes them to cquant's values
 # ----------------------------------------------------------------------------------------------------------------
 ROUNDED = [v for v in VARIANTS if cq.get_format(v.fmt).declares('grid')]
 
 
 def _rounding_kw(rounding, K, seed=3):
-    if rounding == "mse": return dict(rounding="mse")
+    if rounding in ("mse", "exact"): return dict(rounding=rounding)
     x = torch.randn(96, K, generator=torch.Generator().manual_seed(seed))
     return dict(rounding="gptq", calibration=x)
 
 
-@pytest.mark.parametrize("rounding", ("mse", "gptq"))
+@pytest.mark.parametrize("rounding", ("mse", "gptq", "exact"))
 @pytest.mark.parametrize("v", ROUNDED, ids=lambda v: v.id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
 def test_rounded_file_in_kitchen(v, dtype, rounding):
@@ -570,7 +570,7 @@ def test_rounded_file_in_kitchen(v, dtype, rounding):
     assert not bad, f"{rounding} {v.id} {DT[dtype]} {shape} in kitchen: " + "; ".join(bad)
 
 
-@pytest.mark.parametrize("rounding", ("mse", "gptq"))
+@pytest.mark.parametrize("rounding", ("mse", "gptq", "exact"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DT.get)
 def test_rounded_w4a4_in_kitchen(dtype, rounding):
     N, K, G = 48, 512, 64

@@ -228,3 +228,26 @@ def test_sequential_calibration():
     assert torch.equal(sd[first + '.weight'], od[first + '.weight'])      # the first layer's inputs are the float ones
     assert not torch.equal(sd[last + '.weight'], od[last + '.weight'])    # later ones see quantized layers before them
     assert {k: (v.dtype, v.shape) for k, v in sd.items()} == {k: (v.dtype, v.shape) for k, v in od.items()}
+
+
+@pytest.mark.parametrize('mode, extra, at_least', [('int8', (), 41.1), ('int8_convrot', ('--convrot-groupsize', '64'), 42.4)])
+def test_exact_rounding_on_minilm_bf16(tmp_path, mode, extra, at_least):
+    """rounding='exact' through the CLI on MiniLM's 36 encoder linears in bf16 (issue 40): the mean weight SQNR the
+    report states reaches sdnq's int8 (41.13 dB with the same per-row scales) and int8 ConvRot's fp32 bound; kitchen's
+    encoder (nearest) stays below. Measured: int8 40.54 -> 41.13 dB, ConvRot group 64 41.63 -> 42.54 dB."""
+    import json
+    from safetensors.torch import load_file, save_file
+    from cquant.minilm import minilm_path
+    from conftest import cquant_cli
+    src = tmp_path / 'minilm-bf16.safetensors'
+    save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in load_file(minilm_path()).items()}, src)
+    mean = {}
+    for rounding in ('nearest', 'exact'):
+        rc, out, err = cquant_cli('quantize', src, tmp_path / f'{rounding}.safetensors', '--mode', mode, *extra,
+                                  '--rounding', rounding, '--report', tmp_path / f'{rounding}.json', '--quiet')
+        assert rc == 0, err
+        layers = json.loads((tmp_path / f'{rounding}.json').read_text())['layers']
+        dbs = [l['sqnr_db'] for l in layers if l['format'] and l['name'].startswith('encoder.')]
+        assert len(dbs) == 36
+        mean[rounding] = sum(dbs) / len(dbs)
+    assert mean['nearest'] < at_least <= mean['exact'], mean
