@@ -15,10 +15,11 @@ from ._version import __version__
 _API = ('plain', 'tensor', 'numerics', 'formats', 'sol_attention', 'int8_attention', 'comfy', 'attention_config', 'gguf', 'checkpoint',
         'attention',
         'quality', 'modules', 'models', 'policy', 'recipe', 'plots', 'jobs', 'lora', 'validate', 'explore', 'attention_explore',
-        'evaluate', 'rounding', 'calibrate', 'record', 'minilm')
+        'evaluate', 'rounding', 'calibrate', 'record', 'minilm', 'compare')
 _SOME = {'formats': ('FORMAT_MODULES',), 'int8_attention': ('int8_attention', 'prequantize_int8_attention', 'int8_attention_from_prequantized'),
          'lora': ('merge_loras', 'read_lora'),
-         'gguf': ()}   # modules of which cq shows only these names (formats: its format modules; gguf: read through open_checkpoint)
+         'gguf': (), 'compare': ()}   # modules of which cq shows only these names (formats: its format modules; gguf: read through
+                                                  # open_checkpoint; compare: `cquant compare`, cq.compare.compare_weights)
 _SHADOWED = frozenset(('calibrate', 'evaluate', 'explore', 'int8_attention', 'sol_attention', 'validate'))  # a function and a module
 _shadowed = {}    # their functions: importing the submodule later sets the package's attribute to the module
 _loaded = False

@@ -7,10 +7,10 @@ Docs: https://cquant-dev.github.io/cquant/cli.html.md"""
 # %% auto #0
 __all__ = ['EXIT_STATUS', 'EXAMPLES', 'cmd_inspect', 'add_inspect_parser', 'cmd_validate', 'add_validate_parser', 'modes_table',
            'policy_from_args', 'cmd_quantize', 'add_quantize_parser', 'cmd_plan', 'add_plan_parser', 'cmd_recipe',
-           'add_recipe_parser', 'cmd_report', 'add_report_parser', 'cmd_demo', 'add_demo_parser', 'cmd_convert',
-           'add_convert_parser', 'lora_arg', 'cmd_merge_lora', 'add_merge_lora_parser', 'cmd_attention',
-           'add_attention_parser', 'formats_table', 'presets_table', 'build_parser', 'write_facts', 'Terminated',
-           'main', 'run_captured']
+           'add_recipe_parser', 'cmd_report', 'add_report_parser', 'cmd_compare', 'add_compare_parser', 'cmd_demo',
+           'add_demo_parser', 'cmd_convert', 'add_convert_parser', 'lora_arg', 'cmd_merge_lora',
+           'add_merge_lora_parser', 'cmd_attention', 'add_attention_parser', 'formats_table', 'presets_table',
+           'build_parser', 'write_facts', 'Terminated', 'main', 'run_captured']
 
 # %% ../nbs/18_cli.ipynb #a82e8daa
 import argparse, glob, json, os, signal, sys, threading, time, warnings
@@ -303,6 +303,33 @@ def add_report_parser(subparsers):
     p.set_defaults(func=cmd_report)
     return p
 
+# %% ../nbs/18_cli.ipynb #cmp00001
+def cmd_compare(args) -> int:
+    "Run `cquant compare`."
+    from cquant.compare import candidates, compare_weights
+    from cquant.jobs import check_outputs
+    check_outputs('', {'SRC': args.src}, {'--plot': args.plot})
+    study = compare_weights(args.src, candidates(args.formats, args.roundings), args.layers)
+    if args.plot:
+        import matplotlib.pyplot as plt
+        fig = study.plot(); fig.savefig(args.plot); plt.close(fig)
+    print(json.dumps(study.to_dict(), indent=1) if args.json else study.table())
+    return 0
+
+def add_compare_parser(subparsers):
+    "Add `cquant compare SRC` (every format on the same weights: bits per weight against SQNR)."
+    p = subparsers.add_parser('compare', help='every format and GGUF type on the same weights: bits per weight against SQNR, the Pareto front')
+    p.add_argument('src', help='a checkpoint with float weights: a safetensors file, a shard folder or a GGUF file')
+    p.add_argument('--formats', nargs='+', metavar='F', help="only these: format names, variant labels (INT8, NVFP4), ggml types "
+                   "(Q4_K) or families (comfy, gguf); default: all")
+    p.add_argument('--roundings', nargs='+', choices=('nearest', 'exact', 'mse'), default=('nearest', 'exact', 'mse'),
+                   help='the Comfy formats under these roundings, where a format has a grid (default: all three)')
+    p.add_argument('--layers', metavar='REGEX', help='only the 2-D weights whose layer name matches (default: all)')
+    p.add_argument('--plot', metavar='PNG', help='also save the chart of bits per weight against mean SQNR')
+    _add_output_args(p, 'print the study as JSON on stdout instead of the table')
+    p.set_defaults(func=cmd_compare)
+    return p
+
 # %% ../nbs/18_cli.ipynb #76c9cf48
 def cmd_demo(args) -> int:
     "Run `cquant demo`."
@@ -480,6 +507,7 @@ EXAMPLES = {   # one line per subcommand, shown under its --help (a test parses 
     'plan': 'cquant plan model.safetensors --mode nvfp4',
     'recipe': 'cquant recipe model.safetensors --mode int4_mixed',
     'report': 'cquant report model.safetensors model-int4.safetensors --plot sqnr.png',
+    'compare': 'cquant compare model.safetensors --formats NVFP4 W4A8 Q4_K --plot tradeoff.png',
     'inspect': 'cquant inspect model-int4.safetensors',
     'validate': 'cquant validate model-int4.safetensors --strict',
     'convert': 'cquant convert legacy-fp8.safetensors model-fp8.safetensors',
@@ -510,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument('--quiet', action='store_true', help='no pip output')
     m.add_argument('--json', action='store_true', help='print JSON on stdout')
     m.set_defaults(func=_cmd_fetch_minilm)
-    for add in (add_demo_parser, add_quantize_parser, add_plan_parser, add_recipe_parser, add_report_parser,
+    for add in (add_demo_parser, add_quantize_parser, add_plan_parser, add_recipe_parser, add_report_parser, add_compare_parser,
                 add_inspect_parser, add_validate_parser, add_convert_parser, add_merge_lora_parser, add_attention_parser): add(sub)
     _teach(sub)
     return p

@@ -140,8 +140,8 @@ LAYERS = (
     ('calibration and policy', {'calibrate', 'record', 'policy', 'recipe', 'rounding'}),
     ('plots', {'plots'}),
     ('jobs', {'jobs', 'lora'}),
-    ('cli', {'cli', '_cli_facts'}),
-    ('on top', {'explore', 'quality', 'evaluate', 'attention_explore'}),
+    ('on top', {'explore', 'quality', 'evaluate', 'attention_explore', 'compare'}),
+    ('cli', {'cli', '_cli_facts'}),          # a command runs whatever it needs, the comparison of every format included
     ('package', {'__init__'}),
 )
 RANK = {m: i for i, (_, ms) in enumerate(LAYERS) for m in ms}
