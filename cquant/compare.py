@@ -10,14 +10,17 @@ import json, math, re, warnings
 from dataclasses import dataclass
 from typing import Callable
 import torch
+from torch import nn
 from .formats import FORMATS, _nbytes
 from .tensor import ROUNDINGS, quantize
 from .gguf import ENCODERS, decode_gguf, encode_gguf, gguf_types
 from .explore import fit_options, weight_layers
 from .plain import text_table
+from .evaluate import Workload, _float_reference, _outputs, sqnr
 
 # %% auto #0
-__all__ = ['STUDY_ROUNDINGS', 'FAMILY_MARKERS', 'Candidate', 'candidates', 'Study', 'compare_weights', 'plot_tradeoff']
+__all__ = ['STUDY_ROUNDINGS', 'FAMILY_MARKERS', 'Candidate', 'candidates', 'Study', 'compare_weights', 'plot_tradeoff',
+           'compare_model']
 
 # %% ../nbs/19a_compare.ipynb #cm000005
 @dataclass(frozen=True)
@@ -73,23 +76,28 @@ def candidates(formats=None, # names to keep: formats, variant labels, ggml type
 def _db(sig:float, noise:float) -> float: return 10 * math.log10(sig / noise) if noise > 0 else math.inf
 
 class Study(list):
-    "One row per candidate (label, family, bits_per_weight, sqnr_mean_db, sqnr_min_db, sqnr_db, layers); `.layers`: per layer."
+    """One row per candidate: label, family, bits_per_weight, its SQNR numbers, layers; `.metric`: the SQNR that ranks
+    them (`sqnr_mean_db` over the weights, `output_sqnr_db` end to end); `.layers`: the per-layer rows."""
     layers: list = []
+    metric: str = 'sqnr_mean_db'
     def front(self) -> list:
-        "The labels on the Pareto front: no other candidate has as few bits or fewer and a higher mean SQNR."
-        return [r['label'] for r in self if not any(o['bits_per_weight'] <= r['bits_per_weight'] and o['sqnr_mean_db'] > r['sqnr_mean_db']
+        "The labels on the Pareto front: no other candidate has as few bits or fewer and a higher SQNR (`metric`)."
+        m = self.metric
+        return [r['label'] for r in self if not any(o['bits_per_weight'] <= r['bits_per_weight'] and o[m] > r[m]
                                                       for o in self if o is not r)]
     def table(self) -> str:
         "The rows by bits per weight, the front marked."
-        front = set(self.front())
-        rows = [[r['label'], r['family'], f"{r['bits_per_weight']:.3f}", f"{r['sqnr_mean_db']:.2f}", f"{r['sqnr_min_db']:.2f}",
-                 f"{r['sqnr_db']:.2f}", r['layers'], '*' if r['label'] in front else '']
-                for r in sorted(self, key=lambda r: (r['bits_per_weight'], -r['sqnr_mean_db']))]
-        return '\n'.join(text_table(['candidate', 'family', 'bits/w', 'mean dB', 'min dB', 'aggregate dB', 'layers', 'front'],
-                                     rows, '<<>>>>><') + ['* on the Pareto front: no candidate with as few bits or fewer has a higher mean SQNR'])
-    def to_dict(self) -> dict: return dict(candidates=list(self), front=self.front(), layers=self.layers)
+        front, cols = set(self.front()), [c for c in _COLUMNS if any(c[0] in r for r in self)]
+        rows = [[r['label'], r['family'], f"{r['bits_per_weight']:.3f}", *(f"{r[k]:.2f}" for k, _ in cols), r['layers'],
+                 '*' if r['label'] in front else ''] for r in sorted(self, key=lambda r: (r['bits_per_weight'], -r[self.metric]))]
+        return '\n'.join(text_table(['candidate', 'family', 'bits/w', *(t for _, t in cols), 'layers', 'front'], rows,
+                                     '<<>' + '>' * len(cols) + '><') +
+                         [f"* on the Pareto front: no candidate with as few bits or fewer has a higher {dict(_COLUMNS)[self.metric]}"])
+    def to_dict(self) -> dict: return dict(metric=self.metric, candidates=list(self), front=self.front(), layers=self.layers)
     def __str__(self): return self.table()
     def plot(self, ax=None, title:str=''): return plot_tradeoff(self, ax, title)
+
+_COLUMNS = (('sqnr_mean_db', 'mean dB'), ('sqnr_min_db', 'min dB'), ('sqnr_db', 'aggregate dB'), ('output_sqnr_db', 'output dB'))
 
 # %% ../nbs/19a_compare.ipynb #cm000010
 def compare_weights(source, # a checkpoint path (safetensors, shards, GGUF), state dict or `Checkpoint`
@@ -130,12 +138,37 @@ def plot_tradeoff(study:Study, ax=None, title:str=''):
     front = set(study.front())
     for r in study:
         on = r['label'] in front
-        ax.scatter(r['bits_per_weight'], r['sqnr_mean_db'], marker=FAMILY_MARKERS.get(r['family'], 'x'),
+        ax.scatter(r['bits_per_weight'], r[study.metric], marker=FAMILY_MARKERS.get(r['family'], 'x'),
                    color='C3' if on else ('C0' if r['family'] == 'comfy' else 'C2'), s=36 if on else 18, zorder=3)
-        if on: ax.annotate(r['label'], (r['bits_per_weight'], r['sqnr_mean_db']), fontsize=7, xytext=(4, -3), textcoords='offset points')
-    pts = sorted((r['bits_per_weight'], r['sqnr_mean_db']) for r in study if r['label'] in front)
+        if on: ax.annotate(r['label'], (r['bits_per_weight'], r[study.metric]), fontsize=7, xytext=(4, -3), textcoords='offset points')
+    pts = sorted((r['bits_per_weight'], r[study.metric]) for r in study if r['label'] in front)
     ax.plot(*zip(*pts), color='C3', lw=1, zorder=2)
-    ax.set_xlabel('bits per weight (codes and scales)'); ax.set_ylabel('mean weight SQNR over layers (dB)')
+    ax.set_xlabel('bits per weight (codes and scales)')
+    ax.set_ylabel('mean weight SQNR over layers (dB)' if study.metric == 'sqnr_mean_db' else 'output SQNR on held-out inputs (dB)')
     ax.set_title(title or 'Comfy formats (circles) and GGUF types (squares); the Pareto front in red', fontsize=9)
     ax.grid(alpha=0.3)
     return ax.figure
+
+# %% ../nbs/19a_compare.ipynb #cm000018
+@torch.no_grad()
+def compare_model(workload:Workload, # `cq.minilm_workload()`, `cq.dit_workload()`
+                  cands=None, # `candidates(...)` (default: all)
+                  dtype:torch.dtype=torch.bfloat16, # the weights' dtype handed to each candidate (the file's)
+                 ) -> Study:
+    "Each candidate on every linear of the workload's model, weight-only: output SQNR on its held-out inputs."
+    cands = candidates() if cands is None else cands
+    ref, model = _float_reference(workload)['outputs'], workload.model()
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    original = {n: m.weight.detach().clone() for n, m in linears.items()}
+    def row(label, family, stored:dict):
+        for n, m in linears.items(): m.weight.copy_(stored.get(n, (original[n], None))[0])
+        bits = sum(8 * b for _, b in stored.values()) + sum(16 * original[n].numel() for n in linears if n not in stored)
+        return dict(label=label, family=family, bits_per_weight=bits / sum(w.numel() for w in original.values()),
+                    output_sqnr_db=sqnr(ref, _outputs(workload, model)), layers=len(stored))
+    out = Study([row(f'{str(dtype).removeprefix("torch.")} (source)', 'float',
+                     {n: (w.to(dtype).float(), w.numel() * dtype.itemsize) for n, w in original.items()})])
+    for c in cands:
+        out.append(row(c.label, c.family, {n: got for n, w in original.items() if (got := c.run(w.to(dtype))) is not None}))
+    for n, m in linears.items(): m.weight.copy_(original[n])
+    out.metric = 'output_sqnr_db'
+    return out
