@@ -6,12 +6,12 @@ Docs: https://cquant-dev.github.io/cquant/validate.html.md"""
 
 # %% ../nbs/17a_validate.ipynb #35b3d754
 from __future__ import annotations
-import os, warnings
+import json, os, warnings
 from dataclasses import dataclass, field
 import torch
 from fastcore.basics import patch
 from .formats import FORMATS
-from .tensor import CheckpointWarning, DeviceClass, Option, QuantFormatError, QuantFormatWarning
+from .tensor import CheckpointWarning, DeviceClass, Option, QuantFormatError, QuantFormatWarning, load_quantized
 from .attention_config import ATTENTION_KEY, ATTENTION_METHODS, attention_entries
 from .comfy import FPMM, nested_params
 from .checkpoint import (Checkpoint, CheckpointError, comfy_unread, _comfy_unloadable, open_checkpoint, scale_keys, text_table, _footnotes, _read_json,
@@ -160,6 +160,48 @@ def _loader_view(e, level:str, devices:dict) -> tuple[list, list]:
     if off: warns.append(f"{e.format}: ComfyUI computes it dequantized (full-precision matmul) on {_where(off)}")
     return errs, warns
 
+# %% ../nbs/17a_validate.ipynb #vd000002
+def _marker_options(cfg:dict) -> dict:
+    "The options a marker gives, at its top level or under `params`."
+    return {k: v for k, v in cfg.items() if k not in ('format', 'params')} | dict(cfg.get('params') or {})
+
+def _fitting_formats(ck:Checkpoint, keys:dict, cfg) -> list:
+    "The formats that load the module's tensors with the options its marker gives (each tried as the loader would)."
+    if 'weight' not in keys: return []
+    dt, opts = ck.info(keys['weight']).dtype, _marker_options(cfg) if isinstance(cfg, dict) else {}
+    tried = [n for n, f in FORMATS.items() if f.storage.dtype == dt and all(k in keys for k in f.storage.keys)
+             and set(opts) <= {o.name for o in f.options}]
+    sd = {s: ck[k] for s, k in keys.items() if s not in ('comfy_quant', ATTENTION_KEY)} if tried else {}
+    def loads(n):
+        try: load_quantized(sd, '', config={'format': n, **({'params': opts} if opts else {})}); return True
+        except (QuantFormatError, ValueError): return False
+    return [n for n in tried if loads(n)]
+
+def _misnamed_note(ck:Checkpoint, keys:dict, cfg) -> str:
+    "For a marker without a format, or naming one the bytes are not: the formats the tensors do fit."
+    fmt = cfg.get('format') if isinstance(cfg, dict) else None
+    if not isinstance(cfg, dict) or (fmt in FORMATS and 'weight' in keys and ck.info(keys['weight']).dtype == FORMATS[fmt].storage.dtype): return ''
+    fits = [f for f in _fitting_formats(ck, keys, cfg) if f != fmt]
+    if not fits: return ''
+    opts = _marker_options(cfg)
+    want = {'format': fits[0], **({'params': opts} if opts else {})}
+    return (f" (the stored tensors fit {' or '.join(fits)}: a writer that {'left out' if fmt is None else 'misnamed'} the format; "
+            f"the marker would read {json.dumps(want)})")
+
+def _raw_codes(ck:Checkpoint, p:str, keys:dict) -> list:
+    "Errors of a module without a marker whose weight ComfyUI would compute with wrongly: integer codes, an unapplied legacy scale."
+    if 'weight' not in keys: return []
+    dt = ck.info(keys['weight']).dtype
+    legacy = [k for k in ('scale_weight', 'scale_input') if k in keys]
+    if not dt.is_floating_point:
+        return [f"'{p}weight': {str(dt).removeprefix('torch.')} codes and no '{p}comfy_quant': ComfyUI loads them as a plain integer "
+                "weight" + (f" and never reads {', '.join(repr(p + k) for k in legacy)} (a legacy INT8 layout written without a "
+                            "marker; quantize the float model again)" if legacy else '')]
+    if dt in (torch.float8_e4m3fn, torch.float8_e5m2) and 'scale_weight' in keys:
+        return [f"'{p}weight': {str(dt).removeprefix('torch.')} values with a legacy '{p}scale_weight' but no 'scaled_fp8' marker "
+                f"and no '{p}comfy_quant': ComfyUI never applies that scale; `cquant convert` needs the marker to convert it"]
+    return []
+
 # %% ../nbs/17a_validate.ipynb #9eef9a40
 def _check_module(ck:Checkpoint, name:str, keys:dict, level:str, known:set, devices:dict) -> dict:
     "The report row of module `name` of `ck` (its `keys`: suffix -> key)."
@@ -177,10 +219,10 @@ def _check_module(ck:Checkpoint, name:str, keys:dict, level:str, known:set, devi
         with warnings.catch_warnings(record=True) as said:         # loaded, with a word: a 0 scale, a dropped attention hint
             warnings.simplefilter('always', QuantFormatWarning); warnings.simplefilter('always', CheckpointWarning)
             try: e = _scan_module(ck, name, keys, None, known)
-            except CheckpointError as err: errs.append(_msg(err, ck.path))
+            except CheckpointError as err: errs.append(_msg(err, ck.path) + _misnamed_note(ck, keys, cfg))
         warns += [str(w.message) for w in said if issubclass(w.category, (QuantFormatWarning, CheckpointWarning))]
         if not errs:
-            le, lw = _loader_view(e, level, devices)
+            le, lw = _loader_view(e, level, devices) if e.quantized else (_raw_codes(ck, p, keys), [])
             errs += le; warns += lw
     return _row(name, fmt, errs, warns)
 
