@@ -357,13 +357,14 @@ def cmd_convert(args) -> int:
     if args.json: print(json.dumps(r, indent=1)); return 0
     print(f"{r['src']}: {'legacy ' + repr(r['legacy']) if r['legacy'] else 'no legacy markings (validated copy)'}; "
           f"quantized modules {r['formats'] or 'none'}; {len(r['removed'])} key(s) removed, {len(r['added'])} added"
-          + (f"; all-zero modules stored with NaN rewritten as exact zeros: {', '.join(r['repaired'])}" if r['repaired'] else ''))
+          + (f"; all-zero modules stored with NaN rewritten as exact zeros: {', '.join(r['repaired'])}" if r['repaired'] else '')
+          + (f"; markers rewritten: {', '.join(f'{m} -> {json.dumps(v)}' for m, v in r['remarked'].items())}" if r['remarked'] else ''))
     print(f"wrote {r['dst']}")
     return 0
 
 def add_convert_parser(subparsers):
     "Add `cquant convert SRC DST` (legacy scaled_fp8 / _quantization_metadata -> comfy_quant)."
-    p = subparsers.add_parser('convert', help='rewrite a legacy checkpoint (scaled_fp8, _quantization_metadata) with comfy_quant entries')
+    p = subparsers.add_parser('convert', help='rewrite a legacy checkpoint (scaled_fp8, _quantization_metadata) or wrongly written markers as valid comfy_quant entries')
     p.add_argument('src', help='a legacy .safetensors checkpoint')
     p.add_argument('dst', help='output .safetensors (replaced only on success; never the source)')
     p.add_argument('--json', action='store_true', help='machine-readable summary')

@@ -25,6 +25,7 @@ from .models import dit_state_dict
 from .calibrate import Calibration, gptq_layers, rounding_kwargs
 from .record import TokenCounts, open_calibration
 from .rounding import GPTQWarning
+from .validate import diagnosed_marker, _raw_codes
 from .minilm import minilm_path, fetch_minilm
 from .plain import canonical_name, spelling_key
 
@@ -814,25 +815,45 @@ def _zero_weight_repairs(ck:Checkpoint) -> tuple:
                       "encoding): rewritten as exact zeros", CheckpointWarning, stacklevel=3)
     return out, formats
 
+def _marker_repairs(ck:Checkpoint) -> dict:
+    "`{comfy_quant key: marker}` for each module whose marker lacks its format or names a wrong one and one format loads its tensors."
+    out = {}
+    for m, keys in ck.groups().items():
+        if 'comfy_quant' not in keys: continue
+        try: cfg = decode_json(ck[keys['comfy_quant']])
+        except Exception: continue                               # not JSON: the module scan reports it
+        fix = diagnosed_marker(ck, keys, cfg)
+        if fix is None: continue
+        out[keys['comfy_quant']] = fix
+        warnings.warn(f"{ck.path}: module {m!r}: marker {json.dumps(cfg)} rewritten as {json.dumps(fix)} (the stored tensors "
+                      "load as that format only; their bytes are kept)", CheckpointWarning, stacklevel=3)
+    return out
+
 def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
                        dst, # output file (replaced atomically on success; never the source)
-                      ) -> dict: # legacy kind, quantized modules per format, modules repaired, keys removed / added
-    "Rewrite `src` with per-module `comfy_quant` entries (legacy headers and markers converted, all-zero NaN modules repaired), streaming."
+                      ) -> dict: # legacy kind, quantized modules per format, modules repaired, markers rewritten, keys removed / added
+    """Rewrite `src` with per-module `comfy_quant` entries (legacy headers and markers converted, all-zero NaN modules
+    repaired, a marker without its format or with a wrong one rewritten where one format loads the tensors), streaming."""
     src, dst = os.fspath(src), os.fspath(dst)
     check_outputs('convert_checkpoint', _source_names(src), {'destination': dst})
     path = checkpoint_path(src)
     index = shard_index(path)
     raw = set(read_header(path)[0] if index is None else read_shards(index)[0])
     with open_checkpoint(src) as ck:
-        (fixed, repaired), errors = _zero_weight_repairs(ck), {}
-        mods = ck.modules(errors=errors)
-        bad = {m: msg for m, msg in errors.items() if m not in repaired}
+        (fixed, repaired), markers, errors = _zero_weight_repairs(ck), _marker_repairs(ck), {}
+        ck.modules(errors=errors)
+        remarked = {m: markers[keys['comfy_quant']] for m, keys in ck.groups().items() if keys.get('comfy_quant') in markers}
+        bad = {m: msg for m, msg in errors.items() if m not in repaired and m not in remarked}
+        bad |= {m: e[0] for m, keys in ck.groups().items() if 'comfy_quant' not in keys      # integer codes, an unapplied scale
+                if (e := _raw_codes(ck, m + '.' if m else '', keys))}
         if bad: raise CheckpointError(src, f"{len(bad)} module(s) cannot be converted:\n" + '\n'.join(f"  {m}: {msg}" for m, msg in bad.items()))
+        fixed.update({k: encode_json(v) for k, v in markers.items()})
         with StreamingWriter(dst, ck.metadata) as writer:
             for k in ck: writer.add(k, fixed[k] if k in fixed else ck[k])
         keys, legacy = set(ck), ck.legacy
-    formats = Counter([e.format for e in mods.values() if e.quantized] + list(repaired.values()))
-    return dict(src=src, dst=dst, legacy=legacy, formats=dict(formats), repaired=sorted(repaired),
+    with open_checkpoint(dst) as out: mods = out.modules()
+    formats = Counter(e.format for e in mods.values() if e.quantized)
+    return dict(src=src, dst=dst, legacy=legacy, formats=dict(formats), repaired=sorted(repaired), remarked=remarked,
                 removed=sorted(raw - keys), added=sorted(keys - raw))
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #48a1c2a9

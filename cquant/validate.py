@@ -177,16 +177,31 @@ def _fitting_formats(ck:Checkpoint, keys:dict, cfg) -> list:
         except (QuantFormatError, ValueError): return False
     return [n for n in tried if loads(n)]
 
-def _misnamed_note(ck:Checkpoint, keys:dict, cfg) -> str:
-    "For a marker without a format, or naming one the bytes are not: the formats the tensors do fit."
+def _misnamed(ck:Checkpoint, keys:dict, cfg) -> list:
+    """For a marker without a format, or naming a registered one its weight's dtype is not: the other formats that load
+    the tensors. An unknown name is left alone: it may be a format of a tool cquant does not know."""
     fmt = cfg.get('format') if isinstance(cfg, dict) else None
-    if not isinstance(cfg, dict) or (fmt in FORMATS and 'weight' in keys and ck.info(keys['weight']).dtype == FORMATS[fmt].storage.dtype): return ''
-    fits = [f for f in _fitting_formats(ck, keys, cfg) if f != fmt]
-    if not fits: return ''
+    if not isinstance(cfg, dict) or (fmt is not None and fmt not in FORMATS): return []
+    if fmt in FORMATS and 'weight' in keys and ck.info(keys['weight']).dtype == FORMATS[fmt].storage.dtype: return []
+    return [f for f in _fitting_formats(ck, keys, cfg) if f != fmt]
+
+def _as_marker(fmt:str, cfg:dict) -> dict:
+    "The marker of format `fmt` with the options `cfg` gave."
     opts = _marker_options(cfg)
-    want = {'format': fits[0], **({'params': opts} if opts else {})}
-    return (f" (the stored tensors fit {' or '.join(fits)}: a writer that {'left out' if fmt is None else 'misnamed'} the format; "
-            f"the marker would read {json.dumps(want)})")
+    return {'format': fmt, **({'params': opts} if opts else {})}
+
+def diagnosed_marker(ck:Checkpoint, keys:dict, cfg) -> dict|None:
+    "The marker a module's tensors need when its own has no format or a wrong one and exactly one format loads them."
+    fits = _misnamed(ck, keys, cfg)
+    return _as_marker(fits[0], cfg) if len(fits) == 1 else None
+
+def _misnamed_note(ck:Checkpoint, keys:dict, cfg) -> str:
+    "The note on a marker without a format or with a wrong one: the formats the stored tensors fit."
+    fits = _misnamed(ck, keys, cfg)
+    if not fits: return ''
+    fix = ("`cquant convert` rewrites it so" if len(fits) == 1 else "choose one")
+    return (f" (the stored tensors fit {' or '.join(fits)}: a writer that {'left out' if cfg.get('format') is None else 'misnamed'} "
+            f"the format; the marker would read {json.dumps(_as_marker(fits[0], cfg))}: {fix})")
 
 def _raw_codes(ck:Checkpoint, p:str, keys:dict) -> list:
     "Errors of a module without a marker whose weight ComfyUI would compute with wrongly: integer codes, an unapplied legacy scale."

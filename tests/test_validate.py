@@ -233,3 +233,28 @@ def test_the_conftest_fixture_fails_a_test_that_leaves_a_broken_file(tmp_path):
     assert p.returncode == 1, p.stdout
     assert 'cquant validate: errors in files this test wrote' in p.stdout and "found 'int9'" in p.stdout
     assert p.stdout.rstrip().splitlines()[-1].startswith('3 passed, 1 error'), p.stdout[-2000:]   # the teardown of test_unmarked
+
+
+@pytest.mark.writes_invalid
+def test_convert_rewrites_wrongly_written_markers(tmp_path):
+    """Files other tools wrote wrongly (issue 40): `cquant convert` rewrites a marker without its format, or naming the
+    wrong one, where one format loads the tensors, keeping every data byte; it refuses integer codes without a marker
+    and writes nothing."""
+    from safetensors.torch import load_file, save_file as st_save
+    cr = cq.quantize(torch.randn(64, 256), 'int8_tensorwise', convrot=True).state_dict('m.')
+    rows = cq.quantize(torch.randn(64, 64), 'int8_tensorwise', per_row=True).state_dict('r.')
+    src = tmp_path / 'wrong.safetensors'
+    st_save({**cr, 'm.comfy_quant': encode_json({'convrot': True}), **rows, 'r.comfy_quant': encode_json({'format': 'float8_e4m3fn'}),
+             'n.weight': torch.randn(8, 8)}, src)
+    assert validate(src).totals()['error'] == 2
+    rc, out, err = cquant_cli('convert', src, tmp_path / 'fixed.safetensors')
+    assert rc == 0, err
+    assert 'markers rewritten: m -> {"format": "int8_tensorwise", "params": {"convrot": true}}, r -> {"format": "int8_tensorwise"}' in out
+    assert err.count('rewritten as') == 2
+    assert validate(tmp_path / 'fixed.safetensors').totals()['error'] == 0
+    a, b = load_file(src), load_file(tmp_path / 'fixed.safetensors')
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a if not k.endswith('comfy_quant'))
+    codes = tmp_path / 'codes.safetensors'
+    st_save({'m.weight': rows['r.weight'], 'm.scale_weight': rows['r.weight_scale']}, codes)
+    rc, out, err = cquant_cli('convert', codes, tmp_path / 'no.safetensors')
+    assert rc == 1 and "'m.weight': int8 codes and no 'm.comfy_quant'" in err and not (tmp_path / 'no.safetensors').exists()
