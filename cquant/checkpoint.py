@@ -341,6 +341,10 @@ def _gguf_infos(path) -> tuple[dict, dict]:
                           partial(decode_gguf, ggml_type=t.ggml_type, shape=t.shape), t.ggml_type)
             for k, t in tensors.items()}, meta
 
+def gguf_types_of(infos) -> dict:
+    "`{GGUF type: tensors}` among `TensorInfo`s `infos`, most common first (`{}` for a safetensors source)."
+    return dict(Counter(i.stored_as for i in infos if i.stored_as).most_common())
+
 # %% ../nbs/11_checkpoint.ipynb #6dcf9d78
 class Checkpoint(Mapping):
     "A lazy, validated view of a checkpoint (a safetensors file, HF shards, a GGUF file, or an in-memory state dict): tensors on demand."
@@ -1221,9 +1225,8 @@ def inspect_checkpoint(src, # a path, a `Checkpoint` or a state dict
         total = dict(modules=len(rows), bytes=sum(r['bytes'] for r in rows), bf16_bytes=sum(r['bf16_bytes'] for r in rows))
         for t in (*totals.values(), total): t['compression'] = round(t['bf16_bytes'] / t['bytes'], 3) if t['bytes'] else None
         all_bytes = sum(ck.info(k).stored_nbytes for k in ck)
-        gguf = Counter(ck.info(k).stored_as for k in ck if ck.info(k).stored_as)
         return dict(file=ck.path, legacy=ck.legacy, tensors=len(ck), tensor_bytes=all_bytes, modules=rows, totals=totals, total=total,
-                    gguf_types=dict(gguf.most_common()),
+                    gguf_types=gguf_types_of(ck.info(k) for k in ck),
                     comfy_unread=comfy_unread(mods), comfy_unloadable=_comfy_unloadable(mods),
                     attention={e.name: e.attention for e in mods.values() if e.attention is not None},
                     metadata={k: (v if len(v) <= 200 else v[:200] + '...') for k, v in ck.metadata.items()},

@@ -223,7 +223,11 @@ def _pack_bits(b:torch.Tensor) -> torch.Tensor:
     w = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
     return (b.reshape(len(b), -1, 8) * w).sum(-1, dtype=torch.uint8)
 
-def _inverse(d:torch.Tensor) -> torch.Tensor: return torch.where(d == 0, torch.zeros_like(d), 1 / d)
+def _div(num, den:torch.Tensor, ok:torch.Tensor) -> torch.Tensor:
+    "`num / den` where `ok`, 0 elsewhere (a zero or unusable denominator is never divided by)."
+    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), 0.0)
+
+def _inverse(d:torch.Tensor) -> torch.Tensor: return _div(1, d, d != 0)
 
 def _round_away(v:torch.Tensor) -> torch.Tensor:
     "Round half away from zero (C's roundf), exactly as `gguf`'s `np_roundf` computes it."
@@ -281,10 +285,9 @@ def _min_scale_search(x, w, nmax:int, rmin:float, rdelta:float, nstep:int):
         sl, sl2, sxl = (w * l).sum(1, keepdim=True), (w * l * l).sum(1, keepdim=True), (w * l * x).sum(1, keepdim=True)
         D = sw * sl2 - sl * sl
         ok = D > 0
-        Ds = torch.where(ok, D, torch.ones_like(D))
-        s, m = (sw * sxl - sx * sl) / Ds, (sl2 * sx - sl * sxl) / Ds
+        s, m = _div(sw * sxl - sx * sl, D, ok), _div(sl2 * sx - sl * sxl, D, ok)      # rows not `ok` are never taken
         pos = m > 0
-        s, m = torch.where(pos, sxl / torch.where(sl2 > 0, sl2, torch.ones_like(sl2)), s), torch.where(pos, torch.zeros_like(m), m)
+        s, m = torch.where(pos, _div(sxl, sl2, sl2 > 0), s), torch.where(pos, torch.zeros_like(m), m)
         err = (w * (s * l + m - x) ** 2).sum(1, keepdim=True)
         better = ok & (err < best)
         best, scale, best_min = torch.where(better, err, best), torch.where(better, s, scale), torch.where(better, m, best_min)
@@ -305,16 +308,14 @@ def _k_codes(x, nmax:int, rmin:float, nstep:int):
     w = (sub.pow(2).sum(1, keepdim=True) / 32).sqrt() + sub.abs()
     sc, mn = (t.reshape(n, 8) for t in _min_scale_search(sub, w, nmax, rmin, 0.1, nstep))
     msc, mmn = sc.amax(1, keepdim=True).clamp(min=0), mn.amax(1, keepdim=True).clamp(min=0)
-    ls = torch.round(_inverse_pos(msc, 63) * sc).clamp(max=63).to(torch.uint8)
-    lm = torch.round(_inverse_pos(mmn, 63) * mn).clamp(max=63).to(torch.uint8)
+    ls = torch.round(_div(63, msc, msc > 0) * sc).clamp(max=63).to(torch.uint8)
+    lm = torch.round(_div(63, mmn, mmn > 0) * mn).clamp(max=63).to(torch.uint8)
     d, dmin = (msc / 63).half(), (mmn / 63).half()
     dj, mj = d.float() * ls.float(), dmin.float() * lm.float()
-    q = torch.round((x.reshape(n, 8, 32) + mj.unsqueeze(-1)) / torch.where(dj == 0, torch.ones_like(dj), dj).unsqueeze(-1))
-    q = torch.where(dj.unsqueeze(-1) == 0, torch.zeros_like(q), q.clamp(0, nmax)).to(torch.uint8).reshape(n, 256)
+    dj, mj = dj.unsqueeze(-1), mj.unsqueeze(-1)
+    q = torch.round(_div(x.reshape(n, 8, 32) + mj, dj, dj != 0)).clamp(0, nmax).to(torch.uint8).reshape(n, 256)   # 0 where d = 0
     head = torch.cat([d.view(torch.uint8).reshape(n, 2), dmin.view(torch.uint8).reshape(n, 2), _k_scale_bytes(ls, lm)], 1)
     return head, q
-
-def _inverse_pos(m, k): return torch.where(m > 0, k / torch.where(m > 0, m, torch.ones_like(m)), torch.zeros_like(m))
 
 def _e_q4_k(x):
     head, q = _k_codes(x, 15, -1.0, 20)
@@ -338,12 +339,12 @@ def _signed_scale_search(x, nmax:int):
         l = torch.round(-(nmax + 0.1 * k) / mx * x).clamp(-nmax, nmax - 1)
         return (w * x * l).sum(1, keepdim=True), (w * l * l).sum(1, keepdim=True)
     slx, sl2 = fit(0)
-    scale = torch.where(sl2 != 0, slx / torch.where(sl2 != 0, sl2, torch.ones_like(sl2)), torch.zeros_like(sl2))
+    scale = _div(slx, sl2, sl2 != 0)
     best = scale * slx
     for k in (*range(-9, 0), *range(1, 10)):
         a, b = fit(k)
         better = (b > 0) & (a * a > best * b)
-        scale = torch.where(better, a / torch.where(b > 0, b, torch.ones_like(b)), scale)
+        scale = torch.where(better, _div(a, b, b > 0), scale)
         best = torch.where(better, scale * a, best)
     return torch.where(zero, torch.zeros_like(scale), scale).squeeze(1)
 
@@ -352,12 +353,11 @@ def _e_q6_k(x):
     sc = _signed_scale_search(x.reshape(n * 16, 16), 32).reshape(n, 16)
     big = sc.gather(1, sc.abs().argmax(1, keepdim=True))
     zero = big.abs() < 1e-15
-    iscale = torch.where(zero, torch.zeros_like(big), -128 / torch.where(zero, torch.ones_like(big), big))
-    d = torch.where(zero, torch.zeros_like(big), 1 / torch.where(zero, torch.ones_like(iscale), iscale)).half()
+    iscale = _div(-128, big, ~zero)
+    d = _div(1, iscale, ~zero).half()
     ls = torch.round(iscale * sc).clamp(max=127).to(torch.int8)
     dj = (d.float() * ls.float()).unsqueeze(-1)
-    q = torch.round(x.reshape(n, 16, 16) / torch.where(dj == 0, torch.ones_like(dj), dj)).clamp(-32, 31) + 32
-    q = torch.where(dj == 0, torch.full_like(q, 32), q).to(torch.uint8).reshape(n, 2, 4, 32)   # chunk, quarter, value
+    q = (torch.round(_div(x.reshape(n, 16, 16), dj, dj != 0)).clamp(-32, 31) + 32).to(torch.uint8).reshape(n, 2, 4, 32)  # 32 where d = 0; chunk, quarter, value
     ql = (q[:, :, :2] & 15) | ((q[:, :, 2:] & 15) << 4)                                         # [n, 2, 2, 32]
     qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
     return torch.cat([ql.reshape(n, 128), qh.reshape(n, 64), ls.view(torch.uint8), d.view(torch.uint8).reshape(n, 2)], 1)

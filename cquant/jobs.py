@@ -15,7 +15,7 @@ from .runtime import in_workers, malloc_arenas, restart_peak, trim_heap, _status
 from .gguf import FLOAT_TYPES
 from .tensor import QuantizedTensor, check_finite, decode_json, encode_json, get_format, quantize, same_bits, _zero_weight
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, TensorInfo, open_checkpoint, save_file,
-                               split_key, scale_keys,
+                               split_key, scale_keys, gguf_types_of,
                                size_ratio, text_table, _footnotes, _fmt_bytes, read_header,
                                ShardedWriter, checkpoint_path, shard_index, read_shards, write_sha256)
 from ._version import __version__
@@ -274,8 +274,8 @@ def _report_table(rep:Report, width:int=70, wide:bool=False) -> str:
 # %% ../nbs/17_quantize_checkpoint.ipynb #gguf0002
 def _gguf_source(infos:list) -> dict:
     "`{'gguf_source': {ggml type: tensors}}` of a GGUF source (`{}` for any other): what the report says it measured against."
-    kinds = Counter(i.stored_as for i in infos if i.stored_as)
-    return {'gguf_source': dict(kinds.most_common())} if kinds else {}
+    kinds = gguf_types_of(infos)
+    return {'gguf_source': kinds} if kinds else {}
 
 def _gguf_source_text(kinds:dict) -> str:
     "The report's line on a GGUF source: its types, and that a quantized one is measured as decoded, its own error unseen."
@@ -841,7 +841,7 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
     raw = set(read_header(path)[0] if index is None else read_shards(index)[0])
     with open_checkpoint(src) as ck:
         (fixed, repaired), markers, errors = _zero_weight_repairs(ck), _marker_repairs(ck), {}
-        ck.modules(errors=errors)
+        mods = ck.modules(errors=errors)
         remarked = {m: markers[keys['comfy_quant']] for m, keys in ck.groups().items() if keys.get('comfy_quant') in markers}
         bad = {m: msg for m, msg in errors.items() if m not in repaired and m not in remarked}
         bad |= {m: e[0] for m, keys in ck.groups().items() if 'comfy_quant' not in keys      # integer codes, an unapplied scale
@@ -851,8 +851,8 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
         with StreamingWriter(dst, ck.metadata) as writer:
             for k in ck: writer.add(k, fixed[k] if k in fixed else ck[k])
         keys, legacy = set(ck), ck.legacy
-    with open_checkpoint(dst) as out: mods = out.modules()
-    formats = Counter(e.format for e in mods.values() if e.quantized)
+    formats = Counter([e.format for e in mods.values() if e.quantized] + list(repaired.values())
+                      + [v['format'] for v in remarked.values()])
     return dict(src=src, dst=dst, legacy=legacy, formats=dict(formats), repaired=sorted(repaired), remarked=remarked,
                 removed=sorted(raw - keys), added=sorted(keys - raw))
 

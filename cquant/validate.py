@@ -165,15 +165,20 @@ def _marker_options(cfg:dict) -> dict:
     "The options a marker gives, at its top level or under `params`."
     return {k: v for k, v in cfg.items() if k not in ('format', 'params')} | dict(cfg.get('params') or {})
 
-def _fitting_formats(ck:Checkpoint, keys:dict, cfg) -> list:
+def _as_marker(fmt:str, cfg:dict) -> dict:
+    "The marker of format `fmt` with the options `cfg` gave."
+    opts = _marker_options(cfg)
+    return {'format': fmt, **({'params': opts} if opts else {})}
+
+def _fitting_formats(ck:Checkpoint, keys:dict, cfg:dict) -> list:
     "The formats that load the module's tensors with the options its marker gives (each tried as the loader would)."
     if 'weight' not in keys: return []
-    dt, opts = ck.info(keys['weight']).dtype, _marker_options(cfg) if isinstance(cfg, dict) else {}
+    dt, opts = ck.info(keys['weight']).dtype, _marker_options(cfg)
     tried = [n for n, f in FORMATS.items() if f.storage.dtype == dt and all(k in keys for k in f.storage.keys)
              and set(opts) <= {o.name for o in f.options}]
     sd = {s: ck[k] for s, k in keys.items() if s not in ('comfy_quant', ATTENTION_KEY)} if tried else {}
     def loads(n):
-        try: load_quantized(sd, '', config={'format': n, **({'params': opts} if opts else {})}); return True
+        try: load_quantized(sd, '', config=_as_marker(n, cfg)); return True
         except (QuantFormatError, ValueError): return False
     return [n for n in tried if loads(n)]
 
@@ -184,11 +189,6 @@ def _misnamed(ck:Checkpoint, keys:dict, cfg) -> list:
     if not isinstance(cfg, dict) or (fmt is not None and fmt not in FORMATS): return []
     if fmt in FORMATS and 'weight' in keys and ck.info(keys['weight']).dtype == FORMATS[fmt].storage.dtype: return []
     return [f for f in _fitting_formats(ck, keys, cfg) if f != fmt]
-
-def _as_marker(fmt:str, cfg:dict) -> dict:
-    "The marker of format `fmt` with the options `cfg` gave."
-    opts = _marker_options(cfg)
-    return {'format': fmt, **({'params': opts} if opts else {})}
 
 def diagnosed_marker(ck:Checkpoint, keys:dict, cfg) -> dict|None:
     "The marker a module's tensors need when its own has no format or a wrong one and exactly one format loads them."
