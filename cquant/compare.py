@@ -66,8 +66,9 @@ def candidates(formats=None, # names to keep: formats, variant labels, ggml type
     out += [Candidate(f'GGUF {t}', 'gguf', t, _gguf_run(t)) for t in ENCODERS]
     if formats is None: return out
     want = {str(f).lower() for f in formats}
-    keep = [c for c in out if {c.label.lower(), c.label.split(' (')[0].lower(), c.family, c.name.lower()} & want]
-    unknown = sorted(want - {k for c in out for k in (c.label.lower(), c.label.split(' (')[0].lower(), c.family, c.name.lower())})
+    called = {c: {c.label.lower(), c.label.split(' (')[0].lower(), c.family, c.name.lower()} for c in out}   # what picks it
+    keep = [c for c in out if called[c] & want]
+    unknown = sorted(want - set().union(*called.values()))
     if unknown: raise ValueError(f"compare: unknown format(s) {unknown}; expected format names, variant labels, ggml types "
                                  f"or 'comfy'/'gguf', e.g. {sorted({c.label.split(' (')[0] for c in out})[:12]}")
     return keep
