@@ -27,7 +27,7 @@ __all__ = ['STUDY_ROUNDINGS', 'FAMILY_MARKERS', 'Candidate', 'candidates', 'Stud
 class Candidate:
     "One way to store a weight: `run(w) -> (decoded fp32 weight, bytes stored)`, or None where it cannot hold `w`."
     label: str          # what the chart and the table call it
-    family: str         # 'comfy' or 'gguf'
+    family: str         # 'comfy', 'quantops' (ComfyUI-QuantOps' layouts) or 'gguf'
     name: str           # the format or ggml type
     run: Callable
 
@@ -53,7 +53,7 @@ def _gguf_run(ggml_type:str) -> Callable:
 # %% ../nbs/19a_compare.ipynb #cm000006
 STUDY_ROUNDINGS = ('nearest', 'exact', 'mse')     # data-free; gptq needs inputs
 
-def candidates(formats=None, # names to keep: formats, variant labels, ggml types or families ('comfy', 'gguf'); None: all
+def candidates(formats=None, # names to keep: formats, variant labels, ggml types or families ('comfy', 'quantops', 'gguf'); None: all
                roundings=STUDY_ROUNDINGS, # the Comfy formats' roundings to try (where a format has a grid)
               ) -> list:
     "Every Comfy format variant under each rounding, and every GGUF type cquant encodes."
@@ -62,7 +62,8 @@ def candidates(formats=None, # names to keep: formats, variant labels, ggml type
         for label, opts in (spec.choices or {name: {}}).items():
             for r in roundings:
                 if r != 'nearest' and (r not in ROUNDINGS or not spec.declares('grid')): continue
-                out.append(Candidate(label if r == 'nearest' else f'{label} ({r})', 'comfy', name, _comfy_run(name, opts, r)))
+                out.append(Candidate(label if r == 'nearest' else f'{label} ({r})', 'quantops' if spec.loader.node else 'comfy',
+                                     name, _comfy_run(name, opts, r)))
     out += [Candidate(f'GGUF {t}', 'gguf', t, _gguf_run(t)) for t in ENCODERS]
     if formats is None: return out
     want = {str(f).lower() for f in formats}
@@ -70,7 +71,7 @@ def candidates(formats=None, # names to keep: formats, variant labels, ggml type
     keep = [c for c in out if called[c] & want]
     unknown = sorted(want - set().union(*called.values()))
     if unknown: raise ValueError(f"compare: unknown format(s) {unknown}; expected format names, variant labels, ggml types "
-                                 f"or 'comfy'/'gguf', e.g. {sorted({c.label.split(' (')[0] for c in out})[:12]}")
+                                 f"or 'comfy'/'quantops'/'gguf', e.g. {sorted({c.label.split(' (')[0] for c in out})[:12]}")
     return keep
 
 # %% ../nbs/19a_compare.ipynb #cm000009
@@ -130,7 +131,7 @@ def compare_weights(source, # a checkpoint path (safetensors, shards, GGUF), sta
     return out
 
 # %% ../nbs/19a_compare.ipynb #cm000011
-FAMILY_MARKERS = {'comfy': 'o', 'gguf': 's'}
+FAMILY_MARKERS = {'comfy': ('o', 'C0'), 'quantops': ('^', 'C1'), 'gguf': ('s', 'C2')}
 
 def plot_tradeoff(study:Study, ax=None, title:str=''):
     "Bits per weight against mean SQNR, one point per candidate (marker by family), the Pareto front joined."
@@ -139,14 +140,15 @@ def plot_tradeoff(study:Study, ax=None, title:str=''):
     front = set(study.front())
     for r in study:
         on = r['label'] in front
-        ax.scatter(r['bits_per_weight'], r[study.metric], marker=FAMILY_MARKERS.get(r['family'], 'x'),
-                   color='C3' if on else ('C0' if r['family'] == 'comfy' else 'C2'), s=36 if on else 18, zorder=3)
+        marker, color = FAMILY_MARKERS[r['family']]
+        ax.scatter(r['bits_per_weight'], r[study.metric], marker=marker, color='C3' if on else color, s=36 if on else 18, zorder=3)
         if on: ax.annotate(r['label'], (r['bits_per_weight'], r[study.metric]), fontsize=7, xytext=(4, -3), textcoords='offset points')
     pts = sorted((r['bits_per_weight'], r[study.metric]) for r in study if r['label'] in front)
     ax.plot(*zip(*pts), color='C3', lw=1, zorder=2)
     ax.set_xlabel('bits per weight (codes and scales)')
     ax.set_ylabel('mean weight SQNR over layers (dB)' if study.metric == 'sqnr_mean_db' else 'output SQNR on held-out inputs (dB)')
-    ax.set_title(title or 'Comfy formats (circles) and GGUF types (squares); the Pareto front in red', fontsize=9)
+    ax.set_title(title or 'Comfy formats (circles), QuantOps layouts (triangles), GGUF types (squares); the Pareto front in red',
+                 fontsize=9)
     ax.grid(alpha=0.3)
     return ax.figure
 

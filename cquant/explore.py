@@ -76,17 +76,21 @@ def fit_options(fmt, # format name or `Format`
 # %% ../nbs/20_explore.ipynb #d52744be
 _TRIALS: dict = {}
 
+def row_unit(spec:Format, K:int, opts:dict) -> int:
+    "The fewest rows of K columns the format takes (1; a block-wise format: one tile of rows)."
+    return next((n for n in (1, 8, 16, 32, 64, 128, 256) if spec.fits((n, K), **opts)), 1)
+
 def accepts(fmt, # format name or `Format`
             shape:tuple, # logical weight shape (N, K)
             **opts, # options
            ) -> bool: # the shape rules pass and the encoder accepts the options
-    "Whether `fmt` takes these options on this shape: its shape rules, then a trial quantization of one row (cached)."
+    "Whether `fmt` takes these options on this shape: its shape rules, then a trial quantization of a few rows (cached)."
     spec = get_format(fmt)
     if not spec.fits(shape, **opts): return False
     key = (spec.name, shape[-1], tuple(sorted((k, repr(v)) for k, v in opts.items())))
     if key not in _TRIALS:
         if len(_TRIALS) > 4096: _TRIALS.clear()
-        probe = torch.randn(1, shape[-1], generator=torch.Generator().manual_seed(0))
+        probe = torch.randn(row_unit(spec, shape[-1], opts), shape[-1], generator=torch.Generator().manual_seed(0))
         try: quantize(probe, spec, **opts); _TRIALS[key] = True
         except ValueError: _TRIALS[key] = False
     return _TRIALS[key]
@@ -151,15 +155,18 @@ def _as_2d(w) -> torch.Tensor:
 # %% ../nbs/20_explore.ipynb #baf89470
 def sample_rows(w:torch.Tensor, # 2-D weight
                 max_elems:int|None=2**20, # analyse at most about this many values (None: all)
+                unit:int=1, # rows come in whole groups of this many (the block-wise formats' tiles)
                ) -> torch.Tensor|None: # sorted row indices, or None when every row is used
-    "Evenly spaced rows of `w` plus the row holding its largest magnitude, when `w` has more than `max_elems` values."
+    "Evenly spaced rows (groups of `unit` rows) of `w` plus the group holding its largest magnitude, when `w` has more than `max_elems` values."
     N, K = w.shape
-    if max_elems is None or N * K <= max_elems or N == 1: return None
-    n = max(1, min(N, max_elems // K))
-    idx = torch.linspace(0, N - 1, n).round().long()
+    if max_elems is None or N * K <= max_elems or N <= unit: return None
+    groups = N // unit
+    n = max(1, min(groups, max_elems // (K * unit)))
+    starts = torch.linspace(0, groups - 1, n).round().long()
     mn, mx = torch.aminmax(w, dim=1)
-    top = torch.maximum(mx.float(), mn.float().neg()).argmax()
-    return torch.unique(torch.cat([idx, top[None]]))
+    top = torch.maximum(mx.float(), mn.float().neg()).argmax() // unit
+    starts = torch.unique(torch.cat([starts, top[None]]))
+    return (starts[:, None] * unit + torch.arange(unit)).flatten()
 
 # %% ../nbs/20_explore.ipynb #cbb80ae8
 def _rotation(opts:dict) -> int|None:
@@ -257,7 +264,7 @@ def analyze(w, # 2-D float weight (a QuantizedTensor is dequantized first)
     o = fit_options(spec, shape, **opts)
     if o is None: spec.layout.check_shape(shape, spec.resolve(None, **opts),
                                           f'{name} ')   # raises the format's own error
-    idx = sample_rows(w, max_elems)
+    idx = sample_rows(w, max_elems, row_unit(spec, shape[1], o))
     ws = w if idx is None else w[idx]
     best = math.inf
     for _ in range(max(1, repeat)):

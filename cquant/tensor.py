@@ -243,6 +243,7 @@ class Loader:
     "What ComfyUI's core loader does with a format."
     since: str = ''                     # the first loader level registering it (`cquant.validate`), or 'present in <snapshot>'
     registered: bool = True             # its QUANT_ALGOS has it (False: only cquant's module layer and comfy-kitchen read it)
+    node: str = ''                      # the custom node that registers it where the core loader does not
     unread: tuple = ()                  # stored keys the loader never reads
     quantize_input: bool = True         # activations quantized outside the kernel (ComfyUI `quantize_input`)
 

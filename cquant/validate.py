@@ -149,8 +149,11 @@ def _loader_view(e, level:str, devices:dict) -> tuple[list, list]:
     if e.attention is not None: warns += _attention_problems(e.attention, e.prefix + ATTENTION_KEY, level)
     if not e.quantized: return errs, warns
     if _comfy_unloadable({e.name: e}):
+        node = e.spec.loader.node
+        readers = f"the {node} custom node loads it, as cquant's module layer does" if node else \
+                  "cquant's module layer and comfy-kitchen read it"
         warns.append(f"{e.format}: ComfyUI's core loader does not register it (no QUANT_ALGOS entry: loading raises "
-                     "KeyError); cquant's module layer and comfy-kitchen read it")
+                     f"KeyError); {readers}")
     else:
         le, lw = _level_problems(e.spec, level)
         errs += le; warns += lw

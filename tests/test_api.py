@@ -109,7 +109,7 @@ def test_unknown_format_suggests_the_closest():
     w = torch.randn(32, 64)
     names = sorted(cq.FORMATS)
     with pytest.raises(cq.QuantFormatError) as err: cq.quantize(w, 'flaot8')
-    assert str(err.value) == f"cq.quantize: unknown format 'flaot8'; did you mean 'float8_e4m3fn' or 'float8_e5m2'? registered formats: {names}"
+    assert str(err.value) == f"cq.quantize: unknown format 'flaot8'; did you mean 'float8_e4m3fn' or 'float8_e5m2' or 'float8_e4m3fn_rowwise'? registered formats: {names}"
     with pytest.raises(cq.QuantFormatError) as err: cq.quantize(w, 'NVFP4')
     assert str(err.value) == f"cq.quantize: unknown format 'NVFP4'; did you mean 'nvfp4'? registered formats: {names}"
     with pytest.raises(cq.QuantFormatError) as err: cq.quantize(w, 'zzzz')

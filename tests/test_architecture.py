@@ -13,6 +13,7 @@ PKG = Path(cq.__file__).parent
 FORMAT_MODULES = {f'{m}.py' for m in format_module_names()} | {'tensor.py', '_modidx.py'}   # found by their declarations
 GENERATED = {'_modidx.py', '_cli_facts.py'}   # written by tools from the registries (nbdev's index, the CLI's facts)
 # (file, top-level name assigned) -> why a format name may appear there as a string constant
+QUANTOPS = {'float8_e4m3fn_rowwise', 'float8_e4m3fn_blockwise', 'int8_blockwise', 'hybrid_mxfp8'}   # ComfyUI-QuantOps' formats
 ALLOWED = set()      # none: the policy modes named after a format take the name from its declaration (NVFP4.name)
 
 
@@ -63,8 +64,10 @@ def test_declared_facts_reproduce_the_old_tables():
     "The declarations give exactly what the removed side tables said (behaviour unchanged)."
     F = cq.FORMATS
     flag = lambda fact: {n for n, s in F.items() if getattr(s, fact)}
-    assert flag('row_gather') == flag('embedding') == {'float8_e4m3fn', 'float8_e5m2', 'int8_tensorwise'}
-    assert {n for n, s in F.items() if s.rows_independent({})} == {'convrot_w4a4', 'asym_w4a8_int8', 'w6a8_int8', 'awq_w4a16'}
+    assert flag('embedding') == {'float8_e4m3fn', 'float8_e5m2', 'int8_tensorwise'}
+    assert flag('row_gather') == flag('embedding') | {'float8_e4m3fn_rowwise'}
+    assert {n for n, s in F.items() if s.rows_independent({})} == {'convrot_w4a4', 'asym_w4a8_int8', 'w6a8_int8', 'awq_w4a16',
+                                                                   'float8_e4m3fn_rowwise'}
     assert F['int8_tensorwise'].rows_independent({'convrot': True}) and F['int8_tensorwise'].rows_independent({'per_row': True})
     assert {n for n, s in F.items() if s.bank_is_flat({})} == {'asym_w4a8_int8', 'w6a8_int8'}
     i8 = F['int8_tensorwise']
@@ -76,9 +79,10 @@ def test_declared_facts_reproduce_the_old_tables():
     assert {n: s.activations.scale_rule.divisor for n, s in F.items() if s.activations.scale_rule} == {
         'float8_e4m3fn': 448.0, 'float8_e5m2': 57344.0, 'nvfp4': 2688}
     assert {n for n, s in F.items() if s.activations.smoothing} == {'nvfp4'}
-    assert {n for n, s in F.items() if s.activations.dynamic_reason} == {'mxfp8'}
+    assert {n for n, s in F.items() if s.activations.dynamic_reason} == {'mxfp8'} | QUANTOPS
     assert {n: s.loader.unread for n, s in F.items() if s.loader.unread} == {'asym_w4a8_int8': ('weight_correction',)}
-    assert {n for n, s in F.items() if not s.loader.registered} == {'svdquant_w4a4'}
+    assert {n for n, s in F.items() if not s.loader.registered} == {'svdquant_w4a4'} | QUANTOPS
+    assert {s.loader.node for n, s in F.items() if n in QUANTOPS} == {'ComfyUI-QuantOps'}
     assert [l for _, s in F.items() for l, _ in s.study_variants] == ['int8_per_row', 'int8_convrot16', 'int8_convrot64', 'int8_convrot256']
 
 
@@ -87,12 +91,14 @@ def test_native_compute_follows_comfyui(monkeypatch):
     always = {'awq_w4a16', 'svdquant_w4a4'}    # kitchen's eager code runs them: ComfyUI disables them on no device
     every = set(cq.FORMATS) - always
     ints = {'int8_tensorwise', 'convrot_w4a4', 'asym_w4a8_int8', 'w6a8_int8'}
+    cuda_only, qo_fp8 = {'int8_blockwise'}, QUANTOPS - {'int8_blockwise'}    # QuantOps' Triton kernels (FP8: sm 8.9+)
     assert modules.comfy_disabled_formats('cpu') == every - ints
     assert modules.comfy_disabled_formats('xpu') == every
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
     monkeypatch.setattr(torch.version, 'cuda', '12.8')
-    for cc, tv, off in [((8, 6), (2, 9), every - ints), ((8, 9), (2, 9), {'nvfp4', 'mxfp8'}),
-                        ((10, 0), (2, 9), {'mxfp8'}), ((12, 0), (2, 10), set()), ((8, 9), (2, 2), every - ints)]:
+    for cc, tv, off in [((8, 6), (2, 9), every - ints - cuda_only), ((8, 9), (2, 9), {'nvfp4', 'mxfp8'}),
+                        ((10, 0), (2, 9), {'mxfp8'}), ((12, 0), (2, 10), set()),
+                        ((8, 9), (2, 2), every - ints - cuda_only - qo_fp8)]:
         monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda d=None, cc=cc: cc)
         monkeypatch.setattr(tensor, 'torch_version', lambda tv=tv: tv)
         assert modules.comfy_disabled_formats('cuda') == off, (cc, tv)
@@ -101,7 +107,7 @@ def test_native_compute_follows_comfyui(monkeypatch):
 def test_min_sm_version_matches_kitchen():
     ck = pytest.importorskip('comfy_kitchen.tensor')
     for n, s in cq.FORMATS.items():
-        assert s.layout.MIN_SM_VERSION == getattr(ck, s.kitchen_layout).MIN_SM_VERSION, n
+        if s.kitchen_layout: assert s.layout.MIN_SM_VERSION == getattr(ck, s.kitchen_layout).MIN_SM_VERSION, n
 
 
 def test_one_comfy_quant_check():

@@ -206,8 +206,8 @@ def test_convrot_linear_mm_addmm_agree():
 def test_compile_matches_eager(fmt):
     "Kitchen's TestQuantizedCompile, on CPU through aot_eager: a compiled Linear with a quantized weight equals eager, run after run."
     g = torch.Generator().manual_seed(7)
-    lin = torch.nn.Linear(256, 64).bfloat16()
-    lin.weight = torch.nn.Parameter(cq.quantize(torch.randn(64, 256, generator=g).bfloat16(), fmt), requires_grad=False)
+    lin = torch.nn.Linear(256, 128).bfloat16()
+    lin.weight = torch.nn.Parameter(cq.quantize(torch.randn(128, 256, generator=g).bfloat16(), fmt), requires_grad=False)
     x = torch.randn(16, 256, generator=g).bfloat16()
     torch._dynamo.reset()
     compiled = torch.compile(lin, backend='aot_eager', fullgraph=True)

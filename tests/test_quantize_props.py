@@ -23,7 +23,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Loose SQNR floors (dB) on Gaussian weights, far below what each format reaches (e4m3 ~31.5, e5m2 ~25.5, nvfp4 ~20.4,
 # mxfp8 ~31.5, int8 ~40, per-row ~42 on 4096-wide Gaussian rows): they catch broken scales, not small regressions.
-SQNR_FLOOR = {"float8_e4m3fn": 25.0, "float8_e5m2": 19.0, "nvfp4": 15.0, "mxfp8": 25.0, "int8_tensorwise": 30.0}
+SQNR_FLOOR = {"float8_e4m3fn": 25.0, "float8_e5m2": 19.0, "nvfp4": 15.0, "mxfp8": 25.0, "int8_tensorwise": 30.0,
+              "float8_e4m3fn_rowwise": 25.0, "float8_e4m3fn_blockwise": 25.0, "hybrid_mxfp8": 25.0, "int8_blockwise": 30.0}
 DEFAULT_FLOOR = 5.0          # a format registered later without its own floor yet
 
 
@@ -47,10 +48,20 @@ def need(fmt):
     return cq.FORMATS[fmt]
 
 
-def shapes(unit):
-    "Valid (N, K) for a format whose K must be a multiple of `unit`."
+def row_unit(spec, opts) -> int:
+    "The least N a weight of the format may have with `opts` (block-wise formats: whole tiles of rows)."
+    return next(n for n in (1, 8, 16, 32, 64, 128, 256) if valid(spec, (n, 256), opts))
+
+
+def n_rows(n:int, nunit:int) -> int:
+    "A row count from a drawn `n`: `n` itself, or 1 to 3 whole tiles of `nunit` rows (keeps block-wise cases small)."
+    return n if nunit == 1 else nunit * (1 + n % 3)
+
+
+def shapes(unit, nunit=1):
+    "Valid (N, K) for a format whose K must be a multiple of `unit` and N of `nunit`."
     kmax = max(1, 300 // unit)
-    return st.tuples(st.integers(1, 40), st.integers(1, kmax).map(lambda k: k * unit))
+    return st.tuples(st.integers(1, max(1, 40 // nunit)).map(lambda n: n * nunit), st.integers(1, kmax).map(lambda k: k * unit))
 
 
 def weight(shape, dtype, exp10, seed):
@@ -75,7 +86,7 @@ seeds = st.integers(0, 2**31 - 1)
 @given(data=st.data(), dtype=dtypes, exp10=magnitudes, seed=seeds)
 def test_roundtrip_shape_dtype(fmt, opts, unit, data, dtype, exp10, seed):
     spec = need(fmt)
-    shape = data.draw(shapes(unit), label="shape")
+    shape = data.draw(shapes(unit, row_unit(spec, opts)), label="shape")
     assume(valid(spec, shape, opts))
     w = weight(shape, dtype, exp10, seed)
     qt = cq.quantize(w, fmt, **opts)
@@ -109,7 +120,7 @@ def test_sqnr_floor_gaussian(fmt, opts, unit, n, kmul, dtype, exp10, seed):
     """Gaussian weights of any magnitude keep a loose SQNR floor, both for the codes (decoded in fp32) and for the
     tensor a user gets (decoded in the logical dtype; for fp16 at 1e-6 the fp16 grid itself limits this to ~35 dB)."""
     spec = need(fmt)
-    shape = (n, kmul * max(unit, 64))
+    shape = (n_rows(n, row_unit(spec, opts)), kmul * max(unit, 64))
     assume(valid(spec, shape, opts))
     w = weight(shape, dtype, exp10, seed)
     qt = cq.quantize(w, fmt, **opts)
@@ -124,7 +135,7 @@ def test_sqnr_floor_gaussian(fmt, opts, unit, n, kmul, dtype, exp10, seed):
 @given(data=st.data(), dtype=dtypes, bad=st.sampled_from([float("inf"), float("-inf"), float("nan")]), seed=seeds)
 def test_nonfinite_raises_naming_tensor(fmt, opts, unit, data, dtype, bad, seed):
     spec = need(fmt)
-    shape = data.draw(shapes(unit), label="shape")
+    shape = data.draw(shapes(unit, row_unit(spec, opts)), label="shape")
     assume(valid(spec, shape, opts))
     w = weight(shape, dtype, 0, seed)
     i, j = data.draw(st.integers(0, shape[0] - 1)), data.draw(st.integers(0, shape[1] - 1))
@@ -140,7 +151,7 @@ def test_nonfinite_raises_naming_tensor(fmt, opts, unit, data, dtype, bad, seed)
 @given(data=st.data(), dtype=dtypes)
 def test_all_zero_decodes_to_zeros(fmt, opts, unit, data, dtype):
     spec = need(fmt)
-    shape = data.draw(shapes(unit), label="shape")
+    shape = data.draw(shapes(unit, row_unit(spec, opts)), label="shape")
     assume(valid(spec, shape, opts))
     qt = cq.quantize(torch.zeros(shape, dtype=dtype), fmt, **opts)
     for out in DTYPES:
@@ -169,7 +180,8 @@ def bad_values(o) -> list:
 def test_option_errors_name_the_option(fmt, opts, unit, data, name):
     spec = need(fmt)
     assume(name not in spec.option_names)
-    w = weight((4, 256), torch.float32, 0, 0)
+    shape = (max(4, row_unit(spec, opts)), 256)
+    w = weight(shape, torch.float32, 0, 0)
     with pytest.raises(ValueError, match=name):
         cq.quantize(w, fmt, **{**opts, name: 1})
     if not spec.options: return
@@ -181,7 +193,7 @@ def test_option_errors_name_the_option(fmt, opts, unit, data, name):
         qt = cq.quantize(w, fmt, **opts)
         sd = {**qt.state_dict("m."), "m.comfy_quant": cq.encode_json({**qt.config, o.name: bad})}
         with pytest.raises(ValueError, match=o.name):
-            cq.load_quantized(sd, "m.", shape=(4, 256), dtype=torch.float32)
+            cq.load_quantized(sd, "m.", shape=shape, dtype=torch.float32)
 
 
 # Formats that check finiteness after encoding (`Format.flags_nonfinite`): the error must be check_finite's, exactly,
@@ -190,7 +202,8 @@ FLAGGED = [pytest.param(f, o, u, id=i) for i, f, o, u in VARIANTS if f in cq.FOR
 
 
 def test_flagged_formats_are_the_rotated_and_int8_ones():
-    assert {p.values[0] for p in FLAGGED} == {"int8_tensorwise", "convrot_w4a4", "asym_w4a8_int8", "w6a8_int8"}
+    assert {p.values[0] for p in FLAGGED} == {"int8_tensorwise", "convrot_w4a4", "asym_w4a8_int8", "w6a8_int8",
+                                              "float8_e4m3fn_rowwise", "float8_e4m3fn_blockwise", "int8_blockwise"}
 
 
 @pytest.mark.parametrize("fmt,opts,unit", FLAGGED)
@@ -201,9 +214,9 @@ def test_flagged_nonfinite_is_named_exactly(fmt, opts, unit, data, dtype, exp10,
     from cquant.jobs import quantize_rows
     from cquant.tensor import check_finite
     spec = need(fmt)
-    if data is None: shape, picks = (40, 4 * max(unit, 64)), [(7, 5)]
+    if data is None: shape, picks = (n_rows(40, row_unit(spec, opts)), 4 * max(unit, 64)), [(7, 5)]
     else:
-        shape = (data.draw(st.integers(8, 64), label="N"), data.draw(st.integers(1, 4), label="k") * max(unit, 64))
+        shape = (n_rows(data.draw(st.integers(8, 64), label="N"), row_unit(spec, opts)), data.draw(st.integers(1, 4), label="k") * max(unit, 64))
         picks = [(data.draw(st.integers(0, shape[0] - 1)), data.draw(st.integers(0, shape[1] - 1))) for _ in range(count)]
     assume(valid(spec, shape, opts))
     w = weight(shape, dtype, exp10, seed)

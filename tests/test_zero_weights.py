@@ -118,11 +118,11 @@ def test_convert_repairs_kitchen_all_zero_weight(tmp_path, fmt, capsys):
 @pytest.mark.parametrize('fmt', sorted(cq.FORMATS))
 def test_cquant_all_zero_weight_every_format(tmp_path, fmt):
     "cquant's own encoding of an all-zero weight, in every format, is a valid file that loads as exact zeros."
-    q = cq.quantize(torch.zeros(64, 256, dtype=torch.bfloat16), fmt)
+    q = cq.quantize(torch.zeros(128, 256, dtype=torch.bfloat16), fmt)
     path = write(tmp_path, q.state_dict(P), q.config)
     with warnings.catch_warnings():
         warnings.simplefilter('error', QuantFormatWarning)       # nothing unusual in cquant's own files
-        w = cq.load_quantized(cq.load_file(str(path)), NAME, (64, 256), torch.float32).dequantize()
+        w = cq.load_quantized(cq.load_file(str(path)), NAME, (128, 256), torch.float32).dequantize()
     assert bool((w == 0).all()), f"{fmt}: {w.unique()}"
 
 

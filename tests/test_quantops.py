@@ -1,0 +1,117 @@
+"""convert_to_quant's formats against convert_to_quant 1.3.4 itself: its layout encoders byte for byte, and files its CLI
+writes read (and rewritten) by cquant with the same bytes. Skipped where convert_to_quant is not installed."""
+import json, shutil, subprocess
+import pytest
+import torch
+from safetensors.torch import save_file, load_file
+import cquant as cq
+from cquant.quantops import quantize_fp8_rowwise, quantize_fp8_blockwise, quantize_int8_blockwise, scaled, hybrid_scalar
+
+ctq = pytest.importorskip('convert_to_quant.comfy.quant_ops')
+CLI = shutil.which('convert_to_quant')
+
+
+def weights():
+    "Weights that reach the encoders' edges: decades of row magnitude, zero rows and tiles, tiny and huge values."
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(256, 384, generator=g) * torch.logspace(-4, 1, 256)[:, None]
+    w[5] = 0; w[64:128, 128:192] = 0; w[9, 3] = 3e4; w[10] = 1e-30
+    return w
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
+def test_encoders_match_convert_to_quant(dtype):
+    "Codes and scales byte-identical to convert_to_quant's layouts (on the fp32 copy its CLI quantizes)."
+    w = weights().to(dtype)
+    w32 = w.float()
+    q, s = quantize_fp8_rowwise(w)
+    rq, rp = ctq.RowWiseFP8Layout.quantize(w32)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rp['scale'])
+    for g in (64, 128):
+        q, s = quantize_fp8_blockwise(w, g)
+        rq, rp = ctq.BlockWiseFP8Layout.quantize(w32, block_size=g)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rp['scale']), g
+        q, s = quantize_int8_blockwise(w, g)
+        rq, rp = ctq.BlockWiseINT8Layout.quantize(w32, block_size=g, is_weight=True)
+        assert torch.equal(q, rq) and torch.equal(s, rp['scale']), g
+
+
+def test_decoders_match_convert_to_quant():
+    "fp32 decodes equal convert_to_quant's dequantize of the same storage."
+    w = weights()
+    q, s = quantize_fp8_rowwise(w)
+    assert torch.equal(scaled(q, s, torch.float32), ctq.RowWiseFP8Layout.dequantize(q, s, torch.float32))
+    q, s = quantize_fp8_blockwise(w, 64)
+    assert torch.equal(scaled(q, s, torch.float32), ctq.BlockWiseFP8Layout.dequantize(q, s, 64, torch.float32))
+    q, s = quantize_int8_blockwise(w, 128)
+    assert torch.equal(scaled(q, s, torch.float32),
+                       ctq.BlockWiseINT8Layout.dequantize(q, s, 128, is_weight=True, orig_dtype=torch.float32))
+
+
+SOURCE_SHAPES = {'blocks.0.attn.qkv': (384, 256), 'blocks.0.attn.proj': (256, 128), 'blocks.1.mlp.fc1': (320, 192)}
+RUNS = {   # format -> the convert_to_quant arguments that write it
+    'float8_e4m3fn_rowwise': ['--scaling_mode', 'row'],
+    'float8_e4m3fn_blockwise': ['--scaling_mode', 'block', '--block_size', '64'],
+    'int8_blockwise': ['--int8', '--scaling_mode', 'block', '--block_size', '64'],
+    'hybrid_mxfp8': ['--mxfp8'],
+}
+
+
+@pytest.fixture(scope='module')
+def ctq_files(tmp_path_factory):
+    "A bf16 source and the file convert_to_quant's CLI writes from it in each format."
+    if CLI is None: pytest.skip('the convert_to_quant CLI is not installed')
+    d = tmp_path_factory.mktemp('ctq')
+    g = torch.Generator().manual_seed(3)
+    sd = {f'{m}.weight': (torch.randn(*s, generator=g) * 0.05).bfloat16() for m, s in SOURCE_SHAPES.items()}
+    save_file(sd, d / 'src.safetensors')
+    out = {}
+    for fmt, args in RUNS.items():
+        dst = d / f'{fmt}.safetensors'
+        subprocess.run([CLI, '-i', str(d / 'src.safetensors'), '-o', str(dst), '--comfy_quant', '--simple', '--device', 'cpu',
+                        '--verbose', 'MINIMAL', *args], check=True, capture_output=True, timeout=300)
+        if fmt == 'hybrid_mxfp8':
+            mx, dst = dst, d / 'hybrid.safetensors'
+            subprocess.run([CLI, '-i', str(mx), '-o', str(dst), '--make-hybrid-mxfp8', '--verbose', 'MINIMAL'],
+                           check=True, capture_output=True, timeout=300)
+        out[fmt] = dst
+    return d / 'src.safetensors', out
+
+
+@pytest.mark.parametrize('fmt', list(RUNS))
+def test_convert_to_quant_files_load(ctq_files, fmt):
+    "cquant validates the CLI's file, loads every module in its format and decodes it as the format defines."
+    _, files = ctq_files
+    sd = load_file(files[fmt])
+    rep = cq.validate(files[fmt])
+    assert [r['status'] for r in rep.rows if r['format'] == fmt] == ['warning'] * 3, rep.rows
+    assert all(any('ComfyUI-QuantOps' in m['message'] for m in r['messages']) for r in rep.rows if r['format'] == fmt)
+    for m, shape in SOURCE_SHAPES.items():
+        qt = cq.load_quantized(sd, m)
+        assert qt.format == fmt and tuple(qt.shape) == shape
+        if fmt == 'hybrid_mxfp8':
+            assert torch.equal(qt.params.scalar, hybrid_scalar(sd[m + '.weight_scale']))
+            continue
+        s, q = sd[m + '.weight_scale'], sd[m + '.weight']
+        want = (ctq.RowWiseFP8Layout.dequantize(q, s, torch.float32) if s.dim() == 1 else
+                ctq.BlockWiseFP8Layout.dequantize(q, s, 64, torch.float32) if q.dtype == torch.float8_e4m3fn else
+                ctq.BlockWiseINT8Layout.dequantize(q, s, 64, is_weight=True, orig_dtype=torch.float32))
+        assert torch.equal(qt.dequantize(torch.float32), want)
+
+
+@pytest.mark.parametrize('fmt', list(RUNS))
+def test_cquant_writes_what_convert_to_quant_writes(ctq_files, fmt, tmp_path):
+    "quantize_checkpoint in the same format writes the CLI's weight and scale bytes (biases aside: the CLI corrects them)."
+    src, files = ctq_files
+    opts = {'group_size': 64} if 'group_size' in cq.FORMATS[fmt].option_names else {}
+    dst = tmp_path / 'cq.safetensors'
+    cq.quantize_checkpoint(src, dst, cq.Policy(preset='none', overrides=(('re:.', fmt, opts),)))
+    ours, theirs = load_file(dst), load_file(files[fmt])
+    for m in SOURCE_SHAPES:
+        for k in cq.FORMATS[fmt].weight_keys:
+            if m + '.' + k not in theirs: continue
+            a, b = ours[f'{m}.{k}'], theirs[f'{m}.{k}']
+            assert a.dtype in (b.dtype, torch.float8_e8m0fnu) and a.shape == b.shape, (m, k, a.dtype, b.dtype)
+            assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b), (m, k)
+        cfg, want = json.loads(bytes(ours[m + '.comfy_quant'].tolist())), json.loads(bytes(theirs[m + '.comfy_quant'].tolist()))
+        assert cfg['format'] == want['format'] and cfg.get('group_size') == (want.get('group_size') if opts else None)
