@@ -25,7 +25,7 @@ from .models import dit_state_dict
 from .calibrate import Calibration, gptq_layers, rounding_kwargs
 from .record import TokenCounts, open_calibration
 from .rounding import GPTQWarning
-from .validate import diagnosed_marker, _raw_codes
+from .validate import diagnosed_marker, legacy_int8, _raw_codes
 from .minilm import minilm_path, fetch_minilm
 from .plain import canonical_name, spelling_key
 
@@ -831,9 +831,10 @@ def _marker_repairs(ck:Checkpoint) -> dict:
 
 def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
                        dst, # output file (replaced atomically on success; never the source)
-                      ) -> dict: # legacy kind, quantized modules per format, modules repaired, markers rewritten, keys removed / added
+                      ) -> dict: # legacy kind, quantized modules per format, modules repaired, markers rewritten or added, keys removed / added
     """Rewrite `src` with per-module `comfy_quant` entries (legacy headers and markers converted, all-zero NaN modules
-    repaired, a marker without its format or with a wrong one rewritten where one format loads the tensors), streaming."""
+    repaired, a marker without its format or with a wrong one rewritten where one format loads the tensors, legacy INT8
+    modules marked), streaming."""
     src, dst = os.fspath(src), os.fspath(dst)
     check_outputs('convert_checkpoint', _source_names(src), {'destination': dst})
     path = checkpoint_path(src)
@@ -843,18 +844,35 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
         (fixed, repaired), markers, errors = _zero_weight_repairs(ck), _marker_repairs(ck), {}
         mods = ck.modules(errors=errors)
         remarked = {m: markers[keys['comfy_quant']] for m, keys in ck.groups().items() if keys.get('comfy_quant') in markers}
-        bad = {m: msg for m, msg in errors.items() if m not in repaired and m not in remarked}
-        bad |= {m: e[0] for m, keys in ck.groups().items() if 'comfy_quant' not in keys      # integer codes, an unapplied scale
+        marked = {m: fix for m, keys in ck.groups().items() if (fix := _legacy_int8(ck, m, keys))}
+        bad = {m: msg for m, msg in errors.items() if m not in repaired and m not in remarked and m not in marked}
+        bad |= {m: e[0] for m, keys in ck.groups().items() if 'comfy_quant' not in keys and m not in marked  # integer codes, an unapplied scale
                 if (e := _raw_codes(ck, m + '.' if m else '', keys))}
         if bad: raise CheckpointError(src, f"{len(bad)} module(s) cannot be converted:\n" + '\n'.join(f"  {m}: {msg}" for m, msg in bad.items()))
         fixed.update({k: encode_json(v) for k, v in markers.items()})
+        legacy_keys = {keys[s]: (m + '.' if m else '', s) for m, keys in ck.groups().items() if m in marked
+                       for s in ('scale_weight', 'scale_input') if s in keys}
         with StreamingWriter(dst, ck.metadata) as writer:
-            for k in ck: writer.add(k, fixed[k] if k in fixed else ck[k])
+            for k in ck:
+                if k not in legacy_keys: writer.add(k, fixed[k] if k in fixed else ck[k]); continue
+                p, s = legacy_keys[k]
+                if s == 'scale_weight':        # scale_input is dropped: no INT8 linear reads it
+                    marker, scale = marked[p[:-1] if p else '']
+                    writer.add(p + 'weight_scale', scale); writer.add(p + 'comfy_quant', encode_json(marker))
         keys, legacy = set(ck), ck.legacy
     formats = Counter([e.format for e in mods.values() if e.quantized] + list(repaired.values())
-                      + [v['format'] for v in remarked.values()])
+                      + [v['format'] for v in remarked.values()] + [v['format'] for v, _ in marked.values()])
+    added = {p + s for p, _ in legacy_keys.values() for s in ('weight_scale', 'comfy_quant')}
     return dict(src=src, dst=dst, legacy=legacy, formats=dict(formats), repaired=sorted(repaired), remarked=remarked,
-                removed=sorted(raw - keys), added=sorted(keys - raw))
+                marked={m: v for m, (v, _) in marked.items()}, removed=sorted((raw - keys) | set(legacy_keys)),
+                added=sorted((keys - raw) | added))
+
+def _legacy_int8(ck:Checkpoint, m:str, keys:dict) -> tuple|None:
+    "`legacy_int8` of module `m`, with the warning that says it is rewritten."
+    fix = legacy_int8(ck, keys)
+    if fix: warnings.warn(f"{ck.path}: module {m!r}: legacy INT8 (scale_weight, no marker) rewritten as {json.dumps(fix[0])}, "
+                          "its codes and scales kept", CheckpointWarning, stacklevel=3)
+    return fix
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #48a1c2a9
 def preset_spellings() -> dict:

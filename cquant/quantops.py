@@ -115,36 +115,33 @@ def _check_scale(s, want:tuple, prefix:str) -> torch.Tensor:
     if tuple(s.shape) != want: raise format_error(prefix, 'weight_scale', expected, f'shape {tuple(s.shape)}')
     return s
 
-class RowWiseFP8Layout(Layout):
-    "e4m3 codes with one fp32 dequantization scale per output row (`weight_scale` [N])."
+class _ScaledLayout(Layout):
+    "Codes times their row or tile scale (`weight_scale`), decoded as QuantOps decodes them."
     Params = ScaledParams
-
-    @classmethod
-    def quantize(cls, w, stochastic_rounding=0):
-        q, s = quantize_fp8_rowwise(w, stochastic_rounding)
-        return q, ScaledParams(tuple(w.shape), w.dtype, s)
     @classmethod
     def dequantize(cls, qdata, params, dtype): return scaled(qdata, params.scale, dtype)
     @classmethod
     def tensors(cls, qdata, params): return {'weight': qdata, 'weight_scale': params.scale}
+
+class RowWiseFP8Layout(_ScaledLayout):
+    "e4m3 codes with one fp32 dequantization scale per output row (`weight_scale` [N])."
+    @classmethod
+    def quantize(cls, w, stochastic_rounding=0):
+        q, s = quantize_fp8_rowwise(w, stochastic_rounding)
+        return q, ScaledParams(tuple(w.shape), w.dtype, s)
     @classmethod
     def from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
         return tensors['weight'], ScaledParams(tuple(shape), dtype, _check_scale(tensors['weight_scale'], (shape[0],), prefix))
     @classmethod
     def check_shape(cls, shape, opts, prefix=''): check_2d(shape, 'float8_e4m3fn_rowwise', prefix)
 
-class _TileLayout(Layout):
+class _TileLayout(_ScaledLayout):
     "A weight with one scale per g x g tile, g the `group_size` option (N and K multiples of g)."
     Params, encode, fmt = TileParams, None, ''
-
     @classmethod
     def quantize(cls, w, stochastic_rounding=0, group_size=64):
         q, s = cls.encode(w, group_size, stochastic_rounding)
         return q, TileParams(tuple(w.shape), w.dtype, s, group_size)
-    @classmethod
-    def dequantize(cls, qdata, params, dtype): return scaled(qdata, params.scale, dtype)
-    @classmethod
-    def tensors(cls, qdata, params): return {'weight': qdata, 'weight_scale': params.scale}
     @classmethod
     def from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
         g = opts['group_size']
@@ -171,8 +168,10 @@ class BlockWiseINT8Layout(_TileLayout):
         return int8_blockwise_linear(x, qdata, params.scale, bias)
 
 # %% ../nbs/07c_quantops.ipynb #qo000020
-def _row_rule(what:str) -> dict:
-    return {'weight_scale': ValueRule(f'{what} scale multiplies its values (the writer floors it above 0)')}
+def _scaled_storage(dtype:torch.dtype, what:str, g:int|None=None) -> Storage:
+    "Codes of `dtype` and the `weight_scale` of each row or tile (`what`); the `input_scale` the writer may add."
+    rule = ValueRule(f'{what} scale multiplies its values (the writer floors it above 0)')
+    return Storage(dtype, ('weight_scale',), extra_keys=('input_scale',), group_size=g, value_rules={'weight_scale': rule})
 
 def _tile_option(g:int) -> Option:
     return Option('group_size', g, int, 'tile side g: one scale per g x g tile (N and K multiples of g)')
@@ -190,7 +189,7 @@ class _QuantOpsFormat(Format):
 class FP8_ROWWISE(_QuantOpsFormat):
     "e4m3 codes, one fp32 scale per output row (convert_to_quant `--scaling_mode row`)."
     name, layout, aliases = 'float8_e4m3fn_rowwise', RowWiseFP8Layout, ('fp8_rowwise',)
-    storage = Storage(torch.float8_e4m3fn, ('weight_scale',), extra_keys=('input_scale',), value_rules=_row_rule("a row's"))
+    storage = _scaled_storage(torch.float8_e4m3fn, "a row's")
     activations = Activations(dynamic_reason=f'{QUANTOPS} quantizes FP8 activations dynamically (input_scale is loaded, not used)')
     choices = {'FP8 rowwise': {}}
     row_gather = True
@@ -201,8 +200,7 @@ class FP8_ROWWISE(_QuantOpsFormat):
 class FP8_BLOCKWISE(_QuantOpsFormat):
     "e4m3 codes, one fp32 scale per g x g tile (convert_to_quant `--scaling_mode block`)."
     name, layout, aliases = 'float8_e4m3fn_blockwise', BlockWiseFP8Layout, ('fp8_blockwise',)
-    storage = Storage(torch.float8_e4m3fn, ('weight_scale',), extra_keys=('input_scale',), group_size=64,
-                      value_rules=_row_rule("a tile's"))
+    storage = _scaled_storage(torch.float8_e4m3fn, "a tile's", 64)
     options = (_tile_option(64),)
     activations = FP8_ROWWISE.activations
     choices = {'FP8 blockwise': {'group_size': 64}}
@@ -212,8 +210,7 @@ class FP8_BLOCKWISE(_QuantOpsFormat):
 class INT8_BLOCKWISE(_QuantOpsFormat):
     "int8 codes, one fp32 scale per g x g tile (convert_to_quant `--int8 --scaling_mode block`)."
     name, layout, aliases = 'int8_blockwise', BlockWiseINT8Layout, ('int8_block',)
-    storage = Storage(torch.int8, ('weight_scale',), extra_keys=('input_scale',), group_size=128,
-                      value_rules=_row_rule("a tile's"))
+    storage = _scaled_storage(torch.int8, "a tile's", 128)
     options = (_tile_option(128),)
     activations = Activations(dynamic_reason=f'{QUANTOPS} quantizes activations per block of g inputs at run time')
     choices = {'INT8 blockwise': {'group_size': 128}}

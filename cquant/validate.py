@@ -173,17 +173,19 @@ def _as_marker(fmt:str, cfg:dict) -> dict:
     opts = _marker_options(cfg)
     return {'format': fmt, **({'params': opts} if opts else {})}
 
-def _fitting_formats(ck:Checkpoint, keys:dict, cfg:dict) -> list:
-    "The formats that load the module's tensors with the options its marker gives (each tried as the loader would)."
-    if 'weight' not in keys: return []
-    dt, opts = ck.info(keys['weight']).dtype, _marker_options(cfg)
-    tried = [n for n, f in FORMATS.items() if f.storage.dtype == dt and all(k in keys for k in f.storage.keys)
-             and set(opts) <= {o.name for o in f.options}]
-    sd = {s: ck[k] for s, k in keys.items() if s not in ('comfy_quant', ATTENTION_KEY)} if tried else {}
+def _loading_formats(sd:dict, cfg:dict) -> list:
+    "The formats that load the module tensors `sd` (suffix -> tensor) with the options marker `cfg` gives, tried as the loader would."
+    if 'weight' not in sd: return []
+    opts = _marker_options(cfg)
     def loads(n):
         try: load_quantized(sd, '', config=_as_marker(n, cfg)); return True
         except (QuantFormatError, ValueError): return False
-    return [n for n in tried if loads(n)]
+    return [n for n, f in FORMATS.items() if f.storage.dtype == sd['weight'].dtype and all(k in sd for k in f.storage.keys)
+            and set(opts) <= {o.name for o in f.options} and loads(n)]
+
+def _fitting_formats(ck:Checkpoint, keys:dict, cfg:dict) -> list:
+    "The formats that load the module's stored tensors with the options its marker gives."
+    return _loading_formats({s: ck[k] for s, k in keys.items() if s not in ('comfy_quant', ATTENTION_KEY)}, cfg)
 
 def _misnamed(ck:Checkpoint, keys:dict, cfg) -> list:
     """For a marker without a format, or naming a registered one its weight's dtype is not: the other formats that load
@@ -212,13 +214,31 @@ def _raw_codes(ck:Checkpoint, p:str, keys:dict) -> list:
     dt = ck.info(keys['weight']).dtype
     legacy = [k for k in ('scale_weight', 'scale_input') if k in keys]
     if not dt.is_floating_point:
+        fix = legacy_int8(ck, keys)
+        how = (f"`cquant convert` rewrites it as {fix[0]['format']}, its bytes kept" if fix else "quantize the float model again")
         return [f"'{p}weight': {str(dt).removeprefix('torch.')} codes and no '{p}comfy_quant': ComfyUI loads them as a plain integer "
                 "weight" + (f" and never reads {', '.join(repr(p + k) for k in legacy)} (a legacy INT8 layout written without a "
-                            "marker; quantize the float model again)" if legacy else '')]
+                            f"marker; {how})" if legacy else '')]
     if dt in (torch.float8_e4m3fn, torch.float8_e5m2) and 'scale_weight' in keys:
         return [f"'{p}weight': {str(dt).removeprefix('torch.')} values with a legacy '{p}scale_weight' but no 'scaled_fp8' marker "
                 f"and no '{p}comfy_quant': ComfyUI never applies that scale; `cquant convert` needs the marker to convert it"]
     return []
+
+def legacy_int8(ck:Checkpoint, keys:dict) -> tuple|None:
+    """(marker, its `weight_scale`) of a module in the legacy INT8 layout (int8 `weight`, `scale_weight`, no marker)
+    where one format loads it: per-row scales stored `[N]` become `[N, 1]`, a 2-D scale of whole g x g tiles gives
+    `group_size` g. None where it is not that layout or no single format fits."""
+    if 'comfy_quant' in keys or 'scale_weight' not in keys or 'weight' not in keys: return None
+    w, s = ck[keys['weight']], ck[keys['scale_weight']]
+    if w.dtype != torch.int8 or w.dim() != 2: return None
+    (N, K), cfg = w.shape, {}
+    if s.dim() == 1 and s.numel() == N > 1: s = s.reshape(N, 1)
+    if s.dim() == 2 and s.shape[1] > 1 and N % s.shape[0] == 0 and K % s.shape[1] == 0 and N // s.shape[0] == K // s.shape[1]:
+        cfg = {'group_size': N // s.shape[0]}
+    fits = [f for f in _loading_formats({'weight': w, 'weight_scale': s}, cfg)     # one int8 code per weight (not packed int4)
+            if FORMATS[f].layout.logical_shape({'weight': w}, FORMATS[f].resolve(None, **cfg)) == (N, K)]
+    return ({'format': fits[0], **cfg}, s) if len(fits) == 1 else None
+
 
 # %% ../nbs/17a_validate.ipynb #9eef9a40
 def _check_module(ck:Checkpoint, name:str, keys:dict, level:str, known:set, devices:dict) -> dict:

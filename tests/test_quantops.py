@@ -115,3 +115,28 @@ def test_cquant_writes_what_convert_to_quant_writes(ctq_files, fmt, tmp_path):
             assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b), (m, k)
         cfg, want = json.loads(bytes(ours[m + '.comfy_quant'].tolist())), json.loads(bytes(theirs[m + '.comfy_quant'].tolist()))
         assert cfg['format'] == want['format'] and cfg.get('group_size') == (want.get('group_size') if opts else None)
+
+
+@pytest.mark.writes_invalid      # the legacy file, on purpose
+@pytest.mark.parametrize('fmt', ['int8_blockwise'])
+def test_legacy_int8_converts_to_the_marked_file(ctq_files, fmt, tmp_path):
+    """INT8 stored the legacy way (`scale_weight` / `scale_input`, no marker, as older writers left it): validate explains it,
+    `cquant convert` writes what convert_to_quant's marked file holds, codes and scales byte for byte."""
+    _, files = ctq_files
+    marked = load_file(files[fmt])
+    legacy = {k.replace('.weight_scale', '.scale_weight').replace('.input_scale', '.scale_input'): v
+              for k, v in marked.items() if not k.endswith('.comfy_quant')}
+    src, dst = tmp_path / 'legacy.safetensors', tmp_path / 'converted.safetensors'
+    save_file(legacy, src)
+    rows = cq.validate(src).rows
+    assert {r['status'] for r in rows if r['module'] in SOURCE_SHAPES} == {'error'}
+    assert all('`cquant convert` rewrites it as int8_blockwise, its bytes kept' in r['messages'][0]['message']
+               for r in rows if r['module'] in SOURCE_SHAPES)
+    r = subprocess.run(['cquant', 'convert', str(src), str(dst)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and 'legacy INT8 marked: ' in r.stdout, r.stdout + r.stderr
+    out = load_file(dst)
+    for m in SOURCE_SHAPES:
+        assert torch.equal(out[m + '.weight'], marked[m + '.weight']) and torch.equal(out[m + '.weight_scale'], marked[m + '.weight_scale'])
+        assert json.loads(bytes(out[m + '.comfy_quant'].tolist())) == {'format': fmt, 'group_size': 64}
+        assert m + '.scale_input' not in out and m + '.scale_weight' not in out
+    assert all(r['status'] != 'error' for r in cq.validate(dst).rows)
