@@ -309,7 +309,7 @@ def cmd_compare(args) -> int:
     from cquant.compare import candidates, compare_weights
     from cquant.jobs import check_outputs
     check_outputs('', {'SRC': args.src}, {'--plot': args.plot})
-    study = compare_weights(args.src, candidates(args.formats, args.roundings), args.layers)
+    study = compare_weights(args.src, candidates(args.formats, args.roundings, args.calibrated), args.layers, args.calibration)
     if args.plot:
         import matplotlib.pyplot as plt
         fig = study.plot(); fig.savefig(args.plot); plt.close(fig)
@@ -321,9 +321,14 @@ def add_compare_parser(subparsers):
     p = subparsers.add_parser('compare', help='every format and GGUF type on the same weights: bits per weight against SQNR, the Pareto front')
     p.add_argument('src', help='a checkpoint with float weights: a safetensors file, a shard folder or a GGUF file')
     p.add_argument('--formats', nargs='+', metavar='F', help="only these: format names, variant labels (INT8, NVFP4), ggml types "
-                   "(Q4_K) or families (comfy, gguf); default: all")
-    p.add_argument('--roundings', nargs='+', choices=('nearest', 'exact', 'mse'), default=('nearest', 'exact', 'mse'),
-                   help='the Comfy formats under these roundings, where a format has a grid (default: all three)')
+                   "(Q4_K) or families (comfy, quantops, gguf); default: all")
+    p.add_argument('--roundings', nargs='+', choices=('nearest', 'exact', 'mse', 'gptq'), default=('nearest', 'exact', 'mse'),
+                   help='the Comfy formats under these roundings, where a format has a grid (default: the data-free three; '
+                        'gptq needs --calibration)')
+    p.add_argument('--calibrated', action='store_true', help="also each format's own data-aware encoder (AWQ, SVDQuant; "
+                   'needs --calibration)')
+    p.add_argument('--calibration', metavar='FILE', help='layer inputs {layer: [rows, K]} (cq.save_file) or statistics recorded '
+                   'from the model (cq.record_calibration(...).save(FILE)), for gptq and --calibrated')
     p.add_argument('--layers', metavar='REGEX', help='only the 2-D weights whose layer name matches (default: all)')
     p.add_argument('--plot', metavar='PNG', help='also save the chart of bits per weight against mean SQNR')
     _add_output_args(p, 'print the study as JSON on stdout instead of the table')

@@ -1,4 +1,4 @@
-"""The question people ask most: which format is best for my weights at my size? The Comfy formats (each rounding), GGUF's types, at the bytes they take, on the same weights: one chart of bits per weight against error, and its Pareto front.
+"""The question people ask most: which format is best for my weights at my size? The Comfy formats (each rounding, with and without calibration), convert_to_quant's layouts and GGUF's types, at the bytes they take, on the same weights: one chart of bits per weight against error, and its Pareto front.
 
 Docs: https://cquant-dev.github.io/cquant/compare.html.md"""
 
@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/compare.html.md"""
 
 # %% ../nbs/19a_compare.ipynb #cm000002
 from __future__ import annotations
-import json, math, re, warnings
+import json, math, os, re, warnings
 from dataclasses import dataclass
 from typing import Callable
 import torch
@@ -17,10 +17,12 @@ from .gguf import ENCODERS, decode_gguf, encode_gguf, gguf_types
 from .explore import fit_options, weight_layers
 from .plain import text_table
 from .evaluate import Workload, _float_reference, _outputs, sqnr
+from .calibrate import collect_inputs
+from .record import open_calibration
 
 # %% auto #0
-__all__ = ['STUDY_ROUNDINGS', 'FAMILY_MARKERS', 'Candidate', 'candidates', 'Study', 'compare_weights', 'plot_tradeoff',
-           'compare_model']
+__all__ = ['STUDY_ROUNDINGS', 'CALIBRATED', 'FAMILY_MARKERS', 'Candidate', 'candidates', 'Study', 'compare_weights',
+           'plot_tradeoff', 'compare_model']
 
 # %% ../nbs/19a_compare.ipynb #cm000005
 @dataclass(frozen=True)
@@ -29,21 +31,22 @@ class Candidate:
     label: str          # what the chart and the table call it
     family: str         # 'comfy', 'quantops' (ComfyUI-QuantOps' layouts) or 'gguf'
     name: str           # the format or ggml type
-    run: Callable
+    run: Callable       # run(w, x=None): x the layer's calibration inputs (or their recorded statistics)
+    inputs: bool = False # it needs x: GPTQ, a format's own data-aware encoder
 
-def _comfy_run(fmt:str, options:dict, rounding:str) -> Callable:
-    def run(w):
+def _comfy_run(fmt:str, options:dict, rounding:str, calibrated:bool=False) -> Callable:
+    def run(w, x=None):
         o = fit_options(fmt, tuple(w.shape), **options)
-        if o is None: return None
+        if o is None or (x is None and (calibrated or rounding == 'gptq')): return None
         with warnings.catch_warnings():          # the data-free variants of calibrated formats say so per layer
             warnings.simplefilter('ignore')
-            qt = quantize(w, fmt, rounding=rounding, **o)
+            qt = quantize(w, fmt, rounding=rounding, calibration=x if calibrated or rounding == 'gptq' else None, **o)
         return qt.dequantize(torch.float32), _nbytes(qt.state_dict(''))
     return run
 
 def _gguf_run(ggml_type:str) -> Callable:
     bs = gguf_types()[ggml_type][0]
-    def run(w):
+    def run(w, x=None):
         rows = w if w.shape[-1] % bs == 0 else w.reshape(-1, bs) if w.numel() % bs == 0 else None
         if rows is None: return None
         stored = encode_gguf(rows, ggml_type)
@@ -52,18 +55,23 @@ def _gguf_run(ggml_type:str) -> Callable:
 
 # %% ../nbs/19a_compare.ipynb #cm000006
 STUDY_ROUNDINGS = ('nearest', 'exact', 'mse')     # data-free; gptq needs inputs
+CALIBRATED = 'calibrated'                         # the label suffix of a format's own data-aware encoder
 
 def candidates(formats=None, # names to keep: formats, variant labels, ggml types or families ('comfy', 'quantops', 'gguf'); None: all
-               roundings=STUDY_ROUNDINGS, # the Comfy formats' roundings to try (where a format has a grid)
+               roundings=STUDY_ROUNDINGS, # the Comfy formats' roundings to try (where a format has a grid); 'gptq' needs inputs
+               calibrated:bool=False, # also each format's own data-aware encoder (AWQ, SVDQuant), labelled '(calibrated)'
               ) -> list:
     "Every Comfy format variant under each rounding, and every GGUF type cquant encodes."
     out = []
     for name, spec in FORMATS.items():
+        family = 'quantops' if spec.loader.node else 'comfy'
         for label, opts in (spec.choices or {name: {}}).items():
             for r in roundings:
                 if r != 'nearest' and (r not in ROUNDINGS or not spec.declares('grid')): continue
-                out.append(Candidate(label if r == 'nearest' else f'{label} ({r})', 'quantops' if spec.loader.node else 'comfy',
-                                     name, _comfy_run(name, opts, r)))
+                out.append(Candidate(label if r == 'nearest' else f'{label} ({r})', family, name, _comfy_run(name, opts, r),
+                                     r == 'gptq'))
+            if calibrated and spec.declares('calibrated'):
+                out.append(Candidate(f'{label} ({CALIBRATED})', family, name, _comfy_run(name, opts, 'nearest', True), True))
     out += [Candidate(f'GGUF {t}', 'gguf', t, _gguf_run(t)) for t in ENCODERS]
     if formats is None: return out
     want = {str(f).lower() for f in formats}
@@ -105,9 +113,13 @@ _COLUMNS = (('sqnr_mean_db', 'mean dB'), ('sqnr_min_db', 'min dB'), ('sqnr_db', 
 def compare_weights(source, # a checkpoint path (safetensors, shards, GGUF), state dict or `Checkpoint`
                     cands=None, # `candidates(...)` (default: all)
                     layers:str|None=None, # a regex: only the 2-D weights whose layer name it finds
+                    calibration=None, # {layer: inputs [rows, K]} or recorded statistics (or their file): for GPTQ and calibrated encoders
                    ) -> Study:
     "Each candidate on each float 2-D weight of `source`: per-layer SQNR and bytes, and per-candidate totals."
     cands = candidates() if cands is None else cands
+    if isinstance(calibration, (str, os.PathLike)): calibration = open_calibration(calibration)
+    if calibration is None and (need := [c.label for c in cands if c.inputs]):
+        raise ValueError(f"compare: {need} need calibration inputs (compare_weights(..., calibration=) or --calibration FILE)")
     refs = {k: r for k, r in weight_layers(source).items() if r.format is None and (layers is None or re.search(layers, k))}
     if not refs: raise ValueError(f"compare: no float 2-D weight in {source if isinstance(source, str) else type(source).__name__}"
                                   + (f" whose name matches {layers!r}" if layers else ''))
@@ -116,8 +128,9 @@ def compare_weights(source, # a checkpoint path (safetensors, shards, GGUF), sta
         w = ref.read().to(ref.dtype)             # in its own dtype: that is what an encoder gets
         wf = w.float()
         sig = float(wf.double().square().sum())
+        x = None if calibration is None else calibration.get(name)
         for c in cands:
-            got = c.run(w)
+            got = c.run(w, x)
             if got is None: continue
             dq, nbytes = got
             noise = float((dq - wf).double().square().sum())
@@ -158,11 +171,13 @@ def compare_model(workload:Workload, # `cq.minilm_workload()`, `cq.dit_workload(
                   cands=None, # `candidates(...)` (default: all)
                   dtype:torch.dtype=torch.bfloat16, # the weights' dtype handed to each candidate (the file's)
                  ) -> Study:
-    "Each candidate on every linear of the workload's model, weight-only: output SQNR on its held-out inputs."
+    """Each candidate on every linear of the workload's model, weight-only: output SQNR on its held-out inputs. GPTQ
+    and the calibrated encoders get each layer's inputs on the workload's calibration batches, from the float model."""
     cands = candidates() if cands is None else cands
     ref, model = _float_reference(workload)['outputs'], workload.model()
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     original = {n: m.weight.detach().clone() for n, m in linears.items()}
+    inputs = collect_inputs(model, workload.calibration, set(linears), max_rows=8192) if any(c.inputs for c in cands) else {}
     def row(label, family, stored:dict):
         for n, m in linears.items(): m.weight.copy_(stored.get(n, (original[n], None))[0])
         bits = sum(8 * b for _, b in stored.values()) + sum(16 * original[n].numel() for n in linears if n not in stored)
@@ -171,7 +186,7 @@ def compare_model(workload:Workload, # `cq.minilm_workload()`, `cq.dit_workload(
     out = Study([row(f'{str(dtype).removeprefix("torch.")} (source)', 'float',
                      {n: (w.to(dtype).float(), w.numel() * dtype.itemsize) for n, w in original.items()})])
     for c in cands:
-        out.append(row(c.label, c.family, {n: got for n, w in original.items() if (got := c.run(w.to(dtype))) is not None}))
+        out.append(row(c.label, c.family, {n: got for n, w in original.items() if (got := c.run(w.to(dtype), inputs.get(n))) is not None}))
     for n, m in linears.items(): m.weight.copy_(original[n])
     out.metric = 'output_sqnr_db'
     return out

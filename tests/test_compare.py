@@ -59,3 +59,26 @@ def test_a_candidate_that_does_not_fit_leaves_the_layer_out():
     sd = {'a.weight': torch.randn(64, 40).bfloat16(), 'b.weight': torch.randn(64, 256).bfloat16(), 'c.weight': torch.randn(64, 33).bfloat16()}
     s = compare_weights(sd, candidates(['W4A8', 'Q4_K', 'NVFP4'], ('nearest',)))
     assert {r['label']: r['layers'] for r in s} == {'W4A8': 1, 'NVFP4': 3, 'GGUF Q4_K': 2}
+
+
+def test_compare_cli_gptq_and_calibrated_from_a_calibration_file(bf16_file, tmp_path):
+    """`--roundings gptq` and `--calibrated` take the layers' inputs from `--calibration`: the numbers are those of
+    quantize with the same inputs; without the file the command says what is missing."""
+    path, ws = bf16_file
+    g = torch.Generator().manual_seed(1)
+    x = {n: torch.randn(2048, w.shape[1], generator=g) for n, w in ws.items()}
+    cq.save_file(x, tmp_path / 'inputs.safetensors')
+    rc, out, err = cquant_cli('compare', path, '--formats', 'INT8', 'AWQ W4A16', '--roundings', 'nearest', 'gptq',
+                              '--calibrated', '--calibration', tmp_path / 'inputs.safetensors', '--json')
+    assert rc == 0, err
+    d = json.loads(out)
+    assert [c['label'] for c in d['candidates']] == ['INT8', 'INT8 (gptq)', 'AWQ W4A16', 'AWQ W4A16 (calibrated)']
+    n = 'encoder.layer.0.attention.self.query'
+    w = ws[n]
+    for label, q in (('INT8 (gptq)', cq.quantize(w, 'int8_tensorwise', per_row=True, rounding='gptq', calibration=x[n])),
+                     ('AWQ W4A16 (calibrated)', cq.quantize(w, 'awq_w4a16', calibration=x[n]))):
+        want = 10 * math.log10(w.float().pow(2).sum() / (q.dequantize(torch.float32) - w.float()).pow(2).sum())
+        got = next(r for r in d['layers'] if r['layer'] == n and r['label'] == label)
+        assert abs(got['sqnr_db'] - want) < 1e-6, label
+    rc, out, err = cquant_cli('compare', path, '--formats', 'INT8', '--roundings', 'gptq')
+    assert rc != 0 and "['INT8 (gptq)'] need calibration inputs" in err and 'Traceback' not in err
