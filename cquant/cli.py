@@ -321,7 +321,7 @@ def add_compare_parser(subparsers):
     p = subparsers.add_parser('compare', help='every format and GGUF type on the same weights: bits per weight against SQNR, the Pareto front')
     p.add_argument('src', help='a checkpoint with float weights: a safetensors file, a shard folder or a GGUF file')
     p.add_argument('--formats', nargs='+', metavar='F', help="only these: format names, variant labels (INT8, NVFP4), ggml types "
-                   "(Q4_K) or families (comfy, quantops, gguf); default: all")
+                   "(Q4_K) or families (comfy, quantops, gguf, sdnq: needs cquant[sdnq]); default: all but SDNQ")
     p.add_argument('--roundings', nargs='+', choices=('nearest', 'exact', 'mse', 'gptq'), default=('nearest', 'exact', 'mse'),
                    help='the Comfy formats under these roundings, where a format has a grid (default: the data-free three; '
                         'gptq needs --calibration)')

@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/compare.html.md"""
 
 # %% ../nbs/19a_compare.ipynb #cm000002
 from __future__ import annotations
-import json, math, os, re, warnings
+import importlib.util, json, math, os, re, warnings
 from dataclasses import dataclass
 from typing import Callable
 import torch
@@ -21,7 +21,7 @@ from .calibrate import collect_inputs
 from .record import open_calibration
 
 # %% auto #0
-__all__ = ['STUDY_ROUNDINGS', 'CALIBRATED', 'FAMILY_MARKERS', 'Candidate', 'candidates', 'Study', 'compare_weights',
+__all__ = ['SDNQ_TYPES', 'STUDY_ROUNDINGS', 'CALIBRATED', 'FAMILY_MARKERS', 'Candidate', 'candidates', 'Study', 'compare_weights',
            'plot_tradeoff', 'compare_model']
 
 # %% ../nbs/19a_compare.ipynb #cm000005
@@ -29,8 +29,8 @@ __all__ = ['STUDY_ROUNDINGS', 'CALIBRATED', 'FAMILY_MARKERS', 'Candidate', 'cand
 class Candidate:
     "One way to store a weight: `run(w) -> (decoded fp32 weight, bytes stored)`, or None where it cannot hold `w`."
     label: str          # what the chart and the table call it
-    family: str         # 'comfy', 'quantops' (ComfyUI-QuantOps' layouts) or 'gguf'
-    name: str           # the format or ggml type
+    family: str         # 'comfy', 'quantops' (ComfyUI-QuantOps' layouts), 'gguf' or 'sdnq'
+    name: str           # the format, ggml type or sdnq_<type>
     run: Callable       # run(w, x=None): x the layer's calibration inputs (or their recorded statistics)
     inputs: bool = False # it needs x: GPTQ, a format's own data-aware encoder
 
@@ -53,15 +53,26 @@ def _gguf_run(ggml_type:str) -> Callable:
         return decode_gguf(stored.reshape(-1), ggml_type, tuple(w.shape)), stored.numel()
     return run
 
+SDNQ_TYPES = ('int4', 'uint4', 'int5', 'int6', 'int8', 'fp8')   # SD.Next's types, each at sdnq's defaults
+
+def _sdnq_run(weights_dtype:str) -> Callable:
+    "SDNQ's own encoder (PyPI `sdnq`, the optional extra `cquant[sdnq]`) for a Linear weight: decoded weight, stored bytes."
+    def run(w, x=None):
+        from sdnq.quantizer import sdnq_quantize_layer_weight
+        deq, stored = sdnq_quantize_layer_weight(w.clone(), layer_class_name='Linear', weights_dtype=weights_dtype)
+        stored = {k: v for k, v in stored.items() if isinstance(v, torch.Tensor)}
+        return deq(**stored, dtype=torch.float32).float().reshape(w.shape), _nbytes(stored)
+    return run
+
 # %% ../nbs/19a_compare.ipynb #cm000006
 STUDY_ROUNDINGS = ('nearest', 'exact', 'mse')     # data-free; gptq needs inputs
 CALIBRATED = 'calibrated'                         # the label suffix of a format's own data-aware encoder
 
-def candidates(formats=None, # names to keep: formats, variant labels, ggml types or families ('comfy', 'quantops', 'gguf'); None: all
+def candidates(formats=None, # names to keep: formats, variant labels, ggml types or families ('comfy', 'quantops', 'gguf', 'sdnq'); None: all but SDNQ
                roundings=STUDY_ROUNDINGS, # the Comfy formats' roundings to try (where a format has a grid); 'gptq' needs inputs
                calibrated:bool=False, # also each format's own data-aware encoder (AWQ, SVDQuant), labelled '(calibrated)'
               ) -> list:
-    "Every Comfy format variant under each rounding, and every GGUF type cquant encodes."
+    "Every Comfy format variant under each rounding, every GGUF type cquant encodes and, when named, SDNQ's types."
     out = []
     for name, spec in FORMATS.items():
         family = 'quantops' if spec.loader.node else 'comfy'
@@ -74,12 +85,15 @@ def candidates(formats=None, # names to keep: formats, variant labels, ggml type
                 out.append(Candidate(f'{label} ({CALIBRATED})', family, name, _comfy_run(name, opts, 'nearest', True), True))
     out += [Candidate(f'GGUF {t}', 'gguf', t, _gguf_run(t)) for t in ENCODERS]
     if formats is None: return out
+    out += [Candidate(f'SDNQ {t}', 'sdnq', f'sdnq_{t}', _sdnq_run(t)) for t in SDNQ_TYPES]
     want = {str(f).lower() for f in formats}
     called = {c: {c.label.lower(), c.label.split(' (')[0].lower(), c.family, c.name.lower()} for c in out}   # what picks it
     keep = [c for c in out if called[c] & want]
     unknown = sorted(want - set().union(*called.values()))
     if unknown: raise ValueError(f"compare: unknown format(s) {unknown}; expected format names, variant labels, ggml types "
-                                 f"or 'comfy'/'quantops'/'gguf', e.g. {sorted({c.label.split(' (')[0] for c in out})[:12]}")
+                                 f"or 'comfy'/'quantops'/'gguf'/'sdnq', e.g. {sorted({c.label.split(' (')[0] for c in out})[:12]}")
+    if any(c.family == 'sdnq' for c in keep) and importlib.util.find_spec('sdnq') is None:
+        raise ValueError("compare: SDNQ's types run through the sdnq package, which is not installed: pip install 'cquant[sdnq]'")
     return keep
 
 # %% ../nbs/19a_compare.ipynb #cm000009
@@ -144,7 +158,7 @@ def compare_weights(source, # a checkpoint path (safetensors, shards, GGUF), sta
     return out
 
 # %% ../nbs/19a_compare.ipynb #cm000011
-FAMILY_MARKERS = {'comfy': ('o', 'C0'), 'quantops': ('^', 'C1'), 'gguf': ('s', 'C2')}
+FAMILY_MARKERS = {'comfy': ('o', 'C0'), 'quantops': ('^', 'C1'), 'gguf': ('s', 'C2'), 'sdnq': ('D', 'C4')}
 
 def plot_tradeoff(study:Study, ax=None, title:str=''):
     "Bits per weight against mean SQNR, one point per candidate (marker by family), the Pareto front joined."
@@ -160,8 +174,8 @@ def plot_tradeoff(study:Study, ax=None, title:str=''):
     ax.plot(*zip(*pts), color='C3', lw=1, zorder=2)
     ax.set_xlabel('bits per weight (codes and scales)')
     ax.set_ylabel('mean weight SQNR over layers (dB)' if study.metric == 'sqnr_mean_db' else 'output SQNR on held-out inputs (dB)')
-    ax.set_title(title or 'Comfy formats (circles), QuantOps layouts (triangles), GGUF types (squares); the Pareto front in red',
-                 fontsize=9)
+    ax.set_title(title or 'Comfy formats (circles), QuantOps layouts (triangles), GGUF types (squares), SDNQ (diamonds); '
+                 'the Pareto front in red', fontsize=9)
     ax.grid(alpha=0.3)
     return ax.figure
 

@@ -82,3 +82,23 @@ def test_compare_cli_gptq_and_calibrated_from_a_calibration_file(bf16_file, tmp_
         assert abs(got['sqnr_db'] - want) < 1e-6, label
     rc, out, err = cquant_cli('compare', path, '--formats', 'INT8', '--roundings', 'gptq')
     assert rc != 0 and "['INT8 (gptq)'] need calibration inputs" in err and 'Traceback' not in err
+
+
+def test_sdnq_types_on_the_chart(bf16_file):
+    "SDNQ's six types through its own package, beside the Comfy formats; its int8 is cquant's INT8 (exact), layer for layer."
+    pytest.importorskip('sdnq')
+    path, _ = bf16_file
+    s = compare_weights(path, candidates(['sdnq', 'INT8'], ('nearest', 'exact')))
+    assert {r['label'] for r in s if r['family'] == 'sdnq'} == {f'SDNQ {t}' for t in ('int4', 'uint4', 'int5', 'int6', 'int8', 'fp8')}
+    by = {(r['layer'], r['label']): r['sqnr_db'] for r in s.layers}
+    for layer in {l for l, _ in by}:
+        assert abs(by[layer, 'SDNQ int8'] - by[layer, 'INT8 (exact)']) < 1e-9
+    assert {r['label']: r['bits_per_weight'] for r in s}['SDNQ int4'] == 4.5
+
+
+def test_sdnq_named_without_the_package(monkeypatch):
+    import importlib.util
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda n, *a: None if n == 'sdnq' else find(n, *a))
+    with pytest.raises(ValueError, match=r"pip install 'cquant\[sdnq\]'"): candidates(['sdnq'])
+    assert all(c.family != 'sdnq' for c in candidates())           # never in the default set
