@@ -360,11 +360,13 @@ def cmd_convert(args) -> int:
     from cquant.jobs import convert_checkpoint
     r = convert_checkpoint(args.src, args.dst)
     if args.json: print(json.dumps(r, indent=1)); return 0
+    again = ', '.join(f"{m} -> {v['format']} ({v['sqnr_db']:.2f} dB)" for m, v in r['requantized'].items())
     print(f"{r['src']}: {'legacy ' + repr(r['legacy']) if r['legacy'] else 'no legacy markings (validated copy)'}; "
           f"quantized modules {r['formats'] or 'none'}; {len(r['removed'])} key(s) removed, {len(r['added'])} added"
           + (f"; all-zero modules stored with NaN rewritten as exact zeros: {', '.join(r['repaired'])}" if r['repaired'] else '')
           + (f"; markers rewritten: {', '.join(f'{m} -> {json.dumps(v)}' for m, v in r['remarked'].items())}" if r['remarked'] else '')
-          + (f"; legacy INT8 marked: {', '.join(f'{m} -> {json.dumps(v)}' for m, v in r['marked'].items())}" if r['marked'] else ''))
+          + (f"; legacy INT8 marked: {', '.join(f'{m} -> {json.dumps(v)}' for m, v in r['marked'].items())}" if r['marked'] else '')
+          + (f"; quantized again: {again}" if again else ''))
     print(f"wrote {r['dst']}")
     return 0
 

@@ -19,6 +19,7 @@ from .jobs import _SQNR_MEANS
 from .plots import layer_ticks
 from .modules import plan_entry
 from .checkpoint import Checkpoint, open_checkpoint
+from .gguf import ENCODERS, decode_gguf, encode_gguf, gguf_types
 from .policy import Policy
 
 # %% auto #0
@@ -199,6 +200,18 @@ def variant_label(fmt, opts:dict) -> str:
     parts = [k if v is True else f"{k}={v}" for k, v in d.items()]
     return spec.name + (f"[{','.join(parts)}]" if parts else '')
 
+# %% ../nbs/20_explore.ipynb #ex20gg00
+GGUF_CHOICE = 'GGUF '   # the explorer's name of a ggml type beside the formats: 'GGUF Q4_K'
+
+def ggml_choice(fmt) -> str|None:
+    "The ggml type an explorer choice such as 'GGUF Q4_K' names (None: a registered format)."
+    t = fmt[len(GGUF_CHOICE):] if isinstance(fmt, str) and fmt.startswith(GGUF_CHOICE) else None
+    return t if t in ENCODERS else None
+
+def gguf_choices(shape:tuple) -> list:
+    "The explorer's GGUF choices whose rows of values fill whole blocks of a weight of `shape`."
+    return [GGUF_CHOICE + t for t in ENCODERS if shape[-1] % gguf_types()[t][0] == 0]
+
 # %% ../nbs/20_explore.ipynb #651de0e6
 @dataclass
 class Analysis:
@@ -218,13 +231,15 @@ class Analysis:
     @property
     def spec(self) -> Format: return get_format(self.format)
     @property
-    def block(self) -> int|None: return _block(self.spec, self.options)
+    def ggml(self) -> str|None: return ggml_choice(self.format)
+    @property
+    def block(self) -> int|None: return gguf_types()[self.ggml][0] if self.ggml else _block(self.spec, self.options)
     @property
     def rotation(self) -> int|None: return _rotation(self.options)
     @property
     def sampled(self) -> bool: return self.rows is not None
     @property
-    def label(self) -> str: return variant_label(self.format, self.options)
+    def label(self) -> str: return self.format if self.ggml else variant_label(self.format, self.options)
     @property
     def note(self) -> str:
         "Says on a figure that only some rows were analysed."
@@ -257,8 +272,10 @@ def analyze(w, # 2-D float weight (a QuantizedTensor is dequantized first)
             repeat:int=1, # quantize this many times and keep the fastest time
             **opts, # format options (int options are moved to fit the shape, see `normalize_options`)
            ) -> Analysis:
-    "Quantize `w` (or sampled rows of it) with `fmt` and measure SQNR, errors, bytes and bits per weight."
+    """Quantize `w` (or sampled rows of it) with `fmt` and measure SQNR, errors, bytes and bits per weight. `fmt` may
+    also name a ggml type ('GGUF Q4_K', `gguf_choices`): encoded as `cquant.gguf` encodes it, row by row."""
     w = _as_2d(w)
+    if ggml_choice(fmt): return _analyze_gguf(w, fmt, name, max_elems, repeat)
     spec = get_format(fmt)
     shape = tuple(w.shape)
     o = fit_options(spec, shape, **opts)
@@ -270,14 +287,35 @@ def analyze(w, # 2-D float weight (a QuantizedTensor is dequantized first)
     for _ in range(max(1, repeat)):
         t0 = time.perf_counter(); qt = quantize(ws, spec, name=name, **o); best = min(best, time.perf_counter() - t0)
     dq = qt.dequantize(torch.float32)
-    mn, mx = torch.aminmax(ws, dim=1)
-    amax_row = int(torch.maximum(mx.float(), mn.float().neg()).argmax())
     if nbytes is None: nbytes = _nbytes(qt.state_dict('')) if idx is None else storage_bytes(w, spec, **o)
-    a = Analysis(name, spec.name, o, shape, ws, dq, qt, idx, amax_row, best)
-    a.numbers = dict(layer=name, format=spec.name, label=a.label, options=_short_opts(spec, o), shape=shape,
-                     **error_numbers(ws, dq), bytes=int(nbytes), bits_per_weight=8 * nbytes / max(1, w.numel()),
-                     quantize_s=best, rows_analysed=len(ws), rows_total=shape[0], sampled=idx is not None)
+    return _measured(Analysis(name, spec.name, o, shape, ws, dq, qt, idx, _amax_row(ws), best), nbytes, _short_opts(spec, o))
+
+def _amax_row(w:torch.Tensor) -> int:
+    "The row of `w` holding its largest magnitude."
+    mn, mx = torch.aminmax(w, dim=1)
+    return int(torch.maximum(mx.float(), mn.float().neg()).argmax())
+
+def _measured(a:Analysis, nbytes:int, options:dict) -> Analysis:
+    "`a` with its numbers: errors of the analysed rows, bytes and bits per weight of the whole weight."
+    n = math.prod(a.shape)
+    a.numbers = dict(layer=a.name, format=a.format, label=a.label, options=options, shape=a.shape, **error_numbers(a.w, a.dq),
+                     bytes=int(nbytes), bits_per_weight=8 * nbytes / max(1, n), quantize_s=a.seconds,
+                     rows_analysed=len(a.w), rows_total=a.shape[0], sampled=a.rows is not None)
     return a
+
+def _analyze_gguf(w:torch.Tensor, choice:str, name:str, max_elems:int|None, repeat:int) -> Analysis:
+    "`analyze` for a ggml type: each row encoded in its blocks and decoded, as a GGUF file stores the weight."
+    t = ggml_choice(choice)
+    bs, nb = gguf_types()[t]
+    shape = tuple(w.shape)
+    if shape[1] % bs: raise ValueError(f"{name}: {choice} stores rows in blocks of {bs} values; K = {shape[1]} is not a multiple")
+    idx = sample_rows(w, max_elems)
+    ws = w if idx is None else w[idx]
+    best = math.inf
+    for _ in range(max(1, repeat)):
+        t0 = time.perf_counter(); stored = encode_gguf(ws, t); best = min(best, time.perf_counter() - t0)
+    dq = decode_gguf(stored.reshape(-1), t, tuple(ws.shape))
+    return _measured(Analysis(name, choice, {}, shape, ws, dq, None, idx, _amax_row(ws), best), shape[0] * shape[1] // bs * nb, {})
 
 # %% ../nbs/20_explore.ipynb #a7f244cf
 @dataclass
@@ -325,10 +363,13 @@ def block_grid(a:Analysis, # from `analyze`
     if not 0 <= block < nb: raise IndexError(f"block {block} out of range (0..{nb - 1} blocks of {B})")
     c0, c1 = block * B, min(K, (block + 1) * B)
     M = copies or int(min(256, max(8, math.ceil(4096 / (c1 - c0)))))
-    probe = torch.cat([a.w[a.amax_row][None], a.w[row].expand(M + 1, K)])
-    qt = quantize(probe, a.spec, **a.options)
-    q, values, exact = qt.qdata, None, None
-    if q.dim() == 2 and q.shape[0] >= M + 2 and q.element_size() == 1:
+    values, exact = None, None
+    if a.qt is None: q = None         # a ggml type: its blocks pack scales and codes together, no code grid to probe
+    else:
+        probe = torch.cat([a.w[a.amax_row][None], a.w[row].expand(M + 1, K)])
+        qt = quantize(probe, a.spec, **a.options)
+        q = qt.qdata
+    if q is not None and q.dim() == 2 and q.shape[0] >= M + 2 and q.element_size() == 1:
         q = q.clone()
         gen = torch.Generator().manual_seed(seed)
         q[2:M + 2] = torch.randint(0, 256, (M, q.shape[1]), generator=gen, dtype=torch.uint8).view(q.dtype)
@@ -630,7 +671,7 @@ class Comparison(list):
 
 # %% ../nbs/20_explore.ipynb #10f19cac
 def compare_formats(w, # 2-D float weight
-                    formats=None, # None: every registered format; or names / (label, format, options) triples
+                    formats=None, # None: every registered format; or names (formats, 'GGUF Q4_K') / (label, format, options) triples
                     expand:bool=False, # with formats=None: also each boolean option flipped (see `format_variants`)
                     kitchen:bool|None=None, # add comfy-kitchen's numbers (default: when it is installed)
                     max_elems:int|None=None, # analyse sampled rows above this many values (default: all rows)
@@ -645,14 +686,14 @@ def compare_formats(w, # 2-D float weight
         variants, skipped = [], {}
         for f in formats:
             label, fmt, opts = (f, f, {}) if isinstance(f, str) else f
-            variants.append((label if not isinstance(f, str) else variant_label(fmt, opts), fmt, dict(opts)))
+            variants.append((label if not isinstance(f, str) or ggml_choice(f) else variant_label(fmt, opts), fmt, dict(opts)))
     if kitchen is None: kitchen = _kitchen()[0] is not None
     rows = Comparison()
     for label, fmt, opts in variants:
         a = analyze(w, fmt, name=name, max_elems=max_elems, repeat=repeat, **opts)
         r = dict(label=label, **{k: v for k, v in a.numbers.items() if k not in ('label', 'layer', 'shape')})
         r['options'] = dict(opts)
-        if kitchen: r.update(kitchen_numbers(a, w))
+        if kitchen and a.qt is not None: r.update(kitchen_numbers(a, w))
         rows.append(r)
     rows.skipped = skipped
     return rows
@@ -973,7 +1014,8 @@ def _watch(self:Explorer, name, widget):
 # %% ../nbs/20_explore.ipynb #a0173f92
 @patch(as_prop=True)
 def options(self:Explorer) -> dict:
-    "The current option values (from the option controls)."
+    "The current option values (from the option controls; a ggml type has none)."
+    if ggml_choice(self.format): return {}
     spec = get_format(self.format)
     return {o.name: self.controls[o.name].value for o in spec.options if o.name in self.controls}
 
@@ -995,17 +1037,18 @@ def _set_formats(self:Explorer, prefer=None):
             try: spec.layout.check_shape(self.shape, spec.resolve(None), ''); why[name] = 'does not fit'
             except ValueError as e: why[name] = str(e)
     if not fits: raise ValueError(f"no registered format fits shape {self.shape}")
-    cur = prefer or self.controls['format'].value
-    self.controls['format'].options = fits
-    self.controls['format'].value = cur if cur in fits else fewest_bits_format(self.shape, fits)
+    cur, choices = prefer or self.controls['format'].value, fits + gguf_choices(self.shape)
+    self.controls['format'].options = choices
+    self.controls['format'].value = cur if cur in choices else fewest_bits_format(self.shape, fits)
     self._why = why
 
 # %% ../nbs/20_explore.ipynb #1f74acbb
 @patch
 def _build_options(self:Explorer, given:dict|None=None):
     import ipywidgets as W
-    spec = get_format(self.format)
     for n in [n for n in self.controls if n not in ('layer', 'format', 'row', 'block')]: del self.controls[n]
+    if ggml_choice(self.format): self._option_box.children = []; return        # a ggml type has no options
+    spec = get_format(self.format)
     opts = normalize_options(spec, self.shape, **{k: v for k, v in (given or {}).items() if k in spec.option_names})
     if opts is None: raise ValueError(f"{spec.name} with options {given} does not fit shape {self.shape}")
     boxes = []
@@ -1024,6 +1067,7 @@ def _build_options(self:Explorer, given:dict|None=None):
 @patch
 def _refresh_options(self:Explorer):
     "After an option change: recompute every option's values (an int's may depend on a switch) and snap."
+    if ggml_choice(self.format): return
     spec = get_format(self.format)
     opts = normalize_options(spec, self.shape, **self.options) or spec.resolve(None)
     for o in spec.options:
@@ -1085,6 +1129,9 @@ def _analyze(self:Explorer) -> Analysis:
     key = (self.layer, self.format, tuple(sorted((k, repr(v)) for k, v in self.options.items())), self.max_elems)
     if key not in self._cache:
         if len(self._cache) >= 16: self._cache.pop(next(iter(self._cache)))
+        if ggml_choice(self.format):
+            self._cache[key] = analyze(self._weight(self.layer), self.format, name=self.layer, max_elems=self.max_elems)
+            return self._cache[key]
         spec = get_format(self.format)
         opts = normalize_options(spec, self.shape, **self.options)
         bkey = (self.layer, self.format, tuple(sorted((k, repr(v)) for k, v in opts.items())))
@@ -1099,11 +1146,15 @@ COMPARE_ELEMS = 2**18     # values of the layer each format of the comparison ta
 
 @patch(as_prop=True)
 def comparison(self:Explorer) -> Comparison:
-    "Every format that fits the current layer, measured on its rows (`compare_formats`; cached per layer)."
+    "Every format and GGUF type that fits the current layer, measured on its rows (`compare_formats`; cached per layer)."
     if self.layer not in self._compared:
         if len(self._compared) >= 4: self._compared.pop(next(iter(self._compared)))
         cap = COMPARE_ELEMS if self.max_elems is None else min(self.max_elems, COMPARE_ELEMS)
-        self._compared[self.layer] = compare_formats(self._weight(self.layer), kitchen=False, max_elems=cap, name=self.layer)
+        variants, skipped = format_variants(self.shape)
+        rows = compare_formats(self._weight(self.layer), variants + [(g, g, {}) for g in gguf_choices(self.shape)],
+                               kitchen=False, max_elems=cap, name=self.layer)
+        rows.skipped = skipped
+        self._compared[self.layer] = rows
     return self._compared[self.layer]
 
 # %% ../nbs/20_explore.ipynb #15abd50f

@@ -25,7 +25,7 @@ from .models import dit_state_dict
 from .calibrate import Calibration, gptq_layers, rounding_kwargs
 from .record import TokenCounts, open_calibration
 from .rounding import GPTQWarning
-from .validate import diagnosed_marker, legacy_int8, _raw_codes
+from .validate import diagnosed_marker, group_scaled, legacy_int8, _raw_codes
 from .minilm import minilm_path, fetch_minilm
 from .plain import canonical_name, spelling_key
 
@@ -831,10 +831,10 @@ def _marker_repairs(ck:Checkpoint) -> dict:
 
 def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
                        dst, # output file (replaced atomically on success; never the source)
-                      ) -> dict: # legacy kind, quantized modules per format, modules repaired, markers rewritten or added, keys removed / added
+                      ) -> dict: # legacy kind, quantized modules per format, modules repaired, markers rewritten or added, re-quantized, keys removed / added
     """Rewrite `src` with per-module `comfy_quant` entries (legacy headers and markers converted, all-zero NaN modules
     repaired, a marker without its format or with a wrong one rewritten where one format loads the tensors, legacy INT8
-    modules marked), streaming."""
+    modules marked, group-scaled modules re-quantized in their marker's format with the SQNR reported), streaming."""
     src, dst = os.fspath(src), os.fspath(dst)
     check_outputs('convert_checkpoint', _source_names(src), {'destination': dst})
     path = checkpoint_path(src)
@@ -845,13 +845,17 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
         mods = ck.modules(errors=errors)
         remarked = {m: markers[keys['comfy_quant']] for m, keys in ck.groups().items() if keys.get('comfy_quant') in markers}
         marked = {m: fix for m, keys in ck.groups().items() if (fix := _legacy_int8(ck, m, keys))}
-        bad = {m: msg for m, msg in errors.items() if m not in repaired and m not in remarked and m not in marked}
+        regrouped = {m: g for m, keys in ck.groups().items() if 'comfy_quant' in keys and m in errors
+                     and (g := group_scaled(ck, keys, _marker(ck, keys))) is not None}
+        bad = {m: msg for m, msg in errors.items() if m not in repaired and m not in remarked and m not in marked and m not in regrouped}
         bad |= {m: e[0] for m, keys in ck.groups().items() if 'comfy_quant' not in keys and m not in marked  # integer codes, an unapplied scale
                 if (e := _raw_codes(ck, m + '.' if m else '', keys))}
         if bad: raise CheckpointError(src, f"{len(bad)} module(s) cannot be converted:\n" + '\n'.join(f"  {m}: {msg}" for m, msg in bad.items()))
         fixed.update({k: encode_json(v) for k, v in markers.items()})
         legacy_keys = {keys[s]: (m + '.' if m else '', s) for m, keys in ck.groups().items() if m in marked
                        for s in ('scale_weight', 'scale_input') if s in keys}
+        requantized = {m: _requantized(ck, m, keys, regrouped[m]) for m, keys in ck.groups().items() if m in regrouped}
+        for m, (entries, _) in requantized.items(): fixed.update(entries)
         with StreamingWriter(dst, ck.metadata) as writer:
             for k in ck:
                 if k not in legacy_keys: writer.add(k, fixed[k] if k in fixed else ck[k]); continue
@@ -861,11 +865,31 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
                     writer.add(p + 'weight_scale', scale); writer.add(p + 'comfy_quant', encode_json(marker))
         keys, legacy = set(ck), ck.legacy
     formats = Counter([e.format for e in mods.values() if e.quantized] + list(repaired.values())
-                      + [v['format'] for v in remarked.values()] + [v['format'] for v, _ in marked.values()])
+                      + [v['format'] for v in remarked.values()] + [v['format'] for v, _ in marked.values()]
+                      + [r['format'] for _, r in requantized.values()])
     added = {p + s for p, _ in legacy_keys.values() for s in ('weight_scale', 'comfy_quant')}
     return dict(src=src, dst=dst, legacy=legacy, formats=dict(formats), repaired=sorted(repaired), remarked=remarked,
-                marked={m: v for m, (v, _) in marked.items()}, removed=sorted((raw - keys) | set(legacy_keys)),
+                marked={m: v for m, (v, _) in marked.items()}, requantized={m: r for m, (_, r) in requantized.items()}, removed=sorted((raw - keys) | set(legacy_keys)),
                 added=sorted((keys - raw) | added))
+
+def _marker(ck:Checkpoint, keys:dict):
+    "The module's decoded marker, or None where it is not JSON (the module scan reports that)."
+    try: return decode_json(ck[keys['comfy_quant']])
+    except Exception: return None
+
+def _requantized(ck:Checkpoint, m:str, keys:dict, found:tuple) -> tuple:
+    "({key: tensor} of module `m` quantized again in its marker's format from its decoded weight, {format, sqnr_db})."
+    fmt, opts, w = found
+    qt = quantize(w, fmt, name=keys['weight'], **opts)
+    p = keys['weight'][:-len('weight')]
+    sd = qt.state_dict(p)
+    marker = {**qt.config, **{k: v for k, v in _marker(ck, keys).items() if k not in ('format', 'params') and k not in qt.config}}
+    sd[p + 'comfy_quant'] = encode_json(marker)
+    db = energy_db(float(w.double().square().sum()), float((qt.dequantize(torch.float32) - w).double().square().sum()))
+    warnings.warn(f"{ck.path}: module {m!r}: one scale per {w.shape[1] // ck.info(keys['weight_scale']).shape[1]} inputs of "
+                  f"a row, which {fmt} cannot hold: quantized again as {fmt} from its decoded weight ({db:.2f} dB)",
+                  CheckpointWarning, stacklevel=3)
+    return sd, dict(format=fmt, sqnr_db=db)
 
 def _legacy_int8(ck:Checkpoint, m:str, keys:dict) -> tuple|None:
     "`legacy_int8` of module `m`, with the warning that says it is rewritten."

@@ -16,6 +16,7 @@ import torch
 import cquant as cq
 from cquant.tensor import FORMATS, Format, Layout, Option, Params, Storage, format_error, register, quantize
 from cquant.numerics import error_report, from_blocked, representable_values, rotate
+from cquant.gguf import ENCODERS, decode_gguf, encode_gguf
 from cquant.explore import (Analysis, Comparison, Explorer, analyze, block_error, block_grid, compare_formats, explore,
                             fewest_bits_format, default_layer, fit_options, format_color, format_variants, layer_sqnr, normalize_options, option_domain,
                             plot_convrot, plot_error_map, plot_errors, plot_layer_sqnr, plot_sqnr_bars, plot_values,
@@ -520,3 +521,19 @@ def test_kitchen_numbers_for_formats_kitchen_only_loads():
         assert kitchen_numbers(analyze(w, f)) == {
             'kitchen_error': f"comfy-kitchen does not quantize {f} (offline calibration); it loads cquant's files"}
     assert kitchen_numbers(analyze(w, 'nvfp4'))['kitchen_same'] is True
+
+
+def test_explorer_lists_gguf_types():
+    "GGUF's types sit in the format list where the layer's rows fill their blocks; chosen, they have no options and no code grid."
+    w = _w(128, 512)
+    ex = explore({'a.weight': w, 'b.weight': _w(64, 96, 2)}, layer='a', format='GGUF Q5_K')
+    assert [f for f in ex.controls['format'].options if f.startswith('GGUF')] == [f'GGUF {t}' for t in ENCODERS]
+    assert ex.error is None and ex.numbers['label'] == 'GGUF Q5_K' and ex.numbers['bits_per_weight'] == 5.5
+    assert ex.options == {} and set(ex.controls) == {'layer', 'format', 'row', 'block'} and ex.grid.values is None
+    want = 10 * math.log10(w.float().pow(2).sum() / (decode_gguf(encode_gguf(w, 'Q5_K').reshape(-1), 'Q5_K', (128, 512)) - w.float()).pow(2).sum())
+    assert abs(ex.numbers['sqnr_db'] - want) < 1e-6
+    ex.set('format', 'nvfp4')
+    assert ex.numbers['label'] == 'nvfp4' and ex.grid.values is not None
+    assert {r['label'] for r in ex.comparison} >= {'nvfp4', 'GGUF Q8_0', 'GGUF Q4_K'}
+    ex.set('layer', 'b')                                                    # K = 96: no K-quant fits, the legacy 32-blocks do
+    assert [f for f in ex.controls['format'].options if f.startswith('GGUF')] == ['GGUF Q8_0', 'GGUF Q4_0', 'GGUF Q4_1', 'GGUF Q5_0', 'GGUF Q5_1']

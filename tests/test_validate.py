@@ -254,7 +254,29 @@ def test_convert_rewrites_wrongly_written_markers(tmp_path):
     assert validate(tmp_path / 'fixed.safetensors').totals()['error'] == 0
     a, b = load_file(src), load_file(tmp_path / 'fixed.safetensors')
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a if not k.endswith('comfy_quant'))
-    codes = tmp_path / 'codes.safetensors'
-    st_save({'m.weight': rows['r.weight'], 'm.scale_weight': rows['r.weight_scale']}, codes)
-    rc, out, err = cquant_cli('convert', codes, tmp_path / 'no.safetensors')
-    assert rc == 1 and "'m.weight': int8 codes and no 'm.comfy_quant'" in err and not (tmp_path / 'no.safetensors').exists()
+    codes = tmp_path / 'codes.safetensors'              # legacy INT8: codes and a per-row scale_weight, no marker
+    st_save({'m.weight': rows['r.weight'], 'm.scale_weight': rows['r.weight_scale'], 'k.weight': rows['r.weight'].clone()}, codes)
+    rc, out, err = cquant_cli('convert', codes, tmp_path / 'no.safetensors')    # k: bare codes, nothing to read them by
+    assert rc == 1 and "'k.weight': int8 codes and no 'k.comfy_quant'" in err
+    assert "  m:" not in err and not (tmp_path / 'no.safetensors').exists()
+
+
+@pytest.mark.writes_invalid
+def test_convert_requantizes_group_scaled_fp8(tmp_path):
+    """convert_to_quant's old block3d files (FP8 codes, one scale per 32 inputs of a row, marked float8_e4m3fn): validate
+    explains them, `cquant convert` quantizes them again as the named format and prints the SQNR it measured."""
+    from safetensors.torch import save_file as st_save
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 128, generator=g)
+    m = 448 / w.view(64, 4, 32).abs().amax(2, keepdim=True)
+    codes = (w.view(64, 4, 32) * m).clamp(-448, 448).to(torch.float8_e4m3fn).view(64, 128)
+    src = tmp_path / 'b3.safetensors'
+    st_save({'z.weight': codes, 'z.weight_scale': 1 / m, 'z.comfy_quant': encode_json({'format': 'float8_e4m3fn'})}, src)
+    msg = validate(src).rows[0]['messages'][0]['message']
+    assert 'one scale per 32 inputs of a row' in msg and '`cquant convert` re-quantizes it as float8_e4m3fn' in msg
+    rc, out, err = cquant_cli('convert', src, tmp_path / 'fp8.safetensors')
+    assert rc == 0, err
+    db = float(out.split('quantized again: z -> float8_e4m3fn (')[1].split(' dB)')[0])
+    decoded = (codes.float().view(64, 4, 32) / m).view(64, 128)
+    assert abs(db - cq.sqnr(decoded, cq.load_quantized(cq.load_file(tmp_path / 'fp8.safetensors'), 'z').dequantize(torch.float32))) < 0.01
+    assert validate(tmp_path / 'fp8.safetensors').totals()['error'] == 0
