@@ -8,7 +8,7 @@ Docs: https://cquant-dev.github.io/cquant/awq.html.md"""
 from __future__ import annotations
 from dataclasses import dataclass
 import torch
-from .tensor import Params, Layout, Int4PackedLayout, Option, Format, ValueRule, register, Storage, Loader, format_error, check_2d
+from .tensor import Params, Int4PackedLayout, Option, Format, ValueRule, register, Storage, Loader, format_error, check_2d
 from .tensor import round_stochastic, check_finite, input_stats, checked_stats
 from .numerics import pack_uint4, unpack_uint4, SCALE_DTYPES
 

@@ -9,9 +9,8 @@ __all__ = ['CalibrationWarning', 'ActivationStats', 'collect_stats', 'collect_am
            'apply_input_scales', 'search_smoothing', 'Calibration', 'quantize_model']
 
 # %% ../nbs/15_calibrate.ipynb #1535a3ca
-import math, re, warnings
+import re, warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from .tensor import get_format, FORMATS, ScaleRule, quantize

@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/checkpoint.html.md"""
 
 # %% ../nbs/11_checkpoint.ipynb #4006f88f
 from __future__ import annotations
-import errno, glob, hashlib, itertools, json, math, os, re, shutil, stat, struct, tempfile, textwrap, threading, time, warnings
+import errno, glob, hashlib, itertools, json, math, os, re, shutil, stat, struct, tempfile, threading, time, warnings
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -20,7 +20,7 @@ from .comfy import expert_tensors, file_value, split_bank
 from .attention_config import ATTENTION_KEY, _usable_attention
 from .runtime import host_name, process_alive
 from .gguf import decode_gguf, is_gguf, read_gguf
-from .plain import parse_size, _fmt_bytes, size_ratio, text_table, _footnotes, markdown_table
+from .plain import parse_size, _fmt_bytes, size_ratio, text_table
 
 # %% auto #0
 __all__ = ['MAX_HEADER_BYTES', 'MAX_JSON_BYTES', 'ST_DTYPES', 'INDEX_SUFFIX', 'LEGACY_QMETA', 'LEGACY_MARKER', 'PROVENANCE_KEYS',

@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/compare.html.md"""
 
 # %% ../nbs/19a_compare.ipynb #cm000002
 from __future__ import annotations
-import importlib.util, json, math, os, re, warnings
+import importlib.util, math, os, re, warnings
 from dataclasses import dataclass
 from typing import Callable
 import torch

@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from .numerics import sqnr
-from .checkpoint import load_file, markdown_table
+from .checkpoint import load_file
+from .plain import markdown_table
 from .modules import (QuantLinear, LoadKeysError, LoadKeysWarning, load_quantized_model, quantized_names, submodule,
                             swap_module)
 from .models import dit_model, dit_batches

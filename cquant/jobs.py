@@ -16,7 +16,7 @@ from .gguf import FLOAT_TYPES
 from .tensor import QuantizedTensor, check_finite, decode_json, encode_json, get_format, quantize, same_bits, _zero_weight
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, TensorInfo, open_checkpoint, save_file,
                                split_key, scale_keys, gguf_types_of,
-                               size_ratio, text_table, _footnotes, _fmt_bytes, read_header,
+                               size_ratio, text_table, _fmt_bytes, read_header,
                                ShardedWriter, checkpoint_path, shard_index, read_shards, write_sha256)
 from ._version import __version__
 from .plots import plot_report, save_plot
@@ -27,7 +27,7 @@ from .record import TokenCounts, open_calibration
 from .rounding import GPTQWarning
 from .validate import diagnosed_marker, group_scaled, legacy_int8, _raw_codes
 from .minilm import minilm_path, fetch_minilm
-from .plain import canonical_name, spelling_key
+from .plain import canonical_name, spelling_key, _footnotes
 
 # %% auto #0
 __all__ = ['Report', 'quantize_checkpoint', 'report_error', 'convert_checkpoint', 'plan_table', 'demo']

@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/nvfp4.html.md"""
 
 # %% ../nbs/03_nvfp4.ipynb #9a93b4fc
 from __future__ import annotations
-import functools, math
+import math
 from dataclasses import dataclass
 import torch
 import torch.nn.functional as F

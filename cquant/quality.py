@@ -10,7 +10,7 @@ import math
 import torch
 from .formats import FORMATS
 from .tensor import quantize, get_format
-from .checkpoint import markdown_table
+from .plain import markdown_table
 
 # %% auto #0
 __all__ = ['default_variants', 'format_table', 'rows_markdown', 'plot_format_sqnr']

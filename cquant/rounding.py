@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/rounding.html.md"""
 
 # %% ../nbs/23_rounding.ipynb #7621fb7f
 from __future__ import annotations
-import math, warnings
+import warnings
 import torch
 from .tensor import Format, Grid, QuantFormatError, register_rounding, format_error, as_fp32
 from .tensor import input_stats, input_rows, checked_stats

@@ -8,7 +8,7 @@ Docs: https://cquant-dev.github.io/cquant/svdquant.html.md"""
 from __future__ import annotations
 from dataclasses import dataclass, replace
 import torch
-from .tensor import Params, Layout, Int4PackedLayout, Option, Format, ValueRule, register, Storage, Loader, PolicyMode, format_error, check_2d
+from .tensor import Params, Int4PackedLayout, Option, Format, ValueRule, register, Storage, Loader, PolicyMode, format_error, check_2d
 from .tensor import check_finite, round_stochastic, input_stats, checked_stats
 from .numerics import pack_int4, unpack_int4, SCALE_DTYPES
 

@@ -14,8 +14,9 @@ from .formats import FORMATS
 from .tensor import CheckpointWarning, DeviceClass, Option, QuantFormatError, QuantFormatWarning, load_quantized
 from .attention_config import ATTENTION_KEY, ATTENTION_METHODS, attention_entries
 from .comfy import FPMM, nested_params
-from .checkpoint import (Checkpoint, CheckpointError, comfy_unread, _comfy_unloadable, open_checkpoint, scale_keys, text_table, _footnotes, _read_json,
+from .checkpoint import (Checkpoint, CheckpointError, comfy_unread, _comfy_unloadable, open_checkpoint, scale_keys, _read_json,
                                _scan_module)
+from .plain import text_table, _footnotes
 from .modules import comfy_disabled_formats
 
 # %% auto #0

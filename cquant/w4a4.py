@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 from .tensor import ValueRule, int8_compute
-from .tensor import Params, Layout, Int4PackedLayout, Option, Format, register, Storage, Loader, PolicyMode, format_error, check_2d, round_stochastic
+from .tensor import Params, Int4PackedLayout, Option, Format, register, Storage, Loader, PolicyMode, format_error, check_2d, round_stochastic
 from .numerics import absmax, rotate, pack_int4, unpack_int4, is_power_of_4, SCALE_DTYPES, residual_energy
 from .int8 import int_mm, quantize_rows_int8, _rotation_blocks
 from .tensor import Grid

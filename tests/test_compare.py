@@ -61,6 +61,7 @@ def test_a_candidate_that_does_not_fit_leaves_the_layer_out():
     assert {r['label']: r['layers'] for r in s} == {'W4A8': 1, 'NVFP4': 3, 'GGUF Q4_K': 2}
 
 
+@pytest.mark.long      # GPTQ and AWQ's search on a MiniLM layer, through the CLI
 def test_compare_cli_gptq_and_calibrated_from_a_calibration_file(bf16_file, tmp_path):
     """`--roundings gptq` and `--calibrated` take the layers' inputs from `--calibration`: the numbers are those of
     quantize with the same inputs; without the file the command says what is missing."""
@@ -84,6 +85,7 @@ def test_compare_cli_gptq_and_calibrated_from_a_calibration_file(bf16_file, tmp_
     assert rc != 0 and "['INT8 (gptq)'] need calibration inputs" in err and 'Traceback' not in err
 
 
+@pytest.mark.long      # the optional sdnq package's six encoders on two MiniLM layers
 def test_sdnq_types_on_the_chart(bf16_file):
     "SDNQ's six types through its own package, beside the Comfy formats; its int8 is cquant's INT8 (exact), layer for layer."
     pytest.importorskip('sdnq')
