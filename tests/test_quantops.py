@@ -78,7 +78,8 @@ def ctq_files(tmp_path_factory):
     return d / 'src.safetensors', out
 
 
-@pytest.mark.long                 # convert_to_quant's CLI, run five times
+@pytest.mark.long                 # convert_to_quant's CLI, run five times (once: one worker holds the fixture)
+@pytest.mark.xdist_group('ctq')
 @pytest.mark.parametrize('fmt', list(RUNS))
 def test_convert_to_quant_files_load(ctq_files, fmt):
     "cquant validates the CLI's file, loads every module in its format and decodes it as the format defines."
@@ -100,7 +101,8 @@ def test_convert_to_quant_files_load(ctq_files, fmt):
         assert torch.equal(qt.dequantize(torch.float32), want)
 
 
-@pytest.mark.long                 # convert_to_quant's CLI, run five times
+@pytest.mark.long                 # convert_to_quant's CLI, run five times (once: one worker holds the fixture)
+@pytest.mark.xdist_group('ctq')
 @pytest.mark.parametrize('fmt', list(RUNS))
 def test_cquant_writes_what_convert_to_quant_writes(ctq_files, fmt, tmp_path):
     "quantize_checkpoint in the same format writes the CLI's weight and scale bytes (biases aside: the CLI corrects them)."
@@ -120,6 +122,7 @@ def test_cquant_writes_what_convert_to_quant_writes(ctq_files, fmt, tmp_path):
 
 
 @pytest.mark.long
+@pytest.mark.xdist_group('ctq')
 @pytest.mark.writes_invalid      # the legacy file, on purpose
 @pytest.mark.parametrize('fmt', ['int8_blockwise'])
 def test_legacy_int8_converts_to_the_marked_file(ctq_files, fmt, tmp_path):
