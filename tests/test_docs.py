@@ -61,6 +61,11 @@ def _parse(path):
 
 @pytest.fixture(scope='session')
 def site():
+    "The site tools/build_docs.py builds from this tree; `CQUANT_DOCS_SITE`: one it has just built (.ci/run's docs step)."
+    if prebuilt := os.environ.get('CQUANT_DOCS_SITE'):
+        assert (Path(prebuilt)/'index.html').exists(), f'CQUANT_DOCS_SITE={prebuilt}: no built site there'
+        yield Path(prebuilt)
+        return
     out = Path(tempfile.mkdtemp(prefix='cquant-site-'))/'site'
     r = subprocess.run([sys.executable, str(ROOT/'tools'/'build_docs.py'), '--out', str(out), '-q'],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
