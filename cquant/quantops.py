@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 
-from .numerics import e8m0_decode, FP16_MIN_NORMAL
+from .numerics import absmax, e8m0_decode, FP16_MIN_NORMAL
 from .tensor import Params, Layout, Option, Format, ValueRule, register, Storage, Loader, Activations, format_error, check_2d
-from .tensor import nvidia_compute, round_stochastic
+from .tensor import Grid, nvidia_compute, round_stochastic
 from .fp8 import round_to_fp8
 from .mxfp8 import MXFP8, MXFP8Layout, MXFP8Params, MXFP8_BLOCK
 
@@ -195,6 +195,13 @@ class FP8_ROWWISE(_QuantOpsFormat):
     row_gather = True
     native_compute = staticmethod(nvidia_compute((8, 9)))
     def rows_independent(self, opts:dict) -> bool: return True
+    def grid(self, w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
+        "e4m3 codes under one scale per row (`clip` x the row's absmax / 448): rounding='exact', 'mse' and 'gptq'."
+        def scale(cols, clip): return (absmax(cols, dim=-1, keepdim=True).float() * clip / _FP8_MAX).clamp_(min=1e-30)
+        def pack(wb, scales):
+            return round_to_fp8(wb / scales[0], torch.float8_e4m3fn), ScaledParams(tuple(w.shape), w.dtype, scales[0][:, 0].clone())
+        return Grid(w.shape[1], scale, lambda c, s: round_to_fp8(c / s, torch.float8_e4m3fn).float() * s, pack,
+                    stored=lambda q, p: q.float().mul_(p.scale.float()[:, None]))
 
 @register
 class FP8_BLOCKWISE(_QuantOpsFormat):
