@@ -14,7 +14,7 @@ from torch import nn
 from .formats import FORMATS, _nbytes
 from .tensor import ROUNDINGS, quantize
 from .gguf import ENCODERS, decode_gguf, encode_gguf, gguf_types
-from .explore import fit_options, weight_layers
+from .explore import GGUF_CHOICE, fit_options, weight_layers
 from .plain import text_table
 from .evaluate import Workload, _float_reference, _outputs, sqnr
 from .calibrate import collect_inputs
@@ -35,12 +35,13 @@ class Candidate:
     inputs: bool = False # it needs x: GPTQ, a format's own data-aware encoder
 
 def _comfy_run(fmt:str, options:dict, rounding:str, calibrated:bool=False) -> Callable:
+    inputs = calibrated or rounding == 'gptq'    # the encoder uses the layer's inputs
     def run(w, x=None):
         o = fit_options(fmt, tuple(w.shape), **options)
-        if o is None or (x is None and (calibrated or rounding == 'gptq')): return None
+        if o is None or (inputs and x is None): return None
         with warnings.catch_warnings():          # the data-free variants of calibrated formats say so per layer
             warnings.simplefilter('ignore')
-            qt = quantize(w, fmt, rounding=rounding, calibration=x if calibrated or rounding == 'gptq' else None, **o)
+            qt = quantize(w, fmt, rounding=rounding, calibration=x if inputs else None, **o)
         return qt.dequantize(torch.float32), _nbytes(qt.state_dict(''))
     return run
 
@@ -83,7 +84,7 @@ def candidates(formats=None, # names to keep: formats, variant labels, ggml type
                                      r == 'gptq'))
             if calibrated and spec.declares('calibrated'):
                 out.append(Candidate(f'{label} ({CALIBRATED})', family, name, _comfy_run(name, opts, 'nearest', True), True))
-    out += [Candidate(f'GGUF {t}', 'gguf', t, _gguf_run(t)) for t in ENCODERS]
+    out += [Candidate(GGUF_CHOICE + t, 'gguf', t, _gguf_run(t)) for t in ENCODERS]   # the explorer's names
     if formats is None: return out
     out += [Candidate(f'SDNQ {t}', 'sdnq', f'sdnq_{t}', _sdnq_run(t)) for t in SDNQ_TYPES]
     want = {str(f).lower() for f in formats}

@@ -283,12 +283,17 @@ def analyze(w, # 2-D float weight (a QuantizedTensor is dequantized first)
                                           f'{name} ')   # raises the format's own error
     idx = sample_rows(w, max_elems, row_unit(spec, shape[1], o))
     ws = w if idx is None else w[idx]
-    best = math.inf
-    for _ in range(max(1, repeat)):
-        t0 = time.perf_counter(); qt = quantize(ws, spec, name=name, **o); best = min(best, time.perf_counter() - t0)
+    qt, best = _fastest(repeat, lambda: quantize(ws, spec, name=name, **o))
     dq = qt.dequantize(torch.float32)
     if nbytes is None: nbytes = _nbytes(qt.state_dict('')) if idx is None else storage_bytes(w, spec, **o)
     return _measured(Analysis(name, spec.name, o, shape, ws, dq, qt, idx, _amax_row(ws), best), nbytes, _short_opts(spec, o))
+
+def _fastest(repeat:int, fn) -> tuple:
+    "(`fn()`, the fastest of `repeat` (at least one) timed calls in seconds)."
+    best = math.inf
+    for _ in range(max(1, repeat)):
+        t0 = time.perf_counter(); out = fn(); best = min(best, time.perf_counter() - t0)
+    return out, best
 
 def _amax_row(w:torch.Tensor) -> int:
     "The row of `w` holding its largest magnitude."
@@ -311,9 +316,7 @@ def _analyze_gguf(w:torch.Tensor, choice:str, name:str, max_elems:int|None, repe
     if shape[1] % bs: raise ValueError(f"{name}: {choice} stores rows in blocks of {bs} values; K = {shape[1]} is not a multiple")
     idx = sample_rows(w, max_elems)
     ws = w if idx is None else w[idx]
-    best = math.inf
-    for _ in range(max(1, repeat)):
-        t0 = time.perf_counter(); stored = encode_gguf(ws, t); best = min(best, time.perf_counter() - t0)
+    stored, best = _fastest(repeat, lambda: encode_gguf(ws, t))
     dq = decode_gguf(stored.reshape(-1), t, tuple(ws.shape))
     return _measured(Analysis(name, choice, {}, shape, ws, dq, None, idx, _amax_row(ws), best), shape[0] * shape[1] // bs * nb, {})
 

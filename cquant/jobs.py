@@ -25,7 +25,7 @@ from .models import dit_state_dict
 from .calibrate import Calibration, gptq_layers, rounding_kwargs
 from .record import TokenCounts, open_calibration
 from .rounding import GPTQWarning
-from .validate import diagnosed_marker, group_scaled, legacy_int8, _raw_codes
+from .validate import diagnosed_marker, group_decoded, group_scaled, legacy_int8, _raw_codes
 from .minilm import minilm_path, fetch_minilm
 from .plain import canonical_name, spelling_key, _footnotes
 
@@ -820,8 +820,7 @@ def _marker_repairs(ck:Checkpoint) -> dict:
     out = {}
     for m, keys in ck.groups().items():
         if 'comfy_quant' not in keys: continue
-        try: cfg = decode_json(ck[keys['comfy_quant']])
-        except Exception: continue                               # not JSON: the module scan reports it
+        if (cfg := _marker(ck, keys)) is None: continue          # not JSON: the module scan reports it
         fix = diagnosed_marker(ck, keys, cfg)
         if fix is None: continue
         out[keys['comfy_quant']] = fix
@@ -845,8 +844,8 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
         mods = ck.modules(errors=errors)
         remarked = {m: markers[keys['comfy_quant']] for m, keys in ck.groups().items() if keys.get('comfy_quant') in markers}
         marked = {m: fix for m, keys in ck.groups().items() if (fix := _legacy_int8(ck, m, keys))}
-        regrouped = {m: g for m, keys in ck.groups().items() if 'comfy_quant' in keys and m in errors
-                     and (g := group_scaled(ck, keys, _marker(ck, keys))) is not None}
+        regrouped = {m: (cfg, found) for m, keys in ck.groups().items() if 'comfy_quant' in keys and m in errors
+                     and (found := group_scaled(ck, keys, cfg := _marker(ck, keys))) is not None}
         bad = {m: msg for m, msg in errors.items() if m not in repaired and m not in remarked and m not in marked and m not in regrouped}
         bad |= {m: e[0] for m, keys in ck.groups().items() if 'comfy_quant' not in keys and m not in marked  # integer codes, an unapplied scale
                 if (e := _raw_codes(ck, m + '.' if m else '', keys))}
@@ -854,7 +853,7 @@ def convert_checkpoint(src, # a legacy (or modern) safetensors checkpoint
         fixed.update({k: encode_json(v) for k, v in markers.items()})
         legacy_keys = {keys[s]: (m + '.' if m else '', s) for m, keys in ck.groups().items() if m in marked
                        for s in ('scale_weight', 'scale_input') if s in keys}
-        requantized = {m: _requantized(ck, m, keys, regrouped[m]) for m, keys in ck.groups().items() if m in regrouped}
+        requantized = {m: _requantized(ck, m, keys, *regrouped[m]) for m, keys in ck.groups().items() if m in regrouped}
         for m, (entries, _) in requantized.items(): fixed.update(entries)
         with StreamingWriter(dst, ck.metadata) as writer:
             for k in ck:
@@ -877,18 +876,18 @@ def _marker(ck:Checkpoint, keys:dict):
     try: return decode_json(ck[keys['comfy_quant']])
     except Exception: return None
 
-def _requantized(ck:Checkpoint, m:str, keys:dict, found:tuple) -> tuple:
-    "({key: tensor} of module `m` quantized again in its marker's format from its decoded weight, {format, sqnr_db})."
-    fmt, opts, w = found
+def _requantized(ck:Checkpoint, m:str, keys:dict, cfg:dict, found:tuple) -> tuple:
+    "({key: tensor} of `group_scaled` module `m` quantized again in its marker's format from its decoded weight, {format, sqnr_db})."
+    fmt, opts, g = found
+    w = group_decoded(ck, keys, g)
     qt = quantize(w, fmt, name=keys['weight'], **opts)
     p = keys['weight'][:-len('weight')]
     sd = qt.state_dict(p)
-    marker = {**qt.config, **{k: v for k, v in _marker(ck, keys).items() if k not in ('format', 'params') and k not in qt.config}}
+    marker = {**qt.config, **{k: v for k, v in cfg.items() if k not in ('format', 'params') and k not in qt.config}}
     sd[p + 'comfy_quant'] = encode_json(marker)
     db = energy_db(float(w.double().square().sum()), float((qt.dequantize(torch.float32) - w).double().square().sum()))
-    warnings.warn(f"{ck.path}: module {m!r}: one scale per {w.shape[1] // ck.info(keys['weight_scale']).shape[1]} inputs of "
-                  f"a row, which {fmt} cannot hold: quantized again as {fmt} from its decoded weight ({db:.2f} dB)",
-                  CheckpointWarning, stacklevel=3)
+    warnings.warn(f"{ck.path}: module {m!r}: one scale per {g} inputs of a row, which {fmt} cannot hold: quantized again "
+                  f"as {fmt} from its decoded weight ({db:.2f} dB)", CheckpointWarning, stacklevel=3)
     return sd, dict(format=fmt, sqnr_db=db)
 
 def _legacy_int8(ck:Checkpoint, m:str, keys:dict) -> tuple|None:

@@ -203,10 +203,10 @@ def diagnosed_marker(ck:Checkpoint, keys:dict, cfg) -> dict|None:
 
 def _misnamed_note(ck:Checkpoint, keys:dict, cfg) -> str:
     "The note on a marker without a format or with a wrong one: the formats the stored tensors fit."
-    if (g := group_scaled(ck, keys, cfg)) is not None:
-        nb = ck.info(keys['weight_scale']).shape[1]
-        return (f" (one scale per {ck.info(keys['weight']).shape[1] // nb} inputs of a row, as convert_to_quant's old block3d "
-                f"mode wrote it: {g[0]} cannot hold it; `cquant convert` re-quantizes it as {g[0]} and reports the SQNR)")
+    if (found := group_scaled(ck, keys, cfg)) is not None:
+        fmt, _, g = found
+        return (f" (one scale per {g} inputs of a row, as convert_to_quant's old block3d mode wrote it: {fmt} cannot hold it; "
+                f"`cquant convert` re-quantizes it as {fmt} and reports the SQNR)")
     fits = _misnamed(ck, keys, cfg)
     if not fits: return ''
     fix = ("`cquant convert` rewrites it so" if len(fits) == 1 else "choose one")
@@ -245,17 +245,22 @@ def legacy_int8(ck:Checkpoint, keys:dict) -> tuple|None:
     return ({'format': fits[0], **cfg}, s) if len(fits) == 1 else None
 
 def group_scaled(ck:Checkpoint, keys:dict, cfg) -> tuple|None:
-    """(format, options, decoded fp32 weight) of a module whose marker names a registered format of its codes' dtype
-    but whose `weight_scale` is `[N, K/g, 1]`: one scale per g inputs of a row (convert_to_quant's old `block3d`),
-    which no Comfy format stores. None for any other module."""
+    """(format, options, g) of a module whose marker names a registered format of its codes' dtype but whose
+    `weight_scale` is `[N, K/g, 1]`: one scale per g inputs of a row (convert_to_quant's old `block3d`), which no Comfy
+    format stores. None for any other module. Reads only the header."""
     fmt = cfg.get('format') if isinstance(cfg, dict) else None
     if fmt not in FORMATS or 'weight' not in keys or 'weight_scale' not in keys: return None
     w, s = ck.info(keys['weight']), ck.info(keys['weight_scale'])
     if w.dtype != FORMATS[fmt].storage.dtype or len(w.shape) != 2 or len(s.shape) != 3: return None
     (N, K), (n, nb, one) = w.shape, s.shape
     if n != N or one != 1 or nb < 1 or K % nb or not s.dtype.is_floating_point: return None
-    q, scale = ck[keys['weight']], ck[keys['weight_scale']].float()
-    return fmt, FORMATS[fmt].resolve(cfg), (q.float().reshape(N, nb, K // nb) * scale).reshape(N, K)
+    return fmt, FORMATS[fmt].resolve(cfg), K // nb
+
+def group_decoded(ck:Checkpoint, keys:dict, g:int) -> torch.Tensor:
+    "The fp32 weight of a `group_scaled` module: each group of g codes times its scale."
+    q, s = ck[keys['weight']], ck[keys['weight_scale']].float()
+    N, K = q.shape
+    return (q.float().reshape(N, K // g, g) * s).reshape(N, K)
 
 
 # %% ../nbs/17a_validate.ipynb #9eef9a40
