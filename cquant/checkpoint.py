@@ -490,7 +490,7 @@ class _FileHasher(threading.Thread):
 
     def run(self):
         try:
-            buf = memoryview(bytearray(1 << 24))        # one buffer for every read: no 16 MiB allocation per chunk
+            buf = memoryview(bytearray(1 << 20))        # one 1 MiB buffer for every read (the hash is no faster with more)
             for f in self.files:
                 h, pos = hashlib.sha256(), 0
                 with open(f, 'rb', buffering=0) as fh:

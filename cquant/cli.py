@@ -13,7 +13,7 @@ __all__ = ['EXIT_STATUS', 'EXAMPLES', 'cmd_inspect', 'add_inspect_parser', 'cmd_
            'build_parser', 'write_facts', 'Terminated', 'main', 'run_captured']
 
 # %% ../nbs/18_cli.ipynb #a82e8daa
-import argparse, glob, json, os, signal, sys, threading, time, warnings
+import argparse, glob, json, os, signal, sys, threading, warnings
 from pathlib import Path
 from ._version import __version__
 from .plain import canonical_name, is_power_of_4, parse_size, text_table
@@ -398,7 +398,7 @@ def cmd_merge_lora(args) -> int:
     check_outputs('', {'BASE': args.base}, {'DST': None if args.shard_size else args.dst, '--report': args.report, '--plot': args.plot})
     rep = merge_loras(args.base, [p for p, _ in loras], args.dst, [s for _, s in loras], policy_from_args(args) if given else None,
                       args.calibration, reference=args.reference, from_reference=args.from_reference,
-                      allow_unmatched=args.allow_unmatched, progress=given and not args.json, report=args.report,
+                      allow_unmatched=args.allow_unmatched, progress=not (args.json or args.quiet), report=args.report,
                       shard_size=args.shard_size)
     if args.plot: save_plot(rep, args.plot)
     if args.json: print(json.dumps(rep.to_dict(), indent=1)); return 0
@@ -425,6 +425,7 @@ def add_merge_lora_parser(subparsers):
     p.add_argument('--plot', metavar='PNG', help='also save the per-module SQNR plot')
     _add_policy_args(p)     # any of them: quantize a float base while merging (one pass), as `cquant quantize` would
     p.add_argument('--json', action='store_true', help='machine-readable summary')
+    p.add_argument('--quiet', action='store_true', help='no progress bar')
     p.set_defaults(func=cmd_merge_lora)
     return p
 

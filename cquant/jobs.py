@@ -11,9 +11,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 import torch
-from .runtime import in_workers, malloc_arenas, restart_peak, trim_heap, _status_bytes
+from .runtime import in_workers, job_heap, restart_peak, trim_heap, _status_bytes
 from .gguf import FLOAT_TYPES
-from .tensor import QuantizedTensor, check_finite, decode_json, encode_json, get_format, quantize, same_bits, _zero_weight
+from .tensor import check_finite, decode_json, encode_json, get_format, quantize, same_bits, _zero_weight
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, TensorInfo, open_checkpoint, save_file,
                                split_key, scale_keys, gguf_types_of,
                                size_ratio, text_table, _fmt_bytes, read_header,
@@ -40,12 +40,15 @@ def _rowwise(fmt, options:dict) -> dict|None:
     return dict(spec.storage.row_assembly) if spec.rows_independent(options) else None
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #9a86be96
-BLOCK_MIN, BLOCK_MAX = 1 << 20, 1 << 24     # elements per row block: 1/16 of the weight, within these bounds
+BLOCK_MIN, BLOCK_MAX = 1 << 18, 1 << 19     # CPU: elements per row block, 1/32 of the weight within these bounds
+DEVICE_BLOCKS = (16, 1 << 20, 1 << 24)      # an accelerator: (fraction of the weight, min, max)
+HEAP_MMAP_FROM = 8 * BLOCK_MAX              # bytes: twice a float32 block; a job maps anything larger on its own
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #2e25ab90
-def block_elems(numel:int) -> int:
-    "Row-block size for a weight of `numel` elements: its temporaries stay a fraction of the weight, ops stay efficient."
-    return min(max(numel // 16, BLOCK_MIN), BLOCK_MAX)
+def block_elems(numel:int, device='cpu') -> int:
+    "Row-block size for a weight of `numel` elements on `device`: its temporaries stay small, ops stay efficient."
+    part, lo, hi = (32, BLOCK_MIN, BLOCK_MAX) if torch.device(device).type == 'cpu' else DEVICE_BLOCKS
+    return min(max(numel // part, lo), hi)
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #699eba3b
 def row_blocks(rows:int, cols:int, elems:int|None=None) -> list:
@@ -90,7 +93,7 @@ def quantize_rows(w:torch.Tensor|LazyRows, # float weight [N, K]
                   fmt:str, # registered format
                   options:dict, # quantize options
                   name:str='weight', # the weight's key, for errors
-                  elems:int|None=None, # elements per row block
+                  elems:int|None=None, # elements per row block (default `block_elems` on the weight's device)
                   rounding:dict|None=None, # `quantize` keywords of the rounding (GPTQ: one Hessian, the whole weight)
                   energies:list|None=None, # a list for the encoder's own error energies (`quantize(energies=...)`)
                   workers:int|None=None, # CPU: row blocks quantized at once, one torch thread each (default torch's threads)
@@ -99,7 +102,7 @@ def quantize_rows(w:torch.Tensor|LazyRows, # float weight [N, K]
     rounding = rounding or {}
     rowwise = _rowwise(fmt, options) is not None and w.dim() == 2 and 'calibration' not in rounding
     if isinstance(w, LazyRows) and not rowwise: w = w[:]
-    blocks = row_blocks(w.shape[0], w.shape[1], elems) if rowwise else [(0, w.shape[0])]
+    blocks = row_blocks(w.shape[0], w.shape[1], elems or block_elems(w.shape[0] * w.shape[1], w.device)) if rowwise else [(0, w.shape[0])]
     def part(i, j):
         rows, e = (w[i:j] if rowwise else w), ([] if energies is not None else None)
         return quantize(rows, fmt, name=name, energies=e, **options, **rounding), rows, e
@@ -596,6 +599,15 @@ def _weight_host_bytes(info) -> int:
     if info.source_format is not None or info.dtype is None: return math.prod(info.shape) * 4
     return math.prod(info.shape) * max(2, torch.empty(0, dtype=info.dtype).element_size())
 
+# %% ../nbs/17_quantize_checkpoint.ipynb #jb0bar01
+def job_bar(total:int, # the source's bytes
+            desc:str, # the job, as the bar names it
+            progress:bool=True): # False: no bar
+    "A job's tqdm bar on stderr counting source bytes, with the rate and the time left; a line per 10 s when stderr is a log."
+    from tqdm import tqdm
+    return tqdm(total=total, unit='B', unit_scale=True, unit_divisor=1024, desc=desc, disable=not progress, file=sys.stderr,
+                leave=False, mininterval=0.1 if sys.stderr.isatty() else 10)
+
 # %% ../nbs/17_quantize_checkpoint.ipynb #18e66f85
 _FLOAT32_NOTE = 1 << 20     # float32 bytes a job writes unconverted before it suggests float_dtype
 _CASTABLE = tuple(getattr(torch, n) for n in FLOAT_WRITE_DTYPES)   # the floats a policy may write
@@ -626,7 +638,6 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                         patches:dict|None=None, # {key: fn(tensor) -> tensor}: applied to the source's tensors as they are read (`merge_loras`)
                        ) -> Report:
     "Quantize checkpoint `src` into `dst` following `policy`, streaming tensor by tensor; returns the per-layer `Report`."
-    from tqdm import tqdm
     tty = sys.stderr.isatty()
     src, dst, policy = os.fspath(src), os.fspath(dst), _as_policy(policy)
     sums = dst + '.sha256' if hash_output else None
@@ -635,7 +646,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
     device = check_device(device, 'quantize_checkpoint')
     cal = Calibration.of(open_calibration(calibration) if isinstance(calibration, (str, os.PathLike)) else calibration)
     if cal is not None: cal.prepare()               # a file conversion has no model: inputs or statistics per layer
-    with malloc_arenas(1), open_checkpoint(src) as ck:     # one arena: the job's threads share freed heap memory
+    with job_heap(HEAP_MMAP_FROM), open_checkpoint(src) as ck:     # weights mapped on their own, block temporaries reused
         ck.modules()                                # the rule load_file applies (stray scales, shapes): refuse before writing
         ck.patches.update(patches or {})
         layers, groups = layer_source(ck), ck.groups()
@@ -655,9 +666,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
         todo = [m for m, s in map(split_key, ck.file_order()) if s == 'weight' and (d := plan.get(m)) is not None and d.format]
         pf = _Prefetcher(layers.weight, todo, {m: _weight_host_bytes(layers.infos[m]) for m in todo},
                          device if cal is None else 'cpu')     # calibration adjusts the weight on the host first
-        with pf, writer, tqdm(total=sum(ck.info(k).stored_nbytes for k in ck), unit='B', unit_scale=True, unit_divisor=1024,
-                     desc='quantize', disable=not progress, file=sys.stderr, leave=False,
-                     mininterval=0.1 if tty else 10) as bar:     # a log (stderr not a terminal): a line per 10 s
+        with pf, writer, job_bar(sum(ck.info(k).stored_nbytes for k in ck), 'quantize', progress) as bar:
             for n, key in enumerate(ck.file_order()):
                 info = ck.info(key); before += info.stored_nbytes
                 m, s = split_key(key)
@@ -669,7 +678,7 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
                     with cost.reading(): weight = pf.get(m)
                     with cost.layer(m):
                         rows[m] = _quantize_layer(writer, ck, key, m, d, weight, cal, [groups[m][x] for x in drop[m]], measure, device)
-                    pf.release(m)
+                    del weight; pf.release(m)       # dropped before the next read starts
                 elif d is not None and d.format and s in drop[m]: pass
                 else:
                     with cost.reading(): t = ck[key]

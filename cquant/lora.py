@@ -11,13 +11,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from .numerics import energy_db
-from .runtime import malloc_arenas, trim_heap
+from .runtime import job_heap, trim_heap
 from .tensor import QuantizedTensor, get_format, load_quantized, quantize
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, ShardedWriter, StreamingWriter, open_checkpoint, split_key,
                                sha256_file)
 from .modules import lora_delta, requantize_options
 from .policy import layer_source
-from .jobs import (JobCost, LazyRows, Report, LayerRow, block_elems, check_outputs, quantize_checkpoint, row_blocks,
+from .jobs import (JobCost, LazyRows, Report, LayerRow, block_elems, check_outputs, job_bar, HEAP_MMAP_FROM, quantize_checkpoint, row_blocks,
                              _err, _label, _rowwise, _source_names, _totals, _write_quantized)
 
 # %% auto #0
@@ -255,7 +255,7 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
                 *, reference=None, # the float checkpoint a quantized `base` was made from: measure against its merge
                 from_reference:bool=False, # quantize each patched module from `reference`'s merge, in the base's format and options
                 allow_unmatched:bool=False, # LoRA modules that match no module: skipped with a warning, else an error
-                progress:bool=False, # with a policy: quantize_checkpoint's progress bar
+                progress:bool=False, # a progress bar on stderr (bytes, rate, time left)
                 report=None, # path: also save the report as JSON there
                 shard_size=None, # e.g. '5GB': write HF-style shards and an index into the folder `dst`
                ) -> Report: # kind 'merge': a row per patched module (with a policy: per layer), totals with the LoRAs
@@ -289,7 +289,7 @@ def merge_loras(base, # a float or Comfy-quantized safetensors checkpoint, or a 
             with open_checkpoint(reference) if reference is not None else contextlib.nullcontext() as ref:
                 if ref is not None: ref = _reference(ref, {m: shapes[m] for m in per_module})
                 rows, before, after, write_s = _bake(ck, dst, per_module, mods, groups, {'cquant_loras': prov}, ref, shard_size,
-                                                     from_reference, cost=cost)
+                                                     from_reference, progress, cost=cost)
             rep = Report(base, dst, cost.row_dicts(rows), _totals(rows, before, after), None, '', time.time() - t0, 'merge',
                          cost.result(before, write_s))
     if policy is not None:
@@ -318,14 +318,16 @@ def _own(e) -> tuple:
     return ('comfy_quant', *e.spec.weight_keys) if e is not None and e.quantized else ('weight',)
 
 def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:dict, ref, shard_size=None,
-          from_ref:bool=False, *, cost:JobCost) -> tuple:
+          from_ref:bool=False, progress:bool=False, *, cost:JobCost) -> tuple:
     """Stream `ck` into `dst` (a file, or with `shard_size` a folder of shards), each module of `per_module` merged where
     its weight comes (`_merge_module`; `ref`: a `LayerSource` of the float original, or None; `from_ref`: quantize its
-    merge); (the patched modules' `LayerRow`s, bytes before, bytes after, seconds writing); `cost` counts reads, modules."""
-    rows, meta = [], {**ck.metadata, **meta}
+    merge; `progress`: `job_bar`); (the patched modules' `LayerRow`s, bytes before, bytes after, seconds writing); `cost`
+    counts reads, modules."""
+    rows, meta, total = [], {**ck.metadata, **meta}, sum(ck.info(k).stored_nbytes for k in ck)
     sizes = {m: sum(ck.info(k).nbytes for k in keys.values()) for m, keys in groups.items()}   # a bake keeps each module's size
-    with malloc_arenas(1), ShardedWriter(dst, shard_size, meta) if shard_size is not None else StreamingWriter(dst, meta) as writer:
-        for key in ck.file_order():          # one malloc arena: the row-block workers share the freed heap memory
+    with (job_heap(HEAP_MMAP_FROM), job_bar(total, 'merge', progress) as bar,
+          ShardedWriter(dst, shard_size, meta) if shard_size is not None else StreamingWriter(dst, meta) as writer):
+        for key in ck.file_order():          # weights mapped on their own, block temporaries reused (`job_heap`)
             m, s = split_key(key)
             if shard_size is not None: writer.place(m, sizes[m])
             e = mods.get(m)
@@ -333,10 +335,12 @@ def _bake(ck:Checkpoint, dst:str, per_module:dict, mods:dict, groups:dict, meta:
                 with cost.reading(): t = ck[key]
                 writer.add(key, t)
             elif s == 'weight':
+                bar.set_postfix_str(m, refresh=False)
                 with cost.layer(m): rows.append(_merge_module(writer, ck, m, e, groups[m], per_module[m], ref, from_ref))
                 trim_heap()                  # the module's float32 buffers handed back before the next is read
+            bar.update(ck.info(key).stored_nbytes)
         after, done = writer.nbytes, time.perf_counter()
-    return rows, sum(ck.info(k).stored_nbytes for k in ck), after, writer.seconds + time.perf_counter() - done
+    return rows, total, after, writer.seconds + time.perf_counter() - done
 
 def _swap(w:torch.Tensor) -> torch.Tensor: return torch.cat([w[w.shape[0] // 2:], w[:w.shape[0] // 2]])
 

@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/record.html.md"""
 
 # %% ../nbs/15a_record.ipynb #ffa9d349
 from __future__ import annotations
-import fnmatch, json, math, os, weakref
+import fnmatch, json, math, os, time, weakref
 from collections.abc import Mapping
 import torch
 import torch.nn as nn
@@ -15,6 +15,7 @@ from ._version import __version__
 from .calibrate import ActivationStats, _BINS, bank_call, expert_key, split_expert_key, split_experts
 from .checkpoint import StreamingWriter, ShardedWriter, open_checkpoint, parse_size, load_file
 from .modules import QuantEmbedding, QuantLinear, QuantMoEExperts, is_linear
+from .runtime import restart_peak, _status_bytes
 
 # %% auto #0
 __all__ = ['LayerStats', 'Sensitivity', 'TokenCounts', 'stats_bytes', 'file_bytes', 'record_calibration', 'CalibrationError',
@@ -424,6 +425,7 @@ def record_calibration(model:nn.Module, # any model: its nn.Linear (and QuantLin
                        progress:bool=False, # a progress bar over the batches of each pass
                       ) -> 'CalibrationStats':
     "Per-layer statistics of the inputs `model` sees over `batches`, streamed: Σxᵀx, channel sums and maxima, a reservoir."
+    t0, rss0 = time.perf_counter(), restart_peak()
     mods, run = _observed(model, layers), run or _run_default
     memory = None if memory is None else parse_size(memory)
     keys = _keys(mods)
@@ -459,9 +461,13 @@ def record_calibration(model:nn.Module, # any model: its nn.Linear (and QuantLin
     order = [n for n in names if n in stats or n in shared]
     meta = dict(model=type(model).__name__, rows=rows, hessian_dtype=_dtype_name(hessian_dtype), hessian_rows=hessian_rows, batches=nb,
                 passes=len(plan), not_called=[n for n in names if n not in order], masked={n: masked.get(n, False) for n in stats})
-    return CalibrationStats({n: stats[n] for n in order if n in stats}, {n: shared[n] for n in order if n in shared}, meta,
-                            order, sums=dict(sensitivity={n: sens[n] for n in order if n in sens},
-                                             tokens={n: tokens[n] for n in mods if n in tokens}))
+    st = CalibrationStats({n: stats[n] for n in order if n in stats}, {n: shared[n] for n in order if n in shared}, meta,
+                          order, sums=dict(sensitivity={n: sens[n] for n in order if n in sens},
+                                           tokens={n: tokens[n] for n in mods if n in tokens}))
+    wall, peak = time.perf_counter() - t0, _status_bytes('VmHWM')
+    st.cost = dict(seconds=wall, batches=nb * len(plan), batches_per_s=nb * len(plan) / wall if wall > 0 else None,
+                   peak_rss_over_start=None if rss0 is None or peak is None else max(0, peak - rss0))
+    return st
 
 # %% ../nbs/15a_record.ipynb #64320392
 CALIBRATION_KEY = 'cquant_calibration'          # the header entry that marks a statistics file
@@ -482,6 +488,7 @@ class CalibrationStats(Mapping):
                  sums:dict|None=None): # {kind of `_SUMS`: {layer: its statistics (or, from a file, its header entry)}}
         self._layers, self.shared, self.meta, self._reader = dict(layers), dict(shared or {}), dict(meta or {}), reader
         self._sums = {k: dict((sums or {}).get(k, {})) for k in _SUMS}
+        self.cost = None              # what recording them cost (`record_calibration`: seconds, batches, rate, peak memory)
         self.order = list(order) if order is not None else [*self._layers, *self.shared]
         self.where, self._file_key = ('calibration' if reader is None else reader.path), {}
 

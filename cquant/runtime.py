@@ -39,7 +39,9 @@ def in_workers(fn, # fn(i, j) -> the result of rows i..j
         while ahead: yield ahead.popleft().result()
 
 # %% ../nbs/00a_runtime.ipynb #6bb171f1
-_LIBC, _M_ARENA_MAX = None, -8          # glibc's handle (False elsewhere) and its mallopt parameter
+_LIBC = None                            # glibc's handle (False elsewhere)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8   # its mallopt parameters
+GLIBC_MMAP_CEILING = 32 << 20           # where glibc's own rising mmap threshold stops (64-bit)
 
 def _libc():
     global _LIBC
@@ -68,14 +70,19 @@ def trim_heap():
     if _libc(): _LIBC.malloc_trim(0)
 
 @contextlib.contextmanager
-def malloc_arenas(n:int):
-    """At most `n` glibc malloc arenas for the threads that start inside the block, then glibc's default limit
-    (8 per CPU) again; a no-op elsewhere."""
+def job_heap(mmap_from:int): # bytes: an allocation this large or larger gets a mapping of its own
+    """glibc's heap shaped for a job (a no-op elsewhere): one malloc arena for the threads that start inside the block
+    (they share freed memory); allocations of `mmap_from` bytes or more (weights, whole-weight copies) mapped on their
+    own and handed back when freed; smaller ones (row-block temporaries) kept on the heap for reuse, its top trimmed
+    past 4x that. Then glibc's default arena limit, and the two thresholds where glibc's own rule tops out."""
     libc = _libc()
-    if libc: libc.mallopt(_M_ARENA_MAX, n)
+    if libc:
+        for p, v in ((_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, mmap_from), (_M_TRIM_THRESHOLD, 4 * mmap_from)): libc.mallopt(p, v)
     try: yield
     finally:
-        if libc: libc.mallopt(_M_ARENA_MAX, 8 * (os.cpu_count() or 1))
+        if libc:
+            for p, v in ((_M_ARENA_MAX, 8 * (os.cpu_count() or 1)), (_M_MMAP_THRESHOLD, GLIBC_MMAP_CEILING),
+                         (_M_TRIM_THRESHOLD, 2 * GLIBC_MMAP_CEILING)): libc.mallopt(p, v)
 
 # %% ../nbs/00a_runtime.ipynb #rt000007
 def host_name() -> str:
