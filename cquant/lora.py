@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .numerics import energy_db
-from .runtime import job_heap, trim_heap
+from .runtime import in_workers, job_heap, trim_heap
 from .tensor import QuantizedTensor, get_format, load_quantized, quantize
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, ShardedWriter, StreamingWriter, open_checkpoint, split_key,
                                sha256_file)
@@ -455,16 +455,20 @@ def _basis_parts(m:str, qt, opts:dict, how:dict, patches:list, elems:int):
     if g is None or g.stored is None: return None
     stored = _stored_rows(qt, how)
     parts = [(up, g.basis(down), a, n, sc) for up, down, a, n, sc in _plain_parts(m, patches, torch.empty(N, K, device='meta'))]
-    def blocks(energies):
-        for i, j in row_blocks(N, K, elems):
-            b, gb = stored(i, j), grid(j - i)
-            wb = _merge_block_(g.stored(b.qdata, b.params), i, parts)
-            cols = gb.slices(wb.shape[1])
-            scales = [gb.scale(wb[:, a:c], torch.ones(j - i, 1)) for a, c in cols]
-            if energies is not None:
-                err = torch.cat([gb.nearest(wb[:, a:c], sc) for (a, c), sc in zip(cols, scales)], 1).sub_(wb)
-                energies.append((float(wb.square().sum(dtype=torch.float64)), float(err.square().sum(dtype=torch.float64))))
-            yield QuantizedTensor(*gb.pack(wb, scales), spec), wb
+    def block(i, j, measure:bool):
+        b, gb = stored(i, j), grid(j - i)
+        wb = _merge_block_(g.stored(b.qdata, b.params), i, parts)
+        cols = gb.slices(wb.shape[1])
+        scales = [gb.scale(wb[:, a:c], torch.ones(j - i, 1)) for a, c in cols]
+        energy = None
+        if measure:
+            err = torch.cat([gb.nearest(wb[:, a:c], sc) for (a, c), sc in zip(cols, scales)], 1).sub_(wb)
+            energy = tuple(float(t.square().sum(1).sum(dtype=torch.float64)) for t in (wb, err))   # per-row fp32 sums, as `_err`
+        return QuantizedTensor(*gb.pack(wb, scales), spec), wb, energy
+    def blocks(energies):              # the row blocks in quantize_rows' workers, as a re-quantization runs
+        for qt, wb, energy in in_workers(lambda i, j: block(i, j, energies is not None), row_blocks(N, K, elems)):
+            if energy is not None: energies.append(energy)
+            yield qt, wb
     return blocks
 
 def _merge_module(writer:StreamingWriter, ck:Checkpoint, m:str, e, keys:dict, patches:list, ref, from_ref:bool=False) -> LayerRow:
