@@ -24,6 +24,16 @@ def fp8_absmax_scale(w:torch.Tensor, # weight (fp32, bf16 or fp16)
     "Kitchen's default per-tensor scale: `max|w| / fp8 max` computed in w's dtype, returned as fp32."
     return (absmax(w) / fp8_max(fp8_dtype)).float()
 
+def fp8_weight_scale(w:torch.Tensor, # weight (fp32, bf16 or fp16)
+                     fp8_dtype:torch.dtype=torch.float8_e4m3fn, # target FP8 dtype
+                    ) -> torch.Tensor: # fp32 0-d scale
+    "The scale `FP8Layout.quantize` gives `w` by default: kitchen's absmax scale, in fp32 where kitchen's would overflow (1 for zeros)."
+    s = fp8_absmax_scale(w, fp8_dtype)
+    if not bool(torch.isfinite((1.0 / s).to(w.dtype))):     # all zero, or kitchen would overflow
+        s = absmax(w).float() / fp8_max(fp8_dtype)
+        if float(s) == 0: s = torch.ones((), dtype=torch.float32)
+    return s
+
 # %% ../nbs/02_fp8.ipynb #57e5958f
 def fp32_scalar(scale, what:str='scale') -> torch.Tensor:
     "A positive finite scale (float or one-element tensor) as an fp32 0-d tensor."
@@ -115,13 +125,7 @@ class FP8Layout(Layout):
     @classmethod
     def quantize(cls, w, stochastic_rounding=0, fp8_dtype=None, scale=None):
         fp8_dtype = fp8_dtype or cls.fp8_dtype
-        if scale is None:
-            s = fp8_absmax_scale(w, fp8_dtype)
-            if not bool(torch.isfinite((1.0 / s).to(w.dtype))):     # all zero, or kitchen would overflow
-                s = absmax(w).float() / fp8_max(fp8_dtype)
-                if float(s) == 0: s = torch.ones((), dtype=torch.float32)
-        else: s = fp32_scalar(scale)
-        s = s.to(w.device)
+        s = (fp8_weight_scale(w, fp8_dtype) if scale is None else fp32_scalar(scale)).to(w.device)
         q = quantize_per_tensor_fp8(w, s, fp8_dtype, stochastic_rounding)
         return q, FP8Params(tuple(w.shape), w.dtype, s)
 
@@ -185,7 +189,7 @@ def _fp8_storage(dtype:torch.dtype) -> Storage:
     "An FP8 weight of `dtype` under one scale (0 only over an all-zero weight), with its activation's `input_scale`."
     rule = ValueRule('the one scale multiplies every stored value', zero_codes=True)
     return Storage(dtype, ('weight_scale',), extra_keys=('input_scale',), zero_weight_key='weight_scale',
-                   value_rules={'weight_scale': rule})
+                   value_rules={'weight_scale': rule}, row_assembly={'weight_scale': 'shared'})
 
 class _FP8Format(Format):
     "The facts and hooks the two FP8 formats share; each sets its dtype's storage and scale rule (E5M2 its layout)."
@@ -195,6 +199,9 @@ class _FP8Format(Format):
     loader = Loader(since='2026-08')    # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
     native_compute = staticmethod(nvidia_compute(FP8Layout.MIN_SM_VERSION, (2, 3)))   # NVIDIA Ada+ with torch >= 2.3
     def kitchen_kwargs(self, opts:dict) -> dict: return dict(dtype=self.storage.dtype)
+    def rows_independent(self, opts:dict) -> bool: return opts.get('scale') is not None   # a given scale: rows alone
+    def tensor_options(self, w:torch.Tensor, opts:dict) -> dict:
+        return {} if opts.get('scale') is not None else {'scale': fp8_weight_scale(w, self.storage.dtype)}
     def grid(self, w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid:
         return fp8_grid(self.storage.dtype)(w, opts, tensor_clip)
 

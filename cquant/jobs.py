@@ -127,11 +127,14 @@ def _out_err(x, ref:torch.Tensor, approx:torch.Tensor, start:int=0) -> tuple:
 def _write_quantized(writer:StreamingWriter, w:torch.Tensor|LazyRows, key:str, prefix:str, fmt:str, options:dict,
                      measure:bool=True, rounding:dict|None=None, x:torch.Tensor|None=None, ref:torch.Tensor|None=None,
                      elems:int|None=None, parts=None) -> dict:
-    """Quantize `w` (with `rounding`'s keywords), stream its tensors and comfy_quant under `prefix`; returns config,
+    """Quantize `w` (with `rounding`'s keywords; row block by row block where the format's rows are independent, after
+    its `tensor_options` where it has them), stream its tensors and comfy_quant under `prefix`; returns config,
     bytes, weight error sums (against `ref`, rows aligned with `w`, if given) and, with inputs `x`, output error sums.
     `parts(energies)`: the `(QuantizedTensor, rows)` blocks made elsewhere (their error energies appended), in place of
     `quantize_rows`."""
     stream, bufs, config, sig, noise, mx, out, row = None, {}, None, 0.0, 0.0, 0.0, [0.0, 0.0], 0
+    if parts is None and not rounding and isinstance(w, torch.Tensor) and w.dim() == 2 and _rowwise(fmt, options) is None:
+        options = {**options, **get_format(fmt).tensor_options(w, options)}   # one pass for a per-tensor statistic: rows stream
     how = _rowwise(fmt, options) or {}
     energies = [] if measure and x is None and ref is None else None   # filled where the encoder measures its own error
     for qt, part in parts(energies) if parts is not None else quantize_rows(w, fmt, options, key, elems, rounding, energies):

@@ -295,6 +295,10 @@ class Format:
     def rows_independent(self, opts:dict) -> bool:
         "Whether, with options `opts`, every output row quantizes from its own values (row blocks are bit-exact)."
         return False
+    def tensor_options(self, w:torch.Tensor, opts:dict) -> dict:
+        """Options computed from the whole weight `w` (a per-tensor statistic) under which its rows quantize alone, to the
+        bytes `quantize(w, **opts)` gives: a converter's first pass, then row blocks. `{}`: none."""
+        return {}
     def bank_is_flat(self, opts:dict, tensors:dict|None=None) -> bool:
         "Whether an MoE bank with options `opts` (and, when loading, file `tensors`) is stored as `[E*N, ...]` rows."
         return False

@@ -12,7 +12,7 @@ from cquant.cli import add_demo_parser, add_plan_parser, add_quantize_parser, ad
 from cquant.policy import Policy, PolicyWarning
 from cquant.models import dit_state_dict
 from cquant.numerics import hadamard, sqnr
-from cquant.tensor import test_bits as check_bits   # imported as test_bits, pytest would collect it
+from cquant.tensor import same_bits, test_bits as check_bits   # imported as test_bits, pytest would collect it
 
 POL = Policy('int4_mixed', preset='none', keep_float=('embed', 'adaLN', 'final_layer'))
 
@@ -117,6 +117,25 @@ def test_row_blocks_are_bit_exact():
             check_bits(torch.cat([q.state_dict('')[k] for q, _ in parts], how.get(k, 0)), t, k)
     assert not cq.get_format('int8_tensorwise').rows_independent({'per_row': False, 'convrot': False})
     assert not cq.get_format('nvfp4').rows_independent({})
+
+
+@pytest.mark.parametrize('fmt', ['float8_e4m3fn', 'float8_e5m2'])
+def test_per_tensor_scale_streams_after_one_pass(fmt):
+    "FP8's one scale, computed first (`tensor_options`), makes its rows independent: row blocks give quantize's bytes."
+    spec, g = cq.get_format(fmt), torch.Generator().manual_seed(2)
+    cases = [torch.randn(70, 768, generator=g).bfloat16(), torch.zeros(70, 768, dtype=torch.bfloat16),
+             (torch.randn(70, 768, generator=g) * 1e-4).half(),         # the absmax scale's inverse overflows fp16: fp32 scale
+             torch.randn(70, 768, generator=g) * 1e-38]
+    assert not spec.rows_independent({})
+    for w in cases:
+        opts = spec.tensor_options(w, {})
+        assert spec.rows_independent(opts) and spec.tensor_options(w, opts) == {}
+        parts = list(quantize_rows(w, fmt, opts, elems=768 * 33))
+        assert len(parts) == 3 and all(same_bits(q.params.scale, parts[0][0].params.scale) for q, _ in parts)
+        whole = cq.quantize(w, fmt)
+        check_bits(torch.cat([q.qdata for q, _ in parts]), whole.qdata, 'weight')
+        check_bits(parts[0][0].params.scale, whole.params.scale, 'weight_scale')
+        assert parts[0][0].config == whole.config
 
 
 def test_atomic_and_refuses_source(mixed, tmp_path):
