@@ -1,12 +1,12 @@
 """Peak memory of `quantize_checkpoint` against the largest tensor, as the job reports it (`Report.cost`: the peak RSS
 over the RSS at the job's start, from the kernel's VmHWM), on synthetic bf16 sources (issue 37).
 
-    python bench/bench_job_memory.py [--cases s4,s18,t72] [--mode int4_mixed] [--no-sqnr] [--repeats 3]
+    python bench/bench_job_memory.py [--cases s4,s18,t72] [--mode int4_mixed] [--no-sqnr] [--repeats 3] [--code DIR]
 
 The cases, by their largest tensor: `s4` 64 linears of 2048x1024 (4 MiB), `s18` 64 of 3072x3072 (18 MiB, the issue's
 1.13 GiB file), `t72` two transformer blocks of width 3072 (qkv, proj, fc1 12288x3072 = 72 MiB, fc2). Each source is
 written once by a process of its own; each repeat runs the job in a fresh process, as the CLI does. The target is
-peak <= 2 x the largest tensor + 32 MiB.
+peak <= 2 x the largest tensor + 32 MiB. `--code DIR` runs the job with another checkout's cquant (an A/B).
 """
 import argparse, json, os, subprocess, sys, tempfile
 from pathlib import Path
@@ -39,8 +39,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('--cases', default='s4,s18,t72'); ap.add_argument('--mode', default='int4_mixed')
     ap.add_argument('--no-sqnr', action='store_true'); ap.add_argument('--repeats', type=int, default=3)
+    ap.add_argument('--code', default=str(Path(__file__).resolve().parents[1]), help='the checkout whose cquant runs')
     a = ap.parse_args()
-    env = {**os.environ, 'PYTHONPATH': str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, 'PYTHONPATH': a.code}
     run = lambda code, *args: subprocess.run([sys.executable, '-c', code, *map(str, args)], capture_output=True, text=True,
                                              check=True, env=env).stdout
     for case in a.cases.split(','):
