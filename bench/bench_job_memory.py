@@ -41,9 +41,10 @@ def main():
     ap.add_argument('--no-sqnr', action='store_true'); ap.add_argument('--repeats', type=int, default=3)
     ap.add_argument('--code', default=str(Path(__file__).resolve().parents[1]), help='the checkout whose cquant runs')
     a = ap.parse_args()
-    env = {**os.environ, 'PYTHONPATH': a.code}
+    a.code = os.path.abspath(a.code)
+    env = {**os.environ, 'PYTHONPATH': a.code}      # run there too: `python -c` puts the working directory first
     run = lambda code, *args: subprocess.run([sys.executable, '-c', code, *map(str, args)], capture_output=True, text=True,
-                                             check=True, env=env).stdout
+                                             check=True, env=env, cwd=a.code).stdout
     for case in a.cases.split(','):
         shapes, blocks = CASES[case]
         big = max(o * i * 2 for _, o, i in shapes)

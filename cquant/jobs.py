@@ -36,8 +36,8 @@ __all__ = ['Report', 'quantize_checkpoint', 'report_error', 'convert_checkpoint'
 def _rowwise(fmt, options:dict) -> dict|None:
     """The format's row-block assembly rules (`Format.storage.row_assembly`) if `fmt` with `options` quantizes row block
     by row block, else None."""
-    spec = get_format(fmt)
-    return dict(spec.storage.row_assembly) if spec.rows_independent(options) else None
+    spec = get_format(fmt)             # a seeded stochastic rounding draws its noise over the shape: whole tensors only
+    return dict(spec.storage.row_assembly) if spec.rows_independent(options) and not options.get('stochastic_rounding') else None
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #9a86be96
 BLOCK_MIN, BLOCK_MAX = 1 << 18, 1 << 19     # CPU: elements per row block, 1/32 of the weight within these bounds
@@ -51,9 +51,9 @@ def block_elems(numel:int, device='cpu') -> int:
     return min(max(numel // part, lo), hi)
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #699eba3b
-def row_blocks(rows:int, cols:int, elems:int|None=None) -> list:
-    "(start, stop) ranges of whole rows, about `elems` (default `block_elems(rows * cols)`) elements each."
-    R = max(1, (elems or block_elems(rows * cols)) // max(cols, 1))
+def row_blocks(rows:int, cols:int, elems:int|None=None, unit:int=1) -> list:
+    "(start, stop) ranges of whole rows, about `elems` (default `block_elems(rows * cols)`) elements each, starting on multiples of `unit`."
+    R = max(1, (elems or block_elems(rows * cols)) // max(cols, 1) // unit) * unit
     return [(i, min(i + R, rows)) for i in range(0, rows, R)]
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #9f05e3f0
@@ -102,7 +102,8 @@ def quantize_rows(w:torch.Tensor|LazyRows, # float weight [N, K]
     rounding = rounding or {}
     rowwise = _rowwise(fmt, options) is not None and w.dim() == 2 and 'calibration' not in rounding
     if isinstance(w, LazyRows) and not rowwise: w = w[:]
-    blocks = row_blocks(w.shape[0], w.shape[1], elems or block_elems(w.shape[0] * w.shape[1], w.device)) if rowwise else [(0, w.shape[0])]
+    blocks = (row_blocks(w.shape[0], w.shape[1], elems or block_elems(w.shape[0] * w.shape[1], w.device), get_format(fmt).storage.row_block)
+              if rowwise else [(0, w.shape[0])])
     def part(i, j):
         rows, e = (w[i:j] if rowwise else w), ([] if energies is not None else None)
         return quantize(rows, fmt, name=name, energies=e, **options, **rounding), rows, e

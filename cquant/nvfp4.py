@@ -271,7 +271,8 @@ class NVFP4(Format):
     "NVFP4: E2M1 codes in blocks of 16 with e4m3 block scales (swizzled) and an fp32 global scale."
     name, layout = 'nvfp4', NVFP4Layout
     storage = Storage(torch.uint8, ('weight_scale', 'weight_scale_2'), extra_keys=('input_scale', 'pre_quant_scale'),
-                      group_size=_GROUP, zero_weight_key='weight_scale_2', value_rules={
+                      group_size=_GROUP, zero_weight_key='weight_scale_2', row_block=128,
+                      row_assembly={'weight_scale_2': 'shared'}, value_rules={
         'weight_scale': ValueRule('a block scale multiplies its 16 values (an all-zero block has 0)', zero_ok=True),
         'weight_scale_2': ValueRule('the global scale multiplies every block scale (an all-zero weight has 0)', zero_ok=True)})
     options = (Option('scale', None, (float, int, type(None)), stored=False,
@@ -281,5 +282,11 @@ class NVFP4(Format):
     loader = Loader(since='2026-08')    # in QUANT_ALGOS of ComfyUI's 2026-08-22 snapshot
     native_compute = staticmethod(nvidia_compute(NVFP4Layout.MIN_SM_VERSION))
     grid = staticmethod(nvfp4_grid)
+    def rows_independent(self, opts:dict) -> bool: return opts.get('scale') is not None   # a given global scale: rows alone
+    def tensor_options(self, w:torch.Tensor, opts:dict) -> dict:
+        "The global scale quantize would choose (amax / 2688 in w's dtype), as the option; none for an all-zero weight."
+        if opts.get('scale') is not None: return {}
+        s = float(_default_scale(absmax(w)))
+        return {'scale': s} if math.isfinite(s) and s > 0 else {}
     choices = {'NVFP4': {}}
     modes = {'nvfp4': PolicyMode(('NVFP4', 'FP8'), doc='NVFP4 (E2M1 blocks of 16), else FP8', weight_only=('AWQ W4A16',))}

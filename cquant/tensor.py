@@ -234,6 +234,7 @@ class Storage:
     extra_keys: tuple = ()              # activation tensors a Linear loads (input_scale, pre_quant_scale)
     group_size: int|None = None         # block/group along K (padding or scale group)
     row_assembly: dict = field(default_factory=dict)   # row blocks join per key: 'shared' or the concat dim (default 0)
+    row_block: int = 1                  # row blocks start on multiples of this many rows (128: a swizzled scale tile)
     value_rules: dict = field(default_factory=dict)    # stored scale key -> `ValueRule`: the values it may hold
     zero_weight_key: str|None = None    # the per-tensor scale a writer sets to 0 for an all-zero weight (named in refusals)
 

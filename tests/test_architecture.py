@@ -76,9 +76,11 @@ def test_declared_facts_reproduce_the_old_tables():
     assert {n: s.storage.row_assembly for n, s in F.items() if s.storage.row_assembly} == {
         'asym_w4a8_int8': {'weight_codebook': 'shared', 'weight_correction': 1},
         'awq_w4a16': {'weight_scale': 1, 'weight_zeros': 1},
-        'float8_e4m3fn': {'weight_scale': 'shared'}, 'float8_e5m2': {'weight_scale': 'shared'}}   # a given scale: rows alone
+        'float8_e4m3fn': {'weight_scale': 'shared'}, 'float8_e5m2': {'weight_scale': 'shared'},   # a given scale: rows alone
+        'nvfp4': {'weight_scale_2': 'shared'}}
     assert F['float8_e4m3fn'].rows_independent({'scale': 0.5}) and {n for n, s in F.items() if s.declares('tensor_options')} == {
-        'float8_e4m3fn', 'float8_e5m2'}
+        'float8_e4m3fn', 'float8_e5m2', 'nvfp4'}
+    assert {n: s.storage.row_block for n, s in F.items() if s.storage.row_block != 1} == {'nvfp4': 128}
     assert {n: s.activations.scale_rule.divisor for n, s in F.items() if s.activations.scale_rule} == {
         'float8_e4m3fn': 448.0, 'float8_e5m2': 57344.0, 'nvfp4': 2688}
     assert {n for n, s in F.items() if s.activations.smoothing} == {'nvfp4'}

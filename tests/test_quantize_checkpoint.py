@@ -117,6 +117,9 @@ def test_row_blocks_are_bit_exact():
             check_bits(torch.cat([q.state_dict('')[k] for q, _ in parts], how.get(k, 0)), t, k)
     assert not cq.get_format('int8_tensorwise').rows_independent({'per_row': False, 'convrot': False})
     assert not cq.get_format('nvfp4').rows_independent({})
+    sr = {'per_row': True, 'stochastic_rounding': 7}             # seeded noise over the whole shape: never in blocks
+    parts = list(quantize_rows(w, 'int8_tensorwise', sr, elems=768 * 33))
+    assert len(parts) == 1 and same_bits(parts[0][0].qdata, cq.quantize(w, 'int8_tensorwise', **sr).qdata)
 
 
 @pytest.mark.parametrize('fmt', ['float8_e4m3fn', 'float8_e5m2'])
