@@ -505,8 +505,7 @@ class _Prefetcher:
         self.cv, self.ready, self.held, self.peak, self.error, self.stopped = threading.Condition(), {}, 0, 0, None, False
         self.cuda = self.device.type == 'cuda'
         if self.cuda: self.stream, self.pins, self.events, self.turn = torch.cuda.Stream(self.device), [None, None], [None, None], 0
-        self.thread = threading.Thread(target=self._run, name='cquant-prefetch', daemon=True)
-        self.thread.start()
+        self.thread = threading.Thread(target=self._run, name='cquant-prefetch', daemon=True)   # started on entering
 
     def _run(self):
         try:
@@ -554,8 +553,11 @@ class _Prefetcher:
 
     def close(self):
         with self.cv: self.stopped = True; self.ready.clear(); self.cv.notify_all()
-        self.thread.join()
-    def __enter__(self): return self
+        if self.thread.is_alive(): self.thread.join()
+    def __enter__(self):
+        "Start reading; a signal that lands here stops the thread again (a daemon thread left inside torch aborts the exit)."
+        try: self.thread.start(); return self
+        except BaseException: self.close(); raise
     def __exit__(self, *exc): self.close()
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #368ea846
@@ -663,14 +665,14 @@ def quantize_checkpoint(src, # float (or fp8 / already quantized) safetensors fi
         drop = {m: _module_drop(groups[m]) for m, d in plan.items() if d.format and m in groups}
         rows, before, kept32, stored = {}, 0, 0, scale_keys() | {'comfy_quant'}
         reserve = max(1 << 16, 512 * len(ck) + len(json.dumps(meta)) + 8192 + 256 * len(ck.files))   # header written in place
-        writer = (ShardedWriter(dst, shard_size, meta, reserve=reserve) if shard_size is not None
-             else StreamingWriter(dst, meta, reserve=reserve))
         mod_bytes = {m: _placed_bytes(ck, keys, plan.get(m), drop.get(m, ())) for m, keys in groups.items()}
         ck.start_hashing()                          # the sources' SHA-256, fed by the reads below (file order)
         todo = [m for m, s in map(split_key, ck.file_order()) if s == 'weight' and (d := plan.get(m)) is not None and d.format]
-        pf = _Prefetcher(layers.weight, todo, {m: _weight_host_bytes(layers.infos[m]) for m in todo},
-                         device if cal is None else 'cpu')     # calibration adjusts the weight on the host first
-        with pf, writer, job_bar(sum(ck.info(k).stored_nbytes for k in ck), 'quantize', progress) as bar:
+        with (job_bar(sum(ck.info(k).stored_nbytes for k in ck), 'quantize', progress) as bar,   # each managed as it is made:
+              ShardedWriter(dst, shard_size, meta, reserve=reserve) if shard_size is not None      # a signal between two
+              else StreamingWriter(dst, meta, reserve=reserve) as writer,                          # leaves nothing behind
+              _Prefetcher(layers.weight, todo, {m: _weight_host_bytes(layers.infos[m]) for m in todo},
+                          device if cal is None else 'cpu') as pf):   # calibration adjusts the weight on the host first
             for n, key in enumerate(ck.file_order()):
                 info = ck.info(key); before += info.stored_nbytes
                 m, s = split_key(key)
