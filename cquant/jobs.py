@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 import torch
-from .runtime import in_workers, job_heap, restart_peak, trim_heap, _status_bytes
+from .runtime import in_workers, job_heap, peak_over, restart_peak, trim_heap
 from .gguf import FLOAT_TYPES
 from .tensor import check_finite, decode_json, encode_json, get_format, quantize, same_bits, _zero_weight
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, TensorInfo, open_checkpoint, save_file,
@@ -424,11 +424,11 @@ class JobCost:
                write_s:float, # seconds its writer spent
                slowest:int=5) -> dict:
         "The cost as JSON-ready data (for `Report.cost`)."
-        wall, peak = time.perf_counter() - self.t0, None if self.rss0 is None else _status_bytes('VmHWM')
+        wall = time.perf_counter() - self.t0
         slow = sorted(self.layers.items(), key=lambda kv: -kv[1])[:slowest]
         return dict(seconds=wall, read_s=self.read, write_s=write_s, compute_s=max(0.0, wall - self.read - write_s),
                     bytes_per_s=nbytes / wall if wall > 0 else None, rss_start=self.rss0,
-                    peak_rss_over_start=None if peak is None else max(0, peak - self.rss0),
+                    peak_rss_over_start=peak_over(self.rss0),
                     slowest=[dict(name=n, seconds=s) for n, s in slow])
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #058d0939

@@ -460,10 +460,7 @@ def _basis_parts(m:str, qt, opts:dict, how:dict, patches:list, elems:int):
         wb = _merge_block_(g.stored(b.qdata, b.params), i, parts)
         cols = gb.slices(wb.shape[1])
         scales = [gb.scale(wb[:, a:c], torch.ones(j - i, 1)) for a, c in cols]
-        energy = None
-        if measure:
-            err = torch.cat([gb.nearest(wb[:, a:c], sc) for (a, c), sc in zip(cols, scales)], 1).sub_(wb)
-            energy = tuple(float(t.square().sum(1).sum(dtype=torch.float64)) for t in (wb, err))   # per-row fp32 sums, as `_err`
+        energy = _err(wb, torch.cat([gb.nearest(wb[:, a:c], sc) for (a, c), sc in zip(cols, scales)], 1))[:2] if measure else None
         return QuantizedTensor(*gb.pack(wb, scales), spec), wb, energy
     def blocks(energies):              # the row blocks in quantize_rows' workers, as a re-quantization runs
         for qt, wb, energy in in_workers(lambda i, j: block(i, j, energies is not None), row_blocks(N, K, elems)):

@@ -15,7 +15,7 @@ from ._version import __version__
 from .calibrate import ActivationStats, _BINS, bank_call, expert_key, split_expert_key, split_experts
 from .checkpoint import StreamingWriter, ShardedWriter, open_checkpoint, parse_size, load_file
 from .modules import QuantEmbedding, QuantLinear, QuantMoEExperts, is_linear
-from .runtime import restart_peak, _status_bytes
+from .runtime import peak_over, restart_peak
 
 # %% auto #0
 __all__ = ['LayerStats', 'Sensitivity', 'TokenCounts', 'stats_bytes', 'file_bytes', 'record_calibration', 'CalibrationError',
@@ -464,9 +464,9 @@ def record_calibration(model:nn.Module, # any model: its nn.Linear (and QuantLin
     st = CalibrationStats({n: stats[n] for n in order if n in stats}, {n: shared[n] for n in order if n in shared}, meta,
                           order, sums=dict(sensitivity={n: sens[n] for n in order if n in sens},
                                            tokens={n: tokens[n] for n in mods if n in tokens}))
-    wall, peak = time.perf_counter() - t0, _status_bytes('VmHWM')
+    wall = time.perf_counter() - t0
     st.cost = dict(seconds=wall, batches=nb * len(plan), batches_per_s=nb * len(plan) / wall if wall > 0 else None,
-                   peak_rss_over_start=None if rss0 is None or peak is None else max(0, peak - rss0))
+                   peak_rss_over_start=peak_over(rss0))
     return st
 
 # %% ../nbs/15a_record.ipynb #64320392

@@ -65,6 +65,11 @@ def restart_peak() -> int|None:
     except OSError: return None
     return _status_bytes('VmRSS')
 
+def peak_over(rss0:int|None) -> int|None:
+    "The peak RSS since `restart_peak` returned `rss0`, over it (None off Linux)."
+    peak = None if rss0 is None else _status_bytes('VmHWM')
+    return None if peak is None else max(0, peak - rss0)
+
 def trim_heap():
     "Hand freed heap memory back to the OS (glibc `malloc_trim`; a no-op elsewhere), so RSS tracks the live tensors."
     if _libc(): _LIBC.malloc_trim(0)
