@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 from .tensor import Params, Int4PackedLayout, Option, Format, ValueRule, register, Storage, Loader, format_error, check_2d
-from .tensor import round_stochastic, check_finite, input_stats, checked_stats
+from .tensor import round_stochastic, check_finite, input_stats, checked_stats, check_stored_finite
 from .numerics import pack_uint4, unpack_uint4, SCALE_DTYPES
 
 # %% auto #0
@@ -237,7 +237,7 @@ def _awq_from_tensors(tensors, opts, shape, dtype, prefix=''):
     z = _awq_group_tensor(tensors['weight_zeros'], 'weight_zeros', K, N, G, prefix)
     if z.dtype != s.dtype:
         raise format_error(prefix, 'weight_zeros', f'the dtype of weight_scale ({s.dtype})', f'{z.dtype}')
-    if not bool(torch.isfinite(z).all()): raise format_error(prefix, 'weight_zeros', 'finite zero points', 'inf or NaN')
+    check_stored_finite(z, prefix, 'weight_zeros', 'finite zero points')
     return tensors['weight'], AWQParams(tuple(shape), dtype, s, z, int(G), bool(opts.get('clip_search', True)))
 
 # %% ../nbs/07a_awq.ipynb #2161a64f

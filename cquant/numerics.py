@@ -339,7 +339,19 @@ def error_report(ref:torch.Tensor, # reference tensor
             "max_abs_error": max_abs_error(ref, approx)}
 
 # %% ../nbs/00_numerics.ipynb #aac2d715
-_ROUNDING = {torch.bfloat16: (0x7F80, 7), torch.float16: (0x7C00, 10)}   # exponent bits, stored significand bits
+_SIGNIFICAND = {torch.bfloat16: 7, torch.float16: 10}           # stored significand bits
+_EXPONENT = {torch.float32: (torch.int32, 0x7F800000), torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00)}
+
+def rounding_energy(x:torch.Tensor, # [..., K] values held in `dtype` (stored as it, or as fp32)
+                    dtype:torch.dtype|None=None, # what they were rounded to (default x.dtype)
+                   ) -> float: # Σulp(x)²/12; 0 where `dtype` is fp32
+    "The energy of rounding x's values to `dtype` (bf16, fp16): Σulp(x)²/12, fp32 per row, fp64 over rows."
+    bits = _SIGNIFICAND.get(dtype or x.dtype)
+    if bits is None or x.numel() == 0: return 0.0
+    it, mask = _EXPONENT[x.dtype]          # the exponent bits alone are each value's power of two 2^E; ulp = 2^(E - bits)
+    p = (x.reshape(-1, x.shape[-1]).view(it) & mask).view(x.dtype)
+    return torch.linalg.vector_norm(p, dim=1, dtype=torch.float32).double().square().sum().item() * 4.0 ** -bits / 12
+
 
 def residual_energy(r:torch.Tensor, # [N, K] the values the codes approximate (a rotated weight, in its dtype)
                     q:torch.Tensor, # [N, K] integer codes
@@ -350,19 +362,17 @@ def residual_energy(r:torch.Tensor, # [N, K] the values the codes approximate (a
     (fp32's, below 2^-24 relative, is left out)."""
     K = r.shape[-1]
     r, q, scale = r.reshape(-1, K), q.reshape(-1, K), scale.reshape(-1, 1).float()
-    acc, step = torch.zeros(3, dtype=torch.float64, device=r.device), max(1, (1 << 20) // K)
+    acc, step = torch.zeros(2, dtype=torch.float64, device=r.device), max(1, (1 << 20) // K)
     blocks = [slice(i, i + step) for i in range(0, r.shape[0], step)]
     for b in blocks:
         rf = r[b].to(torch.float32, copy=True)
         acc[0] += torch.linalg.vector_norm(rf, dim=1).double().square().sum()
         acc[1] += torch.linalg.vector_norm(rf.addcmul_(q[b], scale[b], value=-1), dim=1).double().square().sum()
     sig, noise = acc[0].item(), acc[1].item()
-    mask, bits = _ROUNDING.get(r.dtype, (0, 0))
-    if mask and sig * 4.0 ** -bits / 12 > 1e-3 * noise:    # ulp(x) <= |x| 2^-bits bounds the rounding energy
-        for b in blocks:     # the exponent bits alone are each value's power of two 2^E; its ulp is 2^(E - bits)
-            p = (r[b].view(torch.int16) & mask).view(r.dtype)
-            acc[2] += torch.linalg.vector_norm(p, dim=1, dtype=torch.float32).double().square().sum()
-    return sig, noise + acc[2].item() * 4.0 ** -bits / 12
+    bits = _SIGNIFICAND.get(r.dtype)
+    if bits and sig * 4.0 ** -bits / 12 > 1e-3 * noise:    # ulp(x) <= |x| 2^-bits bounds the rounding energy
+        noise += math.fsum(rounding_energy(r[b]) for b in blocks)
+    return sig, noise
 
 # %% ../nbs/00_numerics.ipynb #13980ade
 _GRID_FORMATS = ("e4m3", "e5m2", "e2m1", "int8", "int4")

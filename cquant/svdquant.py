@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 import torch
 from .tensor import Params, Int4PackedLayout, Option, Format, ValueRule, register, Storage, Loader, PolicyMode, format_error, check_2d
-from .tensor import check_finite, round_stochastic, input_stats, checked_stats
+from .tensor import check_finite, round_stochastic, input_stats, checked_stats, check_stored_finite
 from .numerics import pack_int4, unpack_int4, SCALE_DTYPES
 
 # %% auto #0
@@ -319,9 +319,8 @@ def _svdq_from_tensors(tensors, opts, shape, dtype, prefix=''):
         if tuple(t.shape) != shp:
             raise format_error(prefix, k, f"shape {shp} for weight {tuple(shape)} and rank R={R} (from weight_proj_down)"
                                + (f', {TILE_PACKED}' if tiled else ''), f'shape {tuple(t.shape)}')
-        if k.startswith('weight_proj') and not bool(torch.isfinite(t).all()):
-            raise format_error(prefix, k, 'finite values (the low-rank branch adds x @ proj_down @ proj_up^T)',
-                               f'{int((~torch.isfinite(t)).sum())} non-finite of {t.numel()}')
+        if k.startswith('weight_proj'):
+            check_stored_finite(t, prefix, k, 'finite values (the low-rank branch adds x @ proj_down @ proj_up^T)')
     return tensors['weight'], SVDQuantParams(tuple(shape), dtype, tensors['weight_scale'], down,
                                              tensors['weight_proj_up'], tensors['weight_smooth_factor'], R,
                                              opts.get('layout'), bool(opts.get('act_unsigned', False)),

@@ -46,6 +46,13 @@ def format_error(prefix:str, key:str, expected, found) -> QuantFormatError:
     "A `QuantFormatError` naming the location `prefix+key`, what was expected and what was found."
     return QuantFormatError(f"{_where(prefix, key)}: expected {expected}, found {found}")
 
+# %% ../nbs/01_tensor.ipynb #c27f1a02
+def check_stored_finite(t:torch.Tensor, prefix:str, key:str, expected:str='finite values'):
+    "Raise a `format_error` naming `prefix+key` if stored tensor `t` holds inf or NaN; `NotImplementedError` on a meta tensor."
+    if t.device.type == 'meta': raise NotImplementedError(f"{_where(prefix, key)}: a finiteness check needs values, not a meta tensor")
+    bad = int((~torch.isfinite(t)).sum())
+    if bad: raise format_error(prefix, key, expected, f'{bad} non-finite of {t.numel()}')
+
 # %% ../nbs/01_tensor.ipynb #93a12960
 def check_2d(shape:tuple, # the logical weight shape
              fmt_name:str, # the format name, for the message

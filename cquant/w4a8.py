@@ -10,8 +10,8 @@ import dataclasses, functools, math, sys
 from dataclasses import dataclass
 import torch
 from .tensor import ValueRule, int8_compute
-from .tensor import Params, Layout, Option, Format, register, Storage, Loader, PolicyMode, format_error, check_2d, Grid
-from .numerics import absmax, rotate, hadamard, pack_uint4, unpack_uint4, pack_6bit, unpack_6bit, unpack_nibbles, is_power_of_4
+from .tensor import Params, Layout, Option, Format, register, Storage, Loader, PolicyMode, format_error, check_2d, Grid, check_stored_finite
+from .numerics import absmax, rotate, hadamard, pack_uint4, unpack_uint4, pack_6bit, unpack_6bit, unpack_nibbles, is_power_of_4, rounding_energy
 from .runtime import in_workers
 from .int8 import int8_linear, _row_blocks, _rotation_blocks
 
@@ -240,19 +240,18 @@ def _keep_best(state, err, *values):
 
 # %% ../nbs/07_w4a8.ipynb #dbdfe320
 def _search_scales(t2, center, val, window):
-    "Per group, the e4m3 code (int32 [R, Gn]) among `center + window` whose grid fits t best; its error; the bins h."
+    "Per group, the e4m3 code (int32 [R, Gn]) among `center + window` whose grid fits t best, and its error."
     R, G, Gn = t2.shape
-    h = t2.to(torch.int32).clamp_(0, 511)                                   # bins (t2 > -1 truncates like floor after the clamp)
-    base = _e4m3_code(center)
-    ix = h + ((base + (window[0] + _PAD)) * 512)[:, None, :]
+    base = _e4m3_code(center)                                               # bins (t2 > -1 truncates like floor after the clamp):
+    ix = t2.to(torch.int32).clamp_(0, 511).add_(((base + (window[0] + _PAD)) * 512)[:, None, :])
     v = torch.empty_like(t2)
     err = torch.empty(len(window), R, Gn, dtype=t2.dtype, device=t2.device)
     for k in range(len(window)):
         if k: ix.add_(512)
         torch.index_select(val, 0, ix.view(-1), out=v.view(-1))
-        torch.sum(torch.nn.functional.mse_loss(v, t2, reduction='none'), 1, out=err[k])
+        torch.sum(v.sub_(t2).square_(), 1, out=err[k])                      # v is read again next candidate
     best, k = err.min(0)                                                    # the first of equal errors wins
-    return (base + window[0]).add_(k), best, h
+    return (base + window[0]).add_(k), best
 
 # %% ../nbs/07_w4a8.ipynb #a913f344
 def _fit_symmetric(x, tabs, lmax, window, mults):
@@ -263,16 +262,17 @@ def _fit_symmetric(x, tabs, lmax, window, mults):
     if len(mults) == 1:
         sch = (rmax * (mults[0] / top)).clamp_(min=_SCH_MIN)
         t2 = x.div_((sch * 0.5)[:, None, None]).add_(256.0)                # 2t + 256: the table's units
-        code, _, h = _search_scales(t2, amax / (sch[:, None] * lmax), tabs[0], window)
-        return code, t2, sch, None, h
-    st = None
+        code, _ = _search_scales(t2, amax / (sch[:, None] * lmax), tabs[0], window)
+        return code, t2, sch, None
+    st, t2 = None, torch.empty_like(x)
     for m in mults:
         sch = (rmax * (m / top)).clamp_(min=_SCH_MIN)
-        t2 = (x / (sch * 0.5)[:, None, None]).add_(256.0)
-        code, err, _ = _search_scales(t2, amax / (sch[:, None] * lmax), tabs[0], window)
+        torch.div(x, (sch * 0.5)[:, None, None], out=t2).add_(256.0)
+        code, err = _search_scales(t2, amax / (sch[:, None] * lmax), tabs[0], window)
         st = _keep_best(st, err.sum(1) * (sch * sch), sch, code.t())     # per row: the best row scale
     _, sch, code = st
-    return code.t().contiguous(), x.div_((sch * 0.5)[:, None, None]).add_(256.0), sch, None, None
+    del t2
+    return code.t().contiguous(), x.div_((sch * 0.5)[:, None, None]).add_(256.0), sch, None
 
 # %% ../nbs/07_w4a8.ipynb #572082fd
 def _fit_asymmetric(x, tabs, window, corr_dtype, refine, polish):
@@ -307,7 +307,7 @@ def _fit_asymmetric(x, tabs, window, corr_dtype, refine, polish):
     _, code, d2 = st
     for _ in range(polish): c, d2 = shift(code, d2)
     c, d2 = stored(d2)
-    return code, t2.sub_(d2[:, None, :]), sch, c, None
+    return code, t2.sub_(d2[:, None, :]), sch, c
 
 # %% ../nbs/07_w4a8.ipynb #08483583
 def _codes_nearest(t2, code, tabs, h=None):
@@ -320,12 +320,20 @@ def _codes_nearest(t2, code, tabs, h=None):
 def _codes_stochastic(t2, code, tabs, gen):
     "Stochastic choice between the two grid values around every weight (unbiased): uint8 [R, G, Gn]."
     _, _, _, sr_v, sr_c = tabs
-    t = t2.sub_(256.0).mul_(0.5)
+    t = (t2 - 256.0).mul_(0.5)
     ix = t.floor().clamp_(-128, 127).add_(128).to(torch.int32).add_((code * 256)[:, None, :]).view(-1)
     lo, hi = sr_v[0].index_select(0, ix).view_as(t), sr_v[1].index_select(0, ix).view_as(t)
     p = (t - lo).div_((hi - lo).clamp_(min=1e-30)).clamp_(0, 1)
     up = torch.rand(t.shape, generator=gen, dtype=torch.float32, device=t.device) < p
     return torch.where(up, sr_c[1].index_select(0, ix).view_as(t), sr_c[0].index_select(0, ix).view_as(t))
+
+# %% ../nbs/07_w4a8.ipynb #c27w0002
+def _grid_residual(t2, codes, code, tabs, code_base):
+    "Per row, fp32 Σ(2q + 256 - t2)² over the grid values q of the stored `codes`: the error in t2's units."
+    grid = tabs[2]
+    ix = codes.to(torch.int32).add_((code * grid.shape[1] - code_base)[:, None, :])
+    v = grid.reshape(-1).index_select(0, ix.view(-1)).view(t2.shape)
+    return v.mul_(2.0).add_(256.0).sub_(t2).square_().sum((1, 2))
 
 # %% ../nbs/07_w4a8.ipynb #09286e05
 def _pack_grouped(codes, bits, out):
@@ -342,7 +350,7 @@ def _pack_grouped(codes, bits, out):
 
 # %% ../nbs/07_w4a8.ipynb #28fa4b44
 def _rotated_groups(w, cg, G):
-    "The rotated block as fp32 [R, G, K/G] and the power-of-two exponent it was divided by (0 normally)."
+    "The rotated block as fp32 [R, G, K/G], the power-of-two exponent it was divided by (0 normally), the dtype the rotation was rounded to."
     R, K = w.shape
     amax = float(absmax(w))
     if not math.isfinite(amax): raise ValueError("w4a8: the weight holds inf or NaN, which have no W4A8/W6A8 encoding")
@@ -353,7 +361,7 @@ def _rotated_groups(w, cg, G):
         wr = rotate(w.float() * 2.0 ** -shift if shift else w.float(), cg, as_weight=True)
     x = torch.empty(R, G, K // G, dtype=torch.float32, device=w.device)
     x.copy_(wr.view(R, K // G, G).transpose(1, 2))
-    return x, shift
+    return x, shift, wr.dtype
 
 # %% ../nbs/07_w4a8.ipynb #9e3cbbdd
 def _check_encoder_shape(w, bits, G, convrot_groupsize):
@@ -386,6 +394,7 @@ def quantize_w4a8(w:torch.Tensor, # [N, K] float weight (fp32, bf16 or fp16)
                   convrot_groupsize:int=256, # the rotation group
                   scale_search:bool=True, # search several stored scales (False: one candidate per group and row)
                   stochastic_rounding:int=0, # 0: nearest grid value; else a seed for unbiased stochastic choice
+                  energies:list|None=None, # a list: extended with each row block's (Σw², error energy), from the residual
                  ) -> tuple: # (packed int8, s_rel e4m3 [N, K/G], s_channel fp32 [N], correction [K/G, N] | None, codebook [16] | None)
     "Rotate and encode a weight for W4A8/W6A8 storage: an exact search over the stored scales."
     _check_encoder_shape(w, bits, group_size, convrot_groupsize)
@@ -403,14 +412,20 @@ def quantize_w4a8(w:torch.Tensor, # [N, K] float weight (fp32, bf16 or fp16)
     corr = torch.empty(N, K // G, dtype=corr_dtype, device=w.device) if kind == 'asymmetric' else None
     tabs = _device_tables(levels, code_base, w.device)
     def blk(i, j):
-        x, shift = _rotated_groups(w[i:j], convrot_groupsize, G)
-        if kind == 'asymmetric': code, t2, sch, c, h = _fit_asymmetric(x, tabs, window, corr_dtype, _ASYM_REFINE,
+        x, shift, rounded = _rotated_groups(w[i:j], convrot_groupsize, G)
+        if energies is not None:     # before the fit divides x in place
+            sig = torch.linalg.vector_norm(x.view(j - i, -1), dim=1).double().square().sum().item()
+            rounding = rounding_energy(x, rounded)
+        if kind == 'asymmetric': code, t2, sch, c = _fit_asymmetric(x, tabs, window, corr_dtype, _ASYM_REFINE,
                                                                        _ASYM_POLISH)
-        else: code, t2, sch, c, h = _fit_symmetric(x, tabs, lmax, window, mults)
+        else: code, t2, sch, c = _fit_symmetric(x, tabs, lmax, window, mults)
         if stochastic_rounding:
             gen = torch.Generator(device=w.device).manual_seed(int(stochastic_rounding) + i)
             codes = _codes_stochastic(t2, code, tabs, gen)
-        else: codes = _codes_nearest(t2, code, tabs, h)
+        else: codes = _codes_nearest(t2, code, tabs)
+        if energies is not None:     # t2 is half a row scale (s_channel) per unit
+            noise = (_grid_residual(t2, codes, code, tabs, code_base).double() * (sch.double() * 0.5).square()).sum().item()
+            energies.append((sig * 4.0 ** shift, noise * 4.0 ** shift + rounding))
         _pack_grouped(codes, bits, packed_u8[i:j])
         s_rel[i:j] = code.to(torch.uint8).view(torch.float8_e4m3fn)
         s_ch[i:j] = sch * 2.0 ** shift if shift else sch
@@ -436,9 +451,6 @@ class W4A8Params(Params):
 # %% ../nbs/07_w4a8.ipynb #fe90dd8d
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
-def _check_finite(t, prefix, key):
-    if not bool(torch.isfinite(t.float()).all()): raise format_error(prefix, key, 'finite values', 'inf or NaN')
-
 # %% ../nbs/07_w4a8.ipynb #3e186660
 class W4A8Layout(Layout):
     "Storage layout of `asym_w4a8_int8` (and, with `bits = 6`, `w6a8_int8`): packed codes + s_rel + s_channel."
@@ -459,9 +471,9 @@ class W4A8Layout(Layout):
 
     @classmethod
     def quantize(cls, w, stochastic_rounding=0, bits=None, group_size=16, convrot_groupsize=256, convrot=True,
-                 codebook=True, symmetric=True, scale_search=True):
+                 codebook=True, symmetric=True, scale_search=True, energies=None):
         return _w4a8_layout_quantize(cls, w, stochastic_rounding, bits, group_size, convrot_groupsize,
-                                     convrot, codebook, symmetric, scale_search)
+                                     convrot, codebook, symmetric, scale_search, energies)
 
     @classmethod
     def dequantize(cls, qdata, params, dtype):
@@ -510,7 +522,7 @@ def _w4a8_layout_check_shape(cls, shape, opts, prefix=''):
 
 # %% ../nbs/07_w4a8.ipynb #c479153c
 def _w4a8_layout_quantize(cls, w, stochastic_rounding=0, bits=None, group_size=16, convrot_groupsize=256, convrot=True,
-             codebook=True, symmetric=True, scale_search=True):
+             codebook=True, symmetric=True, scale_search=True, energies=None):
     bits = bits or cls.bits
     if not convrot: raise format_error('', "option 'convrot'", 'True: W4A8/W6A8 weights are always ConvRot-rotated',
                                        'False')
@@ -523,7 +535,7 @@ def _w4a8_layout_quantize(cls, w, stochastic_rounding=0, bits=None, group_size=1
         if not symmetric: raise format_error('', "option 'codebook'",
                                              'no codebook tensor with symmetric=False (the asymmetric variant has uniform levels)', 'a [16] tensor')
     p, s, sc, corr, cb = quantize_w4a8(w, bits, codebook, symmetric, group_size, convrot_groupsize, scale_search,
-                                       stochastic_rounding)
+                                       stochastic_rounding, energies)
     return p, W4A8Params(tuple(w.shape), w.dtype, s, sc, False if cb is None else cb.to(w.device), corr,
                          int(group_size),
                          int(convrot_groupsize), bool(convrot), corr is None, bool(scale_search), bits)
@@ -557,7 +569,7 @@ def _w4a8_layout_from_tensors(cls, tensors, opts, shape, dtype, prefix=''):
                                          f'{t.dtype} of shape {tuple(t.shape)}')
         if t.dtype not in _FLOATS or tuple(t.shape) != want:
             raise format_error(prefix, key, f'a float tensor of shape {want}', f'{t.dtype} of shape {tuple(t.shape)}')
-        _check_finite(t, prefix, key)
+        check_stored_finite(t, prefix, key)
     return q, W4A8Params(tuple(shape), dtype, s, sc.float(), False if cb is None else cb.float(), corr, int(G),
                          int(opts.get('convrot_groupsize', 256)), bool(opts.get('convrot', True)), corr is None,
                          bool(opts.get('scale_search', True)), bits)
@@ -632,6 +644,7 @@ class _W4A8Format(Format):
     flags_nonfinite, kitchen_layout = True, 'AsymW4A8Int8Layout'
     native_compute = staticmethod(int8_compute)
     def rows_independent(self, opts:dict) -> bool: return True               # rows quantize alone
+    def measures(self, w:torch.Tensor, opts:dict) -> bool: return w.device.type == 'cpu'   # the rotated residual (GPU kernels dequantize fast)
     def bank_is_flat(self, opts:dict, tensors:dict|None=None) -> bool: return True   # ComfyUI stores banks as [E*N, ...] rows
     def grid(self, w:torch.Tensor, opts:dict, tensor_clip:float=1.0) -> Grid|None:
         return w4a8_grid(self.layout.bits)(w, opts, tensor_clip)

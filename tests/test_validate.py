@@ -280,3 +280,16 @@ def test_convert_requantizes_group_scaled_fp8(tmp_path):
     decoded = (codes.float().view(64, 4, 32) / m).view(64, 128)
     assert abs(db - cq.sqnr(decoded, cq.load_quantized(cq.load_file(tmp_path / 'fp8.safetensors'), 'z').dequantize(torch.float32))) < 0.01
     assert validate(tmp_path / 'fp8.safetensors').totals()['error'] == 0
+
+
+def test_validating_every_format_stays_off_torchs_python_meta_kernels(tmp_path):
+    """The validator builds each module from meta tensors first; a check that needs values (a finite zero point, say)
+    defers to the real scales instead of running on meta, which imports torch's Python meta kernels (sympy, dynamo:
+    about 900 modules and 145 MiB, inside every job that wrote such a format)."""
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(1))
+    path = write(tmp_path, _expand_quantized({f'm_{f}.weight': cq.quantize(w, f) for f in cq.FORMATS}, 'test'))
+    code = ("import sys, cquant as cq\nr = cq.validate(sys.argv[1])\n"
+            "print(len(r.rows), sorted(m for m in ('sympy', 'torch._dynamo') if m in sys.modules))")
+    r = subprocess.run([sys.executable, '-c', code, str(path)], capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split('\n')[-2] == f'{len(cq.FORMATS)} []'
