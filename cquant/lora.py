@@ -402,10 +402,12 @@ def _merged_float(m:str, patches:list, w:torch.Tensor, energies:list|None=None) 
     return w
 
 def _stored_rows(qt, how:dict):
-    "`rows(i, j)`: rows i..j-1 of stored weight `qt` as a `QuantizedTensor`, its storage cut by the row rules `how` (`_rowwise`)."
-    sd, cfg, K = qt.state_dict(''), qt.config, qt.shape[1]
+    """`rows(i, j)`: rows i..j-1 of stored weight `qt` as a `QuantizedTensor`, its storage cut by the row rules `how`
+    (`_rowwise`); the last block keeps the storage's padding rows (MXFP8's to 32, its scale tiles' to 128)."""
+    sd, cfg, (N, K) = qt.state_dict(''), qt.config, qt.shape
+    def part(t, dim, i, j): return t.narrow(dim, i, (j if j < N else t.shape[dim]) - i)
     def rows(i, j):
-        cut = {k: t if how.get(k, 0) == 'shared' else t.narrow(how.get(k, 0), i, j - i) for k, t in sd.items()}
+        cut = {k: t if how.get(k, 0) == 'shared' else part(t, how.get(k, 0), i, j) for k, t in sd.items()}
         return load_quantized(cut, '', (j - i, K), qt.dtype, cfg)
     return rows
 
@@ -463,7 +465,7 @@ def _basis_parts(m:str, qt, opts:dict, how:dict, patches:list, elems:int):
         energy = _err(wb, torch.cat([gb.nearest(wb[:, a:c], sc) for (a, c), sc in zip(cols, scales)], 1))[:2] if measure else None
         return QuantizedTensor(*gb.pack(wb, scales), spec), wb, energy
     def blocks(energies):              # the row blocks in quantize_rows' workers, as a re-quantization runs
-        for qt, wb, energy in in_workers(lambda i, j: block(i, j, energies is not None), row_blocks(N, K, elems)):
+        for qt, wb, energy in in_workers(lambda i, j: block(i, j, energies is not None), row_blocks(N, K, elems, spec.storage.row_block)):
             if energy is not None: energies.append(energy)
             yield qt, wb
     return blocks

@@ -155,7 +155,7 @@ class MXFP8Layout(Layout):
 class MXFP8(Format):
     "e4m3 elements with one E8M0 (power-of-two) scale per 32 elements along K; padded to 32x32."
     name, layout = 'mxfp8', MXFP8Layout
-    storage = Storage(torch.float8_e4m3fn, ('weight_scale',), extra_keys=('input_scale',), group_size=MXFP8_BLOCK,
+    storage = Storage(torch.float8_e4m3fn, ('weight_scale',), extra_keys=('input_scale',), group_size=MXFP8_BLOCK, row_block=128,
                       value_rules={'weight_scale': ValueRule('a block exponent 2**(e-127) multiplies its 32 values; 0xFF is NaN')})
     activations = Activations(dynamic_reason='mxfp8 quantizes activations dynamically (its linear ignores input_scale)')
     kitchen_layout = 'TensorCoreMXFP8Layout'
@@ -163,6 +163,7 @@ class MXFP8(Format):
     native_compute = staticmethod(nvidia_compute(MXFP8Layout.MIN_SM_VERSION, (2, 10)))
     choices = {'MXFP8': {}}
     modes = {'mxfp8': PolicyMode(('MXFP8', 'FP8'), doc='MXFP8 (E4M3 blocks of 32), else FP8')}
+    def rows_independent(self, opts:dict) -> bool: return True    # in blocks of 128 rows: whole swizzled scale tiles
 
 # %% ../nbs/04_mxfp8.ipynb #827066e1
 def plot_block_exponents(qt, # an mxfp8 QuantizedTensor

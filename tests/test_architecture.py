@@ -67,7 +67,7 @@ def test_declared_facts_reproduce_the_old_tables():
     assert flag('embedding') == {'float8_e4m3fn', 'float8_e5m2', 'int8_tensorwise'}
     assert flag('row_gather') == flag('embedding') | {'float8_e4m3fn_rowwise'}
     assert {n for n, s in F.items() if s.rows_independent({})} == {'convrot_w4a4', 'asym_w4a8_int8', 'w6a8_int8', 'awq_w4a16',
-                                                                   'float8_e4m3fn_rowwise'}
+                                                                   'float8_e4m3fn_rowwise', 'mxfp8'}
     assert F['int8_tensorwise'].rows_independent({'convrot': True}) and F['int8_tensorwise'].rows_independent({'per_row': True})
     assert {n for n, s in F.items() if s.bank_is_flat({})} == {'asym_w4a8_int8', 'w6a8_int8'}
     i8 = F['int8_tensorwise']
@@ -80,7 +80,7 @@ def test_declared_facts_reproduce_the_old_tables():
         'nvfp4': {'weight_scale_2': 'shared'}}
     assert F['float8_e4m3fn'].rows_independent({'scale': 0.5}) and {n for n, s in F.items() if s.declares('tensor_options')} == {
         'float8_e4m3fn', 'float8_e5m2', 'nvfp4'}
-    assert {n: s.storage.row_block for n, s in F.items() if s.storage.row_block != 1} == {'nvfp4': 128}
+    assert {n: s.storage.row_block for n, s in F.items() if s.storage.row_block != 1} == {'nvfp4': 128, 'mxfp8': 128}
     assert {n: s.activations.scale_rule.divisor for n, s in F.items() if s.activations.scale_rule} == {
         'float8_e4m3fn': 448.0, 'float8_e5m2': 57344.0, 'nvfp4': 2688}
     assert {n for n, s in F.items() if s.activations.smoothing} == {'nvfp4'}

@@ -3,6 +3,7 @@ bytes are what re-quantizing the float merge gives, a zero LoRA changes nothing,
 import json, math, os, re
 import pytest, torch
 import cquant as cq
+from cquant import lora as lora_mod
 from cquant.lora import merge_patch, read_lora
 from cquant.modules import requantize_options
 from cquant.numerics import unpack_int4
@@ -332,3 +333,26 @@ def test_base_neither_float_nor_comfy(tmp_path):
     with pytest.raises(Exception, match='a.weight_scale'):
         cq.merge_loras(tmp_path / 'b.safetensors', [tmp_path / 'l.safetensors'], tmp_path / 'm.safetensors')
     assert not os.path.exists(tmp_path / 'm.safetensors')
+
+
+def test_mxfp8_bakes_in_row_blocks_with_its_padding(tmp_path):
+    """An MXFP8 module of 1120 rows bakes in row blocks of whole scale tiles (1024 rows, then 96 whose scale tile is padded
+    to 128): the bytes of re-quantizing the merge whole. (A file's MXFP8 rows count its padding to 32: the loader cannot
+    tell padded rows from real ones.)"""
+    g = torch.Generator().manual_seed(3)
+    qt = cq.quantize((torch.randn(1120, 256, generator=g) * 0.05).bfloat16(), 'mxfp8')
+    cq.save_file({**qt.state_dict('m.'), 'm.comfy_quant': cq.encode_json(qt.config)}, tmp_path / 'b.safetensors')
+    lora = {'lora_unet_m.lora_up.weight': torch.randn(1120, 8, generator=g) * 0.03,
+            'lora_unet_m.lora_down.weight': torch.randn(8, 256, generator=g) * 0.03, 'lora_unet_m.alpha': torch.tensor(4.0)}
+    cq.save_file(lora, tmp_path / 'l.safetensors')
+    cuts, real = [], lora_mod._stored_rows
+    def spy(qt, how):
+        rows = real(qt, how)
+        return lambda i, j: (cuts.append((i, j)), rows(i, j))[1]
+    lora_mod._stored_rows = spy
+    try: cq.merge_loras(tmp_path / 'b.safetensors', [tmp_path / 'l.safetensors'], tmp_path / 'm.safetensors')
+    finally: lora_mod._stored_rows = real
+    assert cuts == [(0, 1024), (1024, 1120)]
+    merged = merge_patch(qt.dequantize(torch.float32), read_lora(lora)['lora_unet_m'], 1.0)
+    got = cq.load_file(tmp_path / 'm.safetensors')
+    for k, t in cq.quantize(merged, 'mxfp8').state_dict('m.').items(): check_bits(got[k], t, k)

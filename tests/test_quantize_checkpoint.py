@@ -115,6 +115,11 @@ def test_row_blocks_are_bit_exact():
         assert len(parts) == 3
         for k, t in cq.quantize(w, fmt, **opts).state_dict('').items():
             check_bits(torch.cat([q.state_dict('')[k] for q, _ in parts], how.get(k, 0)), t, k)
+    wm = torch.randn(300, 100, dtype=torch.bfloat16)              # MXFP8: padded to 32 both ways; blocks of whole scale tiles
+    parts = list(quantize_rows(wm, 'mxfp8', {}, elems=100 * 33))
+    assert [q.qdata.shape[0] for q, _ in parts] == [128, 128, 64]
+    for k, t in cq.quantize(wm, 'mxfp8').state_dict('').items():
+        check_bits(torch.cat([q.state_dict('')[k] for q, _ in parts]), t, k)
     assert not cq.get_format('int8_tensorwise').rows_independent({'per_row': False, 'convrot': False})
     assert not cq.get_format('nvfp4').rows_independent({})
     sr = {'per_row': True, 'stochastic_rounding': 7}             # seeded noise over the whole shape: never in blocks
