@@ -146,8 +146,9 @@ def _write_quantized(writer:StreamingWriter, w:torch.Tensor|LazyRows, key:str, p
         stream.append(tensors.pop('weight'))
         for k, t in tensors.items(): bufs.setdefault(k, []).append(t)
         if measure:
-            if energies and math.isfinite(n := math.fsum(e for _, e in energies)):
-                s, m = math.fsum(e for e, _ in energies), None
+            if energies and math.isfinite(n := math.fsum(e[1] for e in energies)):
+                s = math.fsum(e[0] for e in energies)          # a rotated residual has no maximum error: None
+                m = max(e[2] for e in energies) if all(len(e) > 2 for e in energies) else None
             else:              # dequantize (also where a rotation overflowed and rows were re-encoded)
                 dq = qt.dequantize(torch.float32)
                 s, n, m = _err(part if ref is None else ref[row:row + part.shape[0]], dq)

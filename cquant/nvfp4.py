@@ -67,10 +67,11 @@ def nvfp4_encode(x:torch.Tensor, # padded 2-D float tensor [Np, Kp]
                  s:torch.Tensor, # fp32 0-d global scale
                  bs:torch.Tensor, # e4m3 block scales, logical [Np, Kp/16] (unswizzled)
                  stochastic_rounding:int=0, # 0: round to nearest even; else a seed
+                 energies:list|None=None, # a list: extended with (Σx², Σ(x - dequantized)², max error) (`_code_error`)
                 ) -> torch.Tensor: # uint8 [Np, Kp/2], hi-first E2M1 codes
     "The E2M1 codes of `x` under the scales `s * bs`: fp32 division, saturation at 6, zero blocks give zero codes."
     Np, Kp = x.shape
-    total = s * bs.float()
+    mult = total = s * bs.float()                                     # the decode scale; 0 for a zero block
     zero = total == 0
     has_zero = torch.compiler.is_compiling() or bool(zero.any())      # a trace cannot branch on data
     if has_zero: total = torch.where(zero, 1.0, total)
@@ -84,12 +85,14 @@ def nvfp4_encode(x:torch.Tensor, # padded 2-D float tensor [Np, Kp]
             d = torch.div(xb[i:i + step], total[i:i + step].unsqueeze(-1))   # fp32 division (bf16/fp16 promote exactly)
             q[i:i + step] = pack_nibbles(e2m1_encode(d.clamp_(-_E2M1_MAX, _E2M1_MAX).view(-1, Kp)))
     if has_zero: q.view(Np, Kp // _GROUP, _GROUP // 2).masked_fill_(zero.unsqueeze(-1), 0)
+    if energies is not None: energies.append(_code_error(xb, q, mult))
     return q
 
 # %% ../nbs/03_nvfp4.ipynb #d08cb2d2
 def nvfp4_quantize(x:torch.Tensor, # 2-D float tensor (fp32, bf16 or fp16)
                    global_scale=None, # None: amax(|x|) / (6 * 448), kitchen's default; else a float or tensor (fp32 after a value cast)
                    stochastic_rounding:int=0, # 0: round to nearest even; else the seed of stochastic rounding
+                   energies:list|None=None, # a list: extended with the error energies (`nvfp4_encode`)
                   ) -> tuple: # (qdata uint8 [Np, Kp/2], global_scale fp32 0-d, block_scale e4m3 swizzled)
     "Quantize `x` to nvfp4 exactly as comfy-kitchen's eager `quantize_nvfp4` (zero tensors give zeros, not NaN)."
     if x.dim() != 2: raise ValueError(f"nvfp4 quantizes 2-D tensors, got shape {tuple(x.shape)}")
@@ -99,7 +102,7 @@ def nvfp4_quantize(x:torch.Tensor, # 2-D float tensor (fp32, bf16 or fp16)
     s = _default_scale(amax.amax()) if global_scale is None else nvfp4_global_scale(global_scale, x.device)
     af = amax.float()
     bs = cast_fp8(torch.where(af == 0, 0.0, af / _E2M1_MAX / s))   # min(., 448) then e4m3; 0/0 -> 0, not NaN
-    return nvfp4_encode(x, s, bs, stochastic_rounding), s, to_blocked(bs)
+    return nvfp4_encode(x, s, bs, stochastic_rounding, energies), s, to_blocked(bs)
 
 # %% ../nbs/03_nvfp4.ipynb #1dfef195
 @_constant_cache()
@@ -130,6 +133,24 @@ def _decode_blocks(qdata:torch.Tensor, mult:torch.Tensor, dtype:torch.dtype) -> 
         v = F.embedding(qdata[i:i + step].int(), table).view(-1, nb, _GROUP)
         torch.mul(v, mult[i:i + step].unsqueeze(-1), out=out[i:i + step].view(-1, nb, _GROUP))
     return out
+
+# %% ../nbs/03_nvfp4.ipynb #c27f4002
+def _code_error(xb:torch.Tensor, # [Np, Kp/16, 16] the blocks encoded (padded)
+                q:torch.Tensor, # uint8 [Np, Kp/2] their codes
+                mult:torch.Tensor, # fp32 [Np, Kp/16] the decode scale s * b (0: a zero block)
+               ) -> tuple: # (Σx², Σ(x - e2m1(q)·mult)², max |x - e2m1(q)·mult|), floats
+    "The dequantized error of codes `q`, a few rows at a time: per-row fp32 sums, fp64 over rows."
+    Np, nb, _ = xb.shape
+    table, step = _byte_table(torch.float32, q.device), _chunk_rows(nb * _GROUP, 1 << 16)
+    acc, mx = torch.zeros(2, dtype=torch.float64, device=q.device), torch.zeros((), device=q.device)
+    for i in range(0, Np, step):
+        x = xb[i:i + step].float()
+        e = F.embedding(q[i:i + step].int(), table).view(x.shape).mul_(mult[i:i + step].unsqueeze(-1)).sub_(x)
+        acc[0] += x.square_().sum((1, 2)).sum(dtype=torch.float64)
+        mx = torch.maximum(mx, e.abs_().amax())
+        acc[1] += e.square_().sum((1, 2)).sum(dtype=torch.float64)
+    sig, noise = acc.tolist()
+    return sig, noise, float(mx)
 
 # %% ../nbs/03_nvfp4.ipynb #91fc2274
 def check_nvfp4_qdata(qdata:torch.Tensor):
@@ -166,10 +187,10 @@ class NVFP4Layout(Layout):
     MIN_SM_VERSION = (10, 0)     # comfy-kitchen's TensorCoreNVFP4Layout
 
     @classmethod
-    def quantize(cls, w, stochastic_rounding=0, scale=None):
+    def quantize(cls, w, stochastic_rounding=0, scale=None, energies=None):
         if scale is not None and not (math.isfinite(scale) and scale > 0):
             raise format_error('', "option 'scale'", 'a finite positive global scale (or None)', repr(scale))
-        q, s, bs = nvfp4_quantize(w, scale, stochastic_rounding)
+        q, s, bs = nvfp4_quantize(w, scale, stochastic_rounding, energies)
         return q, NVFP4Params(tuple(w.shape), w.dtype, s, bs)
 
     @classmethod
@@ -283,6 +304,7 @@ class NVFP4(Format):
     native_compute = staticmethod(nvidia_compute(NVFP4Layout.MIN_SM_VERSION))
     grid = staticmethod(nvfp4_grid)
     def rows_independent(self, opts:dict) -> bool: return opts.get('scale') is not None   # a given global scale: rows alone
+    def measures(self, w:torch.Tensor, opts:dict) -> bool: return w.device.type == 'cpu'   # from its codes (`_code_error`)
     def tensor_options(self, w:torch.Tensor, opts:dict) -> dict:
         "The global scale quantize would choose (amax / 2688 in w's dtype), as the option; none for an all-zero weight."
         if opts.get('scale') is not None: return {}

@@ -225,11 +225,13 @@ def remove_fast_paths(fns=None):
         FAST_PATHS[key] = [(f, g) for f, g in FAST_PATHS[key] if fns is not None and g not in fns]
         if not FAST_PATHS[key]: del FAST_PATHS[key]
 
+def _fast_path(layout:type, op:str, /, *args, **kwargs):
+    "The first fast path of `layout.<op>` that fits these arguments, or None."
+    return next((fn for fits, fn in FAST_PATHS.get((layout, op), ()) if fits(*args, **kwargs)), None)
+
 def layout_op(layout:type, op:str, /, *args, **kwargs):
     "Run `layout.<op>(*args, **kwargs)` through the first fitting fast path, else the classmethod (an option may be named `layout`)."
-    for fits, fn in FAST_PATHS.get((layout, op), ()):
-        if fits(*args, **kwargs): return fn(*args, **kwargs)
-    return getattr(layout, op)(*args, **kwargs)
+    return (_fast_path(layout, op, *args, **kwargs) or getattr(layout, op))(*args, **kwargs)
 
 # %% ../nbs/01_tensor.ipynb #094d9b11
 @dataclass(frozen=True)
@@ -887,8 +889,9 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     'mse' (scales chosen for the least weight error) or 'gptq' (codes chosen for the least output error on
     `calibration` inputs [..., K]). A format with a
     data-aware encoder of its own (`Format.calibrated`, e.g. AWQ) uses `calibration` with rounding='nearest'.
-    `energies`: a list; where the encoder measures its own error (`Format.measures`: the rotated formats on CPU), it
-    is extended with (Σw², Σ(w - dequantize)²) pairs, one per block, without a dequantize (it stays empty otherwise)."""
+    `energies`: a list; where the encoder measures its own error (`Format.measures`: the rotated formats and NVFP4 on CPU,
+    where no kernel quantizes), it is extended with (Σw², Σ(w - dequantize)²[, max |w - dequantize|]) per block, without a dequantize (it stays
+    empty otherwise)."""
     spec = get_format(fmt, caller='cq.quantize')
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or isinstance(w, QuantizedTensor):
         raise format_error('', name, 'a floating-point torch.Tensor',
@@ -905,7 +908,8 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     try:
         if rounding == 'nearest' and calibration is None:
             kw = dict(stochastic_rounding=stochastic_rounding, **opts)
-            if energies is not None and spec.measures(w, opts): qdata, params = spec.layout.quantize(w, energies=energies, **kw)
+            if energies is not None and spec.measures(w, opts) and not _fast_path(spec.layout, 'quantize', w, **kw):
+                qdata, params = spec.layout.quantize(w, energies=energies, **kw)     # a kernel, where one fits, dequantizes fast
             else: qdata, params = layout_op(spec.layout, 'quantize', w, **kw)
         elif rounding == 'nearest' and spec.declares('calibrated') and not stochastic_rounding:
             qdata, params = spec.calibrated(w, opts, calibration, name)

@@ -322,7 +322,8 @@ def test_writer_entry(tmp_path):
 @pytest.mark.parametrize('fmt,opts', [('convrot_w4a4', {}), ('int8_tensorwise', {'convrot': True}),
                                       ('int8_tensorwise', {'convrot': True, 'convrot_groupsize': 16}),
                                       ('asym_w4a8_int8', {}), ('asym_w4a8_int8', {'symmetric': False}),
-                                      ('asym_w4a8_int8', {'codebook': False, 'stochastic_rounding': 3}), ('w6a8_int8', {})])
+                                      ('asym_w4a8_int8', {'codebook': False, 'stochastic_rounding': 3}), ('w6a8_int8', {}),
+                                      ('nvfp4', {}), ('nvfp4', {'scale': 1e-3})])
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32, torch.float16])
 def test_encoder_measured_error_matches_dequantize(fmt, opts, dtype):
     "`quantize(energies=...)`: the rotated residual's SQNR is the dequantized one to 0.01 dB, with the same bytes."
@@ -345,7 +346,7 @@ def test_encoder_measured_error_matches_dequantize(fmt, opts, dtype):
 def test_encoder_measured_error_is_declared():
     "Only the declared formats fill `energies`; a GPTQ rounding or a dequantizing format leaves it empty."
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
-    for fmt, opts in [('int8_tensorwise', {'per_row': True}), ('float8_e4m3fn', {}), ('nvfp4', {})]:
+    for fmt, opts in [('int8_tensorwise', {'per_row': True}), ('float8_e4m3fn', {}), ('mxfp8', {})]:
         energies = []
         cq.quantize(w, fmt, energies=energies, **opts)
         assert energies == [], fmt
