@@ -176,13 +176,37 @@ def smooth_factor(amax_x:torch.Tensor, # [K] max |x| per input channel (calibrat
     return torch.where(ok, s, torch.ones_like(s)).clamp(1e-4, 1e4)
 
 # %% ../nbs/07b_svdquant.ipynb #ebff1aeb
+_SVD_OVERSAMPLE, _SVD_ITERS = 16, 6   # randomized subspace iteration: extra columns, power iterations
+_SVD_BLOCK = 1 << 18                   # elements of W' per float64 row block
+
+def _rows64(w:torch.Tensor, sf:torch.Tensor):
+    "(i, j, W'[i:j]) row blocks of W' = W * sf in float64: W' is never whole."
+    step = max(1, _SVD_BLOCK // w.shape[1])
+    for i in range(0, w.shape[0], step): yield i, min(i + step, w.shape[0]), w[i:i + step].double() * sf
+
 def top_svd(w:torch.Tensor, # [N, K] float weight
             smooth:torch.Tensor, # [K] smooth_factor
             rank:int, # R
            ) -> tuple: # (U [N, R], S [R], Vh [R, K]), fp64
-    "The top-R singular triplets of W' = W * smooth, in fp64 (one SVD serves every act_unsigned variant of a smoothing)."
-    U, S, Vh = torch.linalg.svd(w.double() * smooth.double(), full_matrices=False)
-    return U[:, :rank].clone(), S[:rank].clone(), Vh[:rank].clone()   # (the full factors freed)
+    """The top-R singular triplets of W' = W * smooth in fp64 (one serves every act_unsigned variant of a smoothing):
+    randomized subspace iteration (Halko, Martinsson, Tropp 2011) over row blocks, seeded; the exact SVD where R is
+    near min(N, K)."""
+    N, K = w.shape
+    sf, l = smooth.double(), rank + _SVD_OVERSAMPLE
+    if 2 * l >= min(N, K):
+        U, S, Vh = torch.linalg.svd(w.double() * sf, full_matrices=False)
+        return U[:, :rank].clone(), S[:rank].clone(), Vh[:rank].clone()   # (the full factors freed)
+    def mul(x): return torch.cat([b @ x for _, _, b in _rows64(w, sf)])              # W' x
+    def tmul(y):                                                                      # W'^T y
+        out = torch.zeros(K, y.shape[1], dtype=torch.float64, device=w.device)
+        for i, j, b in _rows64(w, sf): out.addmm_(b.t(), y[i:j])
+        return out
+    orth = lambda a: torch.linalg.qr(a).Q
+    g = torch.Generator(device=w.device).manual_seed(0)
+    q = orth(mul(torch.randn(K, l, generator=g, dtype=torch.float64, device=w.device)))
+    for _ in range(_SVD_ITERS): q = orth(mul(orth(tmul(q))))
+    Ub, S, Vh = torch.linalg.svd(tmul(q).t(), full_matrices=False)                  # Q^T W' = Ub S Vh
+    return q @ Ub[:, :rank], S[:rank].clone(), Vh[:rank].clone()
 
 def svdquant_encode(w:torch.Tensor, # [N, K] float weight
                     smooth:torch.Tensor, # [K] smooth_factor, already in the stored dtype
@@ -192,20 +216,25 @@ def svdquant_encode(w:torch.Tensor, # [N, K] float weight
                     unsigned:bool=False, # act_unsigned: keep the residual's rows orthogonal to 1/smooth
                     svd:tuple|None=None, # `top_svd(w, smooth, rank)` when already computed (None: computed here)
                    ) -> tuple: # (qdata, scale, proj_down, proj_up), tensors in w's dtype
-    "W' = W * smooth; proj_up, proj_down from the top-R SVD of W' (down divided by smooth); the int4 residual of the rest."
-    dt, sf = w.dtype, smooth.double()
-    ws = w.double() * sf
+    """W' = W * smooth; proj_up, proj_down from the top-R SVD of W' (down divided by smooth); the int4 residual of the
+    rest, row block by row block (a stochastic rounding seeded per block)."""
+    (N, K), dt, sf = w.shape, w.dtype, smooth.double()
     U, S, Vh = svd or top_svd(w, smooth, rank)
     r0 = rank - 1 if unsigned else rank
     r = S[:r0].sqrt()
     up, dn = U[:, :r0] * r, Vh[:r0].t() * r                # the branch in the smoothed basis
     v = 1 / sf
     if unsigned:            # the shifted input adds shift * (residual @ v): move that direction into the branch
-        up, dn = torch.cat([up, ((ws - up @ dn.t()) @ v / (v @ v))[:, None]], 1), torch.cat([dn, v[:, None]], 1)
+        wv = torch.cat([b @ v for _, _, b in _rows64(w, sf)])
+        up, dn = torch.cat([up, ((wv - up @ (dn.t() @ v)) / (v @ v))[:, None]], 1), torch.cat([dn, v[:, None]], 1)
     up, down = up.to(dt), (dn / sf[:, None]).to(dt)
-    res = ws - up.double() @ (down.double() * sf[:, None]).t()     # what the stored (rounded) branch leaves
-    if unsigned: res = res - (res @ v)[:, None] * v / (v @ v)       # the branch's rounding share: tiny
-    qdata, scale = _group_codes(res.float(), dt, clip, seed, v.float() if unsigned else None)
+    branch, up64 = (down.double() * sf[:, None]).t(), up.double()
+    qdata = torch.empty(N, K // 2, dtype=torch.int8, device=w.device)
+    scale = torch.empty(K // SVDQ_GROUP, N, dtype=dt, device=w.device)
+    for i, j, res in _rows64(w, sf):                       # what the stored (rounded) branch leaves
+        res.sub_(up64[i:j] @ branch)
+        if unsigned: res.sub_((res @ v)[:, None] * (v / (v @ v)))    # the branch's rounding share: tiny
+        qdata[i:j], scale[:, i:j] = _group_codes(res.float(), dt, clip, seed and seed + i, v.float() if unsigned else None)
     return qdata, scale, down, up
 
 # %% ../nbs/07b_svdquant.ipynb #91053587
