@@ -177,12 +177,16 @@ def smooth_factor(amax_x:torch.Tensor, # [K] max |x| per input channel (calibrat
 
 # %% ../nbs/07b_svdquant.ipynb #ebff1aeb
 _SVD_OVERSAMPLE, _SVD_ITERS = 16, 6   # randomized subspace iteration: extra columns, power iterations
-_SVD_BLOCK = 1 << 18                   # elements of W' per float64 row block
+_SVD_BLOCK, _CODE_BLOCK = 1 << 17, 1 << 16   # elements of W' per float64 row block: the SVD's products, the residual's codes
 
-def _rows64(w:torch.Tensor, sf:torch.Tensor):
-    "(i, j, W'[i:j]) row blocks of W' = W * sf in float64: W' is never whole."
-    step = max(1, _SVD_BLOCK // w.shape[1])
-    for i in range(0, w.shape[0], step): yield i, min(i + step, w.shape[0]), w[i:i + step].double() * sf
+def _rows64(w:torch.Tensor, sf:torch.Tensor, elems:int=_SVD_BLOCK):
+    """(i, j, W'[i:j]) row blocks of W' = W * sf in float64, one buffer reused (a caller keeps none): W' is never whole,
+    and no block-sized allocation a step leaves behind fragments the heap."""
+    (N, K), step = w.shape, max(1, elems // w.shape[1])
+    buf = torch.empty(min(step, N), K, dtype=torch.float64, device=w.device)
+    for i in range(0, N, step):
+        j = min(i + step, N)
+        yield i, j, torch.mul(w[i:j], sf, out=buf[:j - i])
 
 def top_svd(w:torch.Tensor, # [N, K] float weight
             smooth:torch.Tensor, # [K] smooth_factor
@@ -196,7 +200,10 @@ def top_svd(w:torch.Tensor, # [N, K] float weight
     if 2 * l >= min(N, K):
         U, S, Vh = torch.linalg.svd(w.double() * sf, full_matrices=False)
         return U[:, :rank].clone(), S[:rank].clone(), Vh[:rank].clone()   # (the full factors freed)
-    def mul(x): return torch.cat([b @ x for _, _, b in _rows64(w, sf)])              # W' x
+    def mul(x):                                                                       # W' x
+        out = torch.empty(N, x.shape[1], dtype=torch.float64, device=w.device)
+        for i, j, b in _rows64(w, sf): torch.matmul(b, x, out=out[i:j])
+        return out
     def tmul(y):                                                                      # W'^T y
         out = torch.zeros(K, y.shape[1], dtype=torch.float64, device=w.device)
         for i, j, b in _rows64(w, sf): out.addmm_(b.t(), y[i:j])
@@ -215,6 +222,7 @@ def svdquant_encode(w:torch.Tensor, # [N, K] float weight
                     seed:int=0, # stochastic rounding of the residual (0: nearest)
                     unsigned:bool=False, # act_unsigned: keep the residual's rows orthogonal to 1/smooth
                     svd:tuple|None=None, # `top_svd(w, smooth, rank)` when already computed (None: computed here)
+                    energies:list|None=None, # a list: extended with each row block's (Σw², Σ(w - dequantized)², max error)
                    ) -> tuple: # (qdata, scale, proj_down, proj_up), tensors in w's dtype
     """W' = W * smooth; proj_up, proj_down from the top-R SVD of W' (down divided by smooth); the int4 residual of the
     rest, row block by row block (a stochastic rounding seeded per block)."""
@@ -225,16 +233,22 @@ def svdquant_encode(w:torch.Tensor, # [N, K] float weight
     up, dn = U[:, :r0] * r, Vh[:r0].t() * r                # the branch in the smoothed basis
     v = 1 / sf
     if unsigned:            # the shifted input adds shift * (residual @ v): move that direction into the branch
-        wv = torch.cat([b @ v for _, _, b in _rows64(w, sf)])
+        wv = torch.empty(N, dtype=torch.float64, device=w.device)
+        for i, j, b in _rows64(w, sf): torch.mv(b, v, out=wv[i:j])
         up, dn = torch.cat([up, ((wv - up @ (dn.t() @ v)) / (v @ v))[:, None]], 1), torch.cat([dn, v[:, None]], 1)
     up, down = up.to(dt), (dn / sf[:, None]).to(dt)
     branch, up64 = (down.double() * sf[:, None]).t(), up.double()
     qdata = torch.empty(N, K // 2, dtype=torch.int8, device=w.device)
     scale = torch.empty(K // SVDQ_GROUP, N, dtype=dt, device=w.device)
-    for i, j, res in _rows64(w, sf):                       # what the stored (rounded) branch leaves
-        res.sub_(up64[i:j] @ branch)
+    for i, j, res in _rows64(w, sf, _CODE_BLOCK):          # what the stored (rounded) branch leaves
+        res.addmm_(up64[i:j], branch, alpha=-1)
         if unsigned: res.sub_((res @ v)[:, None] * (v / (v @ v)))    # the branch's rounding share: tiny
         qdata[i:j], scale[:, i:j] = _group_codes(res.float(), dt, clip, seed and seed + i, v.float() if unsigned else None)
+        if energies is not None:                           # the block as `svdquant_weight` decodes it
+            x = w[i:j].float()
+            e = svdquant_weight(qdata[i:j], scale[:, i:j], down, up[i:j], smooth).float().sub_(x)
+            energies.append((x.square().sum(1).sum(dtype=torch.float64).item(),
+                             e.square().sum(1).sum(dtype=torch.float64).item(), e.abs().max().item()))
     return qdata, scale, down, up
 
 # %% ../nbs/07b_svdquant.ipynb #91053587
@@ -262,11 +276,11 @@ class SVDQuantLayout(Int4PackedLayout):
 
     @classmethod
     def quantize(cls, w, stochastic_rounding=0, rank=None, layout=None, act_unsigned=False, group_clip='absmax',
-                 alpha=None):
+                 alpha=None, energies=None):
         "The data-free variant: smooth_factor = 1, the top-R SVD of W, the int4 residual."
         smooth = torch.ones(w.shape[1], dtype=w.dtype, device=w.device)
         return _svdq_pack(w, smooth, dict(rank=rank, layout=layout, act_unsigned=act_unsigned, group_clip=group_clip,
-                                          alpha=alpha), stochastic_rounding)
+                                          alpha=alpha), stochastic_rounding, energies=energies)
 
     @classmethod
     def dequantize(cls, qdata, params, dtype):
@@ -320,10 +334,11 @@ def _svdq_check_shape(shape, opts, prefix=''):
 # %% ../nbs/07b_svdquant.ipynb #27a73ce2
 def _svdq_rank(w, opts:dict) -> int: return opts['rank'] or min(DEFAULT_RANK, *w.shape)
 
-def _svdq_pack(w, smooth, opts:dict, seed:int=0, svd=None) -> tuple:
+def _svdq_pack(w, smooth, opts:dict, seed:int=0, svd=None, energies=None) -> tuple:
     "(qdata, params) of weight `w` with the stored `smooth` factor and resolved options (rank None: min(32, N, K))."
     rank = _svdq_rank(w, opts)
-    qdata, scale, down, up = svdquant_encode(w, smooth, rank, opts['group_clip'], seed, bool(opts['act_unsigned']), svd)
+    qdata, scale, down, up = svdquant_encode(w, smooth, rank, opts['group_clip'], seed, bool(opts['act_unsigned']), svd,
+                                             energies)
     if opts['layout'] == TILE_PACKED: qdata, scale, up = tile_pack(qdata, scale, up)
     return qdata, SVDQuantParams(tuple(w.shape), w.dtype, scale, down, up, smooth, rank, opts['layout'],
                                  bool(opts['act_unsigned']), opts['group_clip'], opts['alpha'])
@@ -427,3 +442,4 @@ class SVDQUANT_W4A4(Format):
     modes = {'svdquant': PolicyMode(('SVDQuant W4A4', 'INT8'), weight_only=('AWQ W4A16',),
                                     doc='SVDQuant W4A4 (int4 residual + low-rank branch, calibrated) wherever it fits, else per-row INT8')}
     def native_compute(self, dev) -> bool: return True
+    def measures(self, w:torch.Tensor, opts:dict) -> bool: return w.device.type == 'cpu'   # decoded block by block

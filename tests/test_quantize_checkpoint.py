@@ -323,7 +323,8 @@ def test_writer_entry(tmp_path):
                                       ('int8_tensorwise', {'convrot': True, 'convrot_groupsize': 16}),
                                       ('asym_w4a8_int8', {}), ('asym_w4a8_int8', {'symmetric': False}),
                                       ('asym_w4a8_int8', {'codebook': False, 'stochastic_rounding': 3}), ('w6a8_int8', {}),
-                                      ('nvfp4', {}), ('nvfp4', {'scale': 1e-3})])
+                                      ('nvfp4', {}), ('nvfp4', {'scale': 1e-3}), ('svdquant_w4a4', {}),
+                                      ('svdquant_w4a4', {'act_unsigned': True, 'group_clip': 'mse'})])
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32, torch.float16])
 def test_encoder_measured_error_matches_dequantize(fmt, opts, dtype):
     "`quantize(energies=...)`: the rotated residual's SQNR is the dequantized one to 0.01 dB, with the same bytes."
