@@ -6,7 +6,7 @@ Docs: https://cquant-dev.github.io/cquant/evaluate.html.md"""
 
 # %% ../nbs/22_evaluate.ipynb #c1d7e7dc
 from __future__ import annotations
-import copy, os, math, warnings
+import os, math, warnings
 from dataclasses import dataclass, field, replace
 from typing import Callable
 import torch
@@ -17,7 +17,7 @@ from .plain import markdown_table
 from .modules import (QuantLinear, LoadKeysError, LoadKeysWarning, load_quantized_model, quantized_names, submodule,
                             swap_module)
 from .models import dit_model, dit_batches
-from .minilm import MiniLM, minilm_model, SENTENCES, sentence_batches
+from .minilm import minilm_model, SENTENCES, sentence_batches
 from .calibrate import Calibration, quantize_model
 from .policy import Policy, Plan
 

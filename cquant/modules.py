@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 from .formats import FORMATS
-from .tensor import (QuantFormatError, QuantizedTensor, decode_json, encode_json, format_error, get_format,
+from .tensor import (QuantFormatError, QuantizedTensor, encode_json, format_error, get_format,
                            load_quantized, quantize, check_activations, DeviceClass)
 from .comfy import (FPMM, comfy_config, dequantize_rows, file_value, flagged_formats,
                           nested_params, read_comfy_quant, row_dim, split_bank)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .numerics import (E2M1_VALUES, FP16_MIN_NORMAL, round_up, absmax, cast_fp8, e2m1_encode, e2m1_decode,
+from .numerics import (FP16_MIN_NORMAL, round_up, absmax, cast_fp8, e2m1_encode, e2m1_decode,
                              pack_nibbles, _constant_cache,
                              unpack_nibbles, pad_to_multiple, to_blocked, from_blocked)
 from .tensor import ScaleRule, ValueRule, nvidia_compute

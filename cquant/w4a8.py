@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from .tensor import ValueRule, int8_compute
 from .tensor import Params, Layout, Option, Format, register, Storage, Loader, PolicyMode, format_error, check_2d, Grid, check_stored_finite
-from .numerics import absmax, rotate, hadamard, pack_uint4, unpack_uint4, pack_6bit, unpack_6bit, unpack_nibbles, is_power_of_4, rounding_energy
+from .numerics import absmax, rotate, hadamard, unpack_uint4, unpack_6bit, unpack_nibbles, is_power_of_4, rounding_energy
 from .runtime import in_workers
 from .int8 import int8_linear, _row_blocks, _rotation_blocks
 
