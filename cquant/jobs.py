@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 import torch
 from .runtime import in_workers, job_heap, peak_over, restart_peak, trim_heap
+from .numerics import error_energies
 from .gguf import FLOAT_TYPES
 from .tensor import check_finite, decode_json, encode_json, get_format, quantize, same_bits, _zero_weight
 from .checkpoint import (Checkpoint, CheckpointError, CheckpointWarning, StreamingWriter, TensorInfo, open_checkpoint, save_file,
@@ -58,25 +59,19 @@ def row_blocks(rows:int, cols:int, elems:int|None=None, unit:int=1) -> list:
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #9f05e3f0
 def _err(ref:torch.Tensor, approx:torch.Tensor) -> tuple:
-    "(Σref², Σ(ref-approx)², max|ref-approx|): per-row fp32 sums of fp32 squares added in float64, row block by row block."
+    "(Σref², Σ(ref-approx)², max|ref-approx|): `error_energies` of fp32 copies, row block by row block."
     if ref.dim() == 0: ref, approx = ref.reshape(1), approx.reshape(1)
     if ref.numel() == 0: return 0.0, 0.0, 0.0
     ref, approx = ref.reshape(ref.shape[0], -1), approx.reshape(approx.shape[0], -1)
     blocks = row_blocks(ref.shape[0], ref.shape[1], 1 << 18)
-    R, dev = blocks[0][1], ref.device
-    rb, eb, sq = (torch.empty(R, ref.shape[1], dtype=torch.float32, device=dev) for _ in range(3))
-    acc, mx = torch.zeros(2, dtype=torch.float64, device=dev), torch.zeros((), dtype=torch.float32, device=dev)
-    for i, j in blocks:
-        r, e, s = rb[:j - i], eb[:j - i], sq[:j - i]
+    rb, eb = (torch.empty(blocks[0][1], ref.shape[1], dtype=torch.float32, device=ref.device) for _ in range(2))
+    def block(i, j):
+        r, e = rb[:j - i], eb[:j - i]
         r.copy_(ref[i:j])
         if approx.dtype == torch.float32: torch.sub(approx[i:j], r, out=e)
         else: e.copy_(approx[i:j]).sub_(r)
-        acc[0] += torch.square(r, out=s).sum(1).sum(dtype=torch.float64)
-        acc[1] += torch.square(e, out=s).sum(1).sum(dtype=torch.float64)
-        lo, hi = torch.aminmax(e)
-        mx = torch.maximum(mx, torch.maximum(-lo, hi))
-    sig, noise = acc.tolist()
-    return sig, noise, float(mx)
+        return r, e
+    return error_energies(block(i, j) for i, j in blocks)
 
 # %% ../nbs/17_quantize_checkpoint.ipynb #59ce45b8
 @dataclass

@@ -374,6 +374,18 @@ def residual_energy(r:torch.Tensor, # [N, K] the values the codes approximate (a
         noise += math.fsum(rounding_energy(r[b]) for b in blocks)
     return sig, noise
 
+# %% ../nbs/00_numerics.ipynb #c27n0004
+def error_energies(blocks) -> tuple: # (Σx², Σe², max |e|), floats; zeros for no blocks
+    "Energies of `(x, e)` blocks, a reference's fp32 rows and their error (both overwritten): per-row fp32 sums added in fp64."
+    acc = mx = None
+    for x, e in blocks:
+        m = e.abs_().amax()
+        s = torch.stack([t.reshape(t.shape[0], -1).square_().sum(1).sum(dtype=torch.float64) for t in (x, e)])
+        acc, mx = (s, m) if acc is None else (acc + s, torch.maximum(mx, m))
+    if acc is None: return 0.0, 0.0, 0.0
+    sig, noise = acc.tolist()
+    return sig, noise, float(mx)
+
 # %% ../nbs/00_numerics.ipynb #13980ade
 _GRID_FORMATS = ("e4m3", "e5m2", "e2m1", "int8", "int4")
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .numerics import (FP16_MIN_NORMAL, round_up, absmax, cast_fp8, e2m1_encode, e2m1_decode,
-                             pack_nibbles, _constant_cache,
+                             pack_nibbles, _constant_cache, error_energies,
                              unpack_nibbles, pad_to_multiple, to_blocked, from_blocked)
 from .tensor import ScaleRule, ValueRule, nvidia_compute
 from .tensor import Option, Params, Layout, Format, register, Storage, Loader, Activations, PolicyMode, format_error, check_2d, round_stochastic
@@ -139,18 +139,13 @@ def _code_error(xb:torch.Tensor, # [Np, Kp/16, 16] the blocks encoded (padded)
                 q:torch.Tensor, # uint8 [Np, Kp/2] their codes
                 mult:torch.Tensor, # fp32 [Np, Kp/16] the decode scale s * b (0: a zero block)
                ) -> tuple: # (Σx², Σ(x - e2m1(q)·mult)², max |x - e2m1(q)·mult|), floats
-    "The dequantized error of codes `q`, a few rows at a time: per-row fp32 sums, fp64 over rows."
+    "The dequantized error of codes `q`, a few rows at a time (`error_energies` of fp32 copies: xb is left alone)."
     Np, nb, _ = xb.shape
     table, step = _byte_table(torch.float32, q.device), _chunk_rows(nb * _GROUP, 1 << 16)
-    acc, mx = torch.zeros(2, dtype=torch.float64, device=q.device), torch.zeros((), device=q.device)
-    for i in range(0, Np, step):
-        x = xb[i:i + step].float()
-        e = F.embedding(q[i:i + step].int(), table).view(x.shape).mul_(mult[i:i + step].unsqueeze(-1)).sub_(x)
-        acc[0] += x.square_().sum((1, 2)).sum(dtype=torch.float64)
-        mx = torch.maximum(mx, e.abs_().amax())
-        acc[1] += e.square_().sum((1, 2)).sum(dtype=torch.float64)
-    sig, noise = acc.tolist()
-    return sig, noise, float(mx)
+    def block(i):
+        x = xb[i:i + step].to(torch.float32, copy=True)
+        return x, F.embedding(q[i:i + step].int(), table).view(x.shape).mul_(mult[i:i + step].unsqueeze(-1)).sub_(x)
+    return error_energies(block(i) for i in range(0, Np, step))
 
 # %% ../nbs/03_nvfp4.ipynb #91fc2274
 def check_nvfp4_qdata(qdata:torch.Tensor):

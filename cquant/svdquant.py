@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 from .tensor import Params, Int4PackedLayout, Option, Format, ValueRule, register, Storage, Loader, PolicyMode, format_error, check_2d
 from .tensor import check_finite, round_stochastic, input_stats, checked_stats, check_stored_finite
-from .numerics import pack_int4, unpack_int4, SCALE_DTYPES
+from .numerics import pack_int4, unpack_int4, SCALE_DTYPES, error_energies
 
 # %% auto #0
 __all__ = ['svdquant_linear', 'svdquant_column_factor', 'svdquant_weight', 'SVDQuantParams', 'SVDQuantLayout']
@@ -245,10 +245,9 @@ def svdquant_encode(w:torch.Tensor, # [N, K] float weight
         if unsigned: res.sub_((res @ v)[:, None] * (v / (v @ v)))    # the branch's rounding share: tiny
         qdata[i:j], scale[:, i:j] = _group_codes(res.float(), dt, clip, seed and seed + i, v.float() if unsigned else None)
         if energies is not None:                           # the block as `svdquant_weight` decodes it
-            x = w[i:j].float()
+            x = w[i:j].to(torch.float32, copy=True)
             e = svdquant_weight(qdata[i:j], scale[:, i:j], down, up[i:j], smooth).float().sub_(x)
-            energies.append((x.square().sum(1).sum(dtype=torch.float64).item(),
-                             e.square().sum(1).sum(dtype=torch.float64).item(), e.abs().max().item()))
+            energies.append(error_energies([(x, e)]))
     return qdata, scale, down, up
 
 # %% ../nbs/07b_svdquant.ipynb #91053587

@@ -908,9 +908,10 @@ def quantize(w:torch.Tensor, fmt, *, stochastic_rounding:int=0, allow_nonfinite:
     try:
         if rounding == 'nearest' and calibration is None:
             kw = dict(stochastic_rounding=stochastic_rounding, **opts)
-            if energies is not None and spec.measures(w, opts) and not _fast_path(spec.layout, 'quantize', w, **kw):
-                qdata, params = spec.layout.quantize(w, energies=energies, **kw)     # a kernel, where one fits, dequantizes fast
-            else: qdata, params = layout_op(spec.layout, 'quantize', w, **kw)
+            fast = _fast_path(spec.layout, 'quantize', w, **kw)          # a kernel, where one fits, dequantizes fast too
+            if energies is not None and fast is None and spec.measures(w, opts):
+                qdata, params = spec.layout.quantize(w, energies=energies, **kw)
+            else: qdata, params = (fast or spec.layout.quantize)(w, **kw)
         elif rounding == 'nearest' and spec.declares('calibrated') and not stochastic_rounding:
             qdata, params = spec.calibrated(w, opts, calibration, name)
         else: qdata, params = _searched(spec, w, opts, rounding, calibration, stochastic_rounding, name)

@@ -344,6 +344,16 @@ def test_encoder_measured_error_matches_dequantize(fmt, opts, dtype):
     assert 10 * math.log10(sig / noise) == pytest.approx(sqnr(w, qt.dequantize(torch.float32)), abs=0.01)
 
 
+@pytest.mark.parametrize('fmt,opts', [('nvfp4', {}), ('svdquant_w4a4', {}), ('asym_w4a8_int8', {}), ('w6a8_int8', {}),
+                                      ('convrot_w4a4', {}), ('int8_tensorwise', {'convrot': True})])
+def test_encoder_measurement_leaves_the_input_alone(fmt, opts):
+    "A float32 weight needing no padding: the encoder squares copies, never the caller's tensor."
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(4))
+    before, energies = w.clone(), []
+    cq.quantize(w, fmt, energies=energies, **opts)
+    assert len(energies) >= 1 and torch.equal(w, before), fmt
+
+
 def test_encoder_measured_error_is_declared():
     "Only the declared formats fill `energies`; a GPTQ rounding or a dequantizing format leaves it empty."
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
