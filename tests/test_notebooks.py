@@ -114,9 +114,25 @@ def shells_freed(monkeypatch):
     trim_heap()
 
 
+@pytest.fixture
+def figures_drawn(monkeypatch) -> list:
+    """Draw each figure a cell shows, once, at its own dpi, and encode no image: nbdev's shell would render a retina PNG
+    (twice the dpi, drawn twice for the tight bounding box) that a test run throws away, a tenth of some notebooks'
+    time. The errors of drawing are collected: IPython's formatter prints them and the cell goes on, so a figure
+    that could not be drawn passed before."""
+    from IPython.core import pylabtools
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    failed = []
+    def draw(fig, *args, **kwargs):             # returns no data: the formatter shows nothing
+        try: FigureCanvasAgg(fig).draw()
+        except Exception as e: failed.append(f'{type(e).__name__}: {e}')
+    for name in ('print_figure', 'retina_figure'): monkeypatch.setattr(pylabtools, name, draw)
+    return failed
+
+
 @pytest.mark.parametrize('nb, long', CASES)
 @pytest.mark.usefixtures('shells_freed')
-def test_notebook(nb, long, monkeypatch, tmp_path):
+def test_notebook(nb, long, monkeypatch, tmp_path, figures_drawn):
     import nbdev
     # a notebook's last cell exports the package: not in a test run, where other workers import those files meanwhile
     monkeypatch.setattr(nbdev, 'nbdev_export', lambda *args, **kwargs: None)
@@ -126,3 +142,16 @@ def test_notebook(nb, long, monkeypatch, tmp_path):
                       cell_timeout=int(CFG.get('cell_timeout', 600)))
     print(f'{nb.name}: {secs:.1f}s')
     assert ok, f'{nb.name} failed (the traceback of the failing cell is printed above)'
+    assert not figures_drawn, f'{nb.name}: figures that could not be drawn: {figures_drawn}'
+
+
+def test_a_figure_that_cannot_be_drawn_fails(tmp_path, figures_drawn):
+    "The notebook runs on (IPython prints the drawing error), and `figures_drawn` holds the error the test fails on."
+    import nbformat
+    cell = ("import matplotlib.pyplot as plt\nfrom matplotlib.artist import Artist\n"
+            "class Broken(Artist):\n    def draw(self, renderer): raise ValueError('no ink')\n"
+            "fig, ax = plt.subplots(); ax.add_artist(Broken()); plt.show()")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell), nbformat.v4.new_code_cell("plt.close('all')")])
+    nbformat.write(nb, tmp_path/'broken.ipynb')
+    ok, _ = run_nb(tmp_path/'broken.ipynb')
+    assert ok and figures_drawn == ['ValueError: no ink'], figures_drawn
