@@ -1,6 +1,6 @@
 """convert_to_quant's formats against convert_to_quant 1.3.4 itself: its layout encoders byte for byte, and files its CLI
 writes read (and rewritten) by cquant with the same bytes. Skipped where convert_to_quant is not installed."""
-import json, shutil, subprocess
+import json, shutil, subprocess, sys
 import pytest
 import torch
 from safetensors.torch import save_file, load_file
@@ -57,6 +57,17 @@ RUNS = {   # format -> the convert_to_quant arguments that write it
 }
 
 
+# the CLI's entry point (what the `convert_to_quant` script calls) for each argument list, in one interpreter: torch and
+# convert_to_quant imported once instead of five times (3 s each)
+_CLI_RUNS = """import json, sys
+from convert_to_quant.convert_to_quant import main
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ['convert_to_quant', *argv]
+    rc = main()
+    if rc: sys.exit(f"convert_to_quant {' '.join(argv)}: exit {rc}")
+"""
+
+
 @pytest.fixture(scope='module')
 def ctq_files(tmp_path_factory):
     "A bf16 source and the file convert_to_quant's CLI writes from it in each format."
@@ -65,20 +76,16 @@ def ctq_files(tmp_path_factory):
     g = torch.Generator().manual_seed(3)
     sd = {f'{m}.weight': (torch.randn(*s, generator=g) * 0.05).bfloat16() for m, s in SOURCE_SHAPES.items()}
     save_file(sd, d / 'src.safetensors')
-    out = {}
-    for fmt, args in RUNS.items():
-        dst = d / f'{fmt}.safetensors'
-        subprocess.run([CLI, '-i', str(d / 'src.safetensors'), '-o', str(dst), '--comfy_quant', '--simple', '--device', 'cpu',
-                        '--verbose', 'MINIMAL', *args], check=True, capture_output=True, timeout=300)
-        if fmt == 'hybrid_mxfp8':
-            mx, dst = dst, d / 'hybrid.safetensors'
-            subprocess.run([CLI, '-i', str(mx), '-o', str(dst), '--make-hybrid-mxfp8', '--verbose', 'MINIMAL'],
-                           check=True, capture_output=True, timeout=300)
-        out[fmt] = dst
-    return d / 'src.safetensors', out
+    common = ['--comfy_quant', '--simple', '--device', 'cpu', '--verbose', 'MINIMAL']
+    runs = [['-i', str(d / 'src.safetensors'), '-o', str(d / f'{fmt}.safetensors'), *common, *args] for fmt, args in RUNS.items()]
+    runs.append(['-i', str(d / 'hybrid_mxfp8.safetensors'), '-o', str(d / 'hybrid.safetensors'), '--make-hybrid-mxfp8',
+                 '--verbose', 'MINIMAL'])
+    r = subprocess.run([sys.executable, '-c', _CLI_RUNS, json.dumps(runs)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d / 'src.safetensors', {fmt: d / f"{'hybrid' if fmt == 'hybrid_mxfp8' else fmt}.safetensors" for fmt in RUNS}
 
 
-@pytest.mark.long                 # convert_to_quant's CLI, run five times (once: one worker holds the fixture)
+@pytest.mark.long                 # convert_to_quant's CLI, five runs (once: one worker holds the fixture)
 @pytest.mark.xdist_group('ctq')
 @pytest.mark.parametrize('fmt', list(RUNS))
 def test_convert_to_quant_files_load(ctq_files, fmt):
@@ -101,7 +108,7 @@ def test_convert_to_quant_files_load(ctq_files, fmt):
         assert torch.equal(qt.dequantize(torch.float32), want)
 
 
-@pytest.mark.long                 # convert_to_quant's CLI, run five times (once: one worker holds the fixture)
+@pytest.mark.long                 # convert_to_quant's CLI, five runs (once: one worker holds the fixture)
 @pytest.mark.xdist_group('ctq')
 @pytest.mark.parametrize('fmt', list(RUNS))
 def test_cquant_writes_what_convert_to_quant_writes(ctq_files, fmt, tmp_path):
