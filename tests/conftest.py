@@ -40,8 +40,9 @@ if os.environ.get('PYTEST_XDIST_WORKER_COUNT'):       # the processes a test sta
 def pytest_collection_modifyitems(config, items):
     """After `-m`/`-k` selected: drop a notebook's quick case where its full case runs too (it runs every cell the
     quick one does), and start the long tests first, so that no worker is left with one at the end."""
-    full = {i.nodeid for i in items if i.get_closest_marker('long')}
-    keep = [i for i in items if not (i.nodeid.endswith(':quick]') and i.nodeid[:-len(':quick]')] + ']' in full)]
+    case = lambda i: (i.path, i.originalname, getattr(i, 'callspec', None) and i.callspec.id)   # xdist_group suffixes nodeids
+    full = {case(i) for i in items if i.get_closest_marker('long')}
+    keep = [i for i in items if not ((c := case(i))[2] or '').endswith(':quick') or (*c[:2], c[2][:-len(':quick')]) not in full]
     if len(keep) < len(items):
         kept = set(map(id, keep))
         config.hook.pytest_deselected(items=[i for i in items if id(i) not in kept])

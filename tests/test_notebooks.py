@@ -155,3 +155,16 @@ def test_a_figure_that_cannot_be_drawn_fails(tmp_path, figures_drawn):
     nbformat.write(nb, tmp_path/'broken.ipynb')
     ok, _ = run_nb(tmp_path/'broken.ipynb')
     assert ok and figures_drawn == ['ValueError: no ink'], figures_drawn
+
+
+def test_a_full_case_drops_its_quick_case_also_in_an_xdist_group():
+    "xdist_group appends '@heavy' to a nodeid: the quick case of a heavy notebook is still left out where its full case runs."
+    from types import SimpleNamespace as NS
+    from conftest import pytest_collection_modifyitems
+    def item(case, long, group=''):
+        return NS(nodeid=f'tests/test_notebooks.py::test_notebook[{case}]{group}', path='tests/test_notebooks.py',
+                  originalname='test_notebook', callspec=NS(id=case), get_closest_marker=lambda m: long if m == 'long' else None)
+    items = [item('a', True, '@heavy'), item('a:quick', False), item('b', True), item('b:quick', False), item('c:quick', False)]
+    gone = []
+    pytest_collection_modifyitems(NS(hook=NS(pytest_deselected=lambda items: gone.extend(items))), items)
+    assert [i.callspec.id for i in items] == ['a', 'b', 'c:quick'] and [i.callspec.id for i in gone] == ['a:quick', 'b:quick']
