@@ -453,6 +453,35 @@ def test_figures_legible():
     assert not low, low
 
 
+def test_figures_are_palette_pngs():
+    "every PNG saved in a notebook is a 256-colour palette PNG (`python tools/shrink_figures.py` after a Jupyter run)"
+    sys.path.insert(0, str(ROOT/'tools'))
+    from shrink_figures import shrink_notebook
+    full = {nb.name: n for nb in NBS if (n := shrink_notebook(nb, write=False))}
+    assert not full, f'full-colour figures (run python tools/shrink_figures.py): {full}'
+
+
+def test_shrinking_a_figure_keeps_its_size_dpi_and_look():
+    import io
+    import matplotlib; matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from PIL import Image
+    sys.path.insert(0, str(ROOT/'tools'))
+    from shrink_figures import shrink_png
+    fig, ax = plt.subplots(figsize=(4, 2.5))
+    x = np.linspace(0, 6, 200)
+    for k in range(4): ax.plot(x, np.sin(x + k), label=str(k))
+    ax.hist(np.random.default_rng(0).normal(size=500), alpha=0.4); ax.legend(); ax.grid(alpha=0.3)
+    buf = io.BytesIO(); fig.savefig(buf, format='png', dpi=128); plt.close(fig)
+    small = shrink_png(buf.getvalue())
+    a, b = Image.open(buf), Image.open(io.BytesIO(small))
+    assert (b.mode, b.size, round(b.info['dpi'][0])) == ('P', a.size, 128) and len(small) < len(buf.getvalue()) / 2
+    diff = np.abs(np.asarray(a.convert('RGBA'), dtype=int) - np.asarray(b.convert('RGBA'), dtype=int))
+    assert diff.mean() < 0.1 and np.percentile(diff, 99.9) <= 8, (diff.mean(), diff.max())   # shades, not shapes
+    assert shrink_png(small) is None                       # a palette figure is left as it is
+
+
 def test_description_renders_code(site):
     "a frontmatter description with `code` shows it as code, not as backticks (the NVFP4 page)"
     from fastcore.nbio import nb_frontmatter
