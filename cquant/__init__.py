@@ -14,7 +14,7 @@ from ._version import __version__
 
 _API = ('plain', 'tensor', 'numerics', 'formats', 'sol_attention', 'int8_attention', 'comfy', 'attention_config', 'gguf', 'checkpoint',
         'attention',
-        'quality', 'modules', 'models', 'policy', 'recipe', 'plots', 'jobs', 'lora', 'validate', 'explore', 'attention_explore',
+        'quality', 'modules', 'models', 'policy', 'recipe', 'plots', 'jobs', 'lora', 'validate', 'explore', 'explorer', 'attention_explore',
         'evaluate', 'rounding', 'calibrate', 'record', 'minilm', 'compare')
 _SOME = {'formats': ('FORMAT_MODULES',), 'int8_attention': ('int8_attention', 'prequantize_int8_attention', 'int8_attention_from_prequantized'),
          'lora': ('merge_loras', 'read_lora'),

@@ -151,7 +151,7 @@ LAYERS = (
     ('calibration and policy', {'calibrate', 'record', 'policy', 'recipe', 'rounding'}),
     ('plots', {'plots'}),
     ('jobs', {'jobs', 'lora'}),
-    ('on top', {'explore', 'quality', 'evaluate', 'attention_explore', 'compare'}),
+    ('on top', {'explore', 'explorer', 'quality', 'evaluate', 'attention_explore', 'compare'}),
     ('cli', {'cli', '_cli_facts'}),          # a command runs whatever it needs, the comparison of every format included
     ('package', {'__init__'}),
 )

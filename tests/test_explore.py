@@ -1,10 +1,11 @@
-"""The exploration layer (`cquant.explore`, nbs/20_explore.ipynb): plots, comparison table, explorer.
+"""The exploration layer: `cquant.explore` (nbs/20_explore.ipynb: plots, comparison table) and `cquant.explorer`
+(nbs/20a_explorer.ipynb: the widget).
 
 Plots are checked through the data they plot (artists' arrays, titles, labels), never through pixels. The explorer
 is driven through `set` (as a user changes a control) and its callbacks must run once per change and update
 `numbers`. Everything is generic over the format registry: a toy grouped format registered here (a W4A8-like
 `group_size` int option and a boolean) must get its controls, its blocks and its grid without any code in
-`cquant.explore` knowing it.
+`cquant.explore` or `cquant.explorer` knowing it.
 """
 from __future__ import annotations
 import math, subprocess, sys, time
@@ -17,10 +18,11 @@ import cquant as cq
 from cquant.tensor import FORMATS, Format, Layout, Option, Params, Storage, format_error, register, quantize
 from cquant.numerics import error_report, from_blocked, representable_values, rotate
 from cquant.gguf import ENCODERS, decode_gguf, encode_gguf
-from cquant.explore import (Analysis, Comparison, Explorer, analyze, block_error, block_grid, compare_formats, explore,
-                            fewest_bits_format, default_layer, fit_options, format_color, format_variants, layer_sqnr, normalize_options, option_domain,
+from cquant.explore import (Analysis, Comparison, analyze, block_error, block_grid, compare_formats, fit_options,
+                            format_color, format_variants, layer_sqnr, normalize_options, option_domain,
                             plot_convrot, plot_error_map, plot_errors, plot_layer_sqnr, plot_sqnr_bars, plot_values,
                             sample_rows, storage_bytes, weight_layers)
+from cquant.explorer import Explorer, default_layer, explore, fewest_bits_format
 
 try:
     import comfy_kitchen  # noqa: F401
@@ -87,7 +89,7 @@ def _w(n=128, k=256, seed=0, outlier=True):
 
 # --------------------------------------------------------------------------------------------------------------
 def test_import_cquant_is_light():
-    code = ("import sys, cquant, cquant.explore; from cquant.explore import explore; "
+    code = ("import sys, cquant, cquant.explore, cquant.explorer; from cquant.explorer import explore; "
             "bad = [m for m in ('matplotlib', 'ipywidgets') if m in sys.modules]; assert not bad, bad")
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
