@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from .numerics import sqnr
 from .checkpoint import load_file
-from .plain import markdown_table
+from .plain import markdown_table, package_text
 from .modules import (QuantLinear, LoadKeysError, LoadKeysWarning, load_quantized_model, quantized_names, submodule,
                             swap_module)
 from .models import dit_model, dit_batches
@@ -55,9 +55,8 @@ EVAL_SENTENCES = [
 
 # %% ../nbs/22_evaluate.ipynb #9be0c80c
 def package_lines(name:str) -> list:
-    "The non-empty lines of the package data file `cquant/data/<name>` (UTF-8), each stripped."
-    from importlib.resources import files
-    return [l.strip() for l in files('cquant').joinpath('data', name).read_text(encoding='utf-8').splitlines() if l.strip()]
+    "The non-empty lines of the package data file `cquant/data/<name>`, each stripped."
+    return [l.strip() for l in package_text(name).splitlines() if l.strip()]
 
 # %% ../nbs/22_evaluate.ipynb #cs22data
 CALIBRATION_SENTENCES = SENTENCES + package_lines('calibration_sentences.txt')   # none of them is in EVAL_SENTENCES

@@ -40,6 +40,12 @@ def canonical_name(name, # what the user typed
     raise ValueError(f"unknown {what} {name!r}: expected one of {', '.join(sorted(set(spellings.values())))} "
                      "(case, spaces, -, _ and . ignored)")
 
+# %% ../nbs/00a_plain.ipynb #pl00dat2
+def package_text(name:str) -> str:
+    "The package data file `cquant/data/<name>`, as UTF-8 text."
+    from importlib.resources import files
+    return files('cquant').joinpath('data', name).read_text(encoding='utf-8')
+
 # %% ../nbs/00a_plain.ipynb #820b8e62
 def _fmt_bytes(n:int) -> str:
     for u in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):

@@ -152,7 +152,7 @@ LAYERS = (
     ('plots', {'plots'}),
     ('jobs', {'jobs', 'lora'}),
     ('on top', {'explore', 'explorer', 'quality', 'evaluate', 'attention_explore', 'compare'}),
-    ('cli', {'cli', '_cli_facts'}),          # a command runs whatever it needs, the comparison of every format included
+    ('cli', {'cli'}),          # a command runs whatever it needs, the comparison of every format included
     ('package', {'__init__'}),
 )
 RANK = {m: i for i, (_, ms) in enumerate(LAYERS) for m in ms}

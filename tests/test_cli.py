@@ -420,3 +420,12 @@ def test_validate_says_a_message_once(quantized):
     notes = [l for l in out.splitlines() if re.match(r'\[\d+\] \d+ layers: ', l)]
     assert notes and all(out.count(n.split(' layers: ', 1)[1]) == 1 for n in notes)
     assert sum(int(n.split()[1]) for n in notes) == sum(1 for l in out.splitlines() if re.search(r'warning\s+\[\d+\]$', l))
+
+
+def test_every_data_file_is_package_data():
+    "Each file in cquant/data matches a [tool.setuptools.package-data] glob, so a wheel carries it (the CLI reads its facts there)."
+    import fnmatch, tomllib
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root/'pyproject.toml').read_text())['tool']['setuptools']['package-data']['cquant']
+    files = sorted(p.relative_to(root/'cquant').as_posix() for p in (root/'cquant'/'data').iterdir())
+    assert 'data/cli_facts.json' in files and [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)] == [], globs
