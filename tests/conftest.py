@@ -107,3 +107,12 @@ def cquant_cli(*argv, fresh:bool=False, code:str|None=None, timeout:float=300) -
         return p.returncode, p.stdout, p.stderr
     from cquant.cli import run_captured
     return run_captured(argv, ROOT)
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, cquant, the test modules and their parameters) lives for the whole run:
+    `gc.freeze` takes it out of every later collection's walk (the notebooks' teardowns collect, and so does Python
+    itself as objects pile up), which otherwise grows with every module imported."""
+    import gc
+    gc.collect()
+    gc.freeze()
