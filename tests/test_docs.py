@@ -21,6 +21,7 @@ from nbdev.doclinks import nbglob
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = get_config(ROOT)
+sys.path.insert(0, str(ROOT/'tools'))     # build_docs and shrink_figures, imported by the tests below
 NBS = sorted(nbglob(CFG.nbs_path, as_path=True, skip_file_re='^[_.]'), key=lambda p: p.relative_to(CFG.nbs_path).as_posix())
 PAGES = {nb: nbpath2html(nb.relative_to(CFG.nbs_path)).as_posix() for nb in NBS}  # nbdev's page names
 NUMERICS = next((nb for nb in NBS if nb.stem.endswith('_numerics')), None)
@@ -194,7 +195,6 @@ def test_classes_render_as_classes(site):
 
 def test_signatures_break_between_parameters(site):
     "show_doc signature lines are at most 80 characters (a line ending in a parameter comment aside)"
-    sys.path.insert(0, str(ROOT/'tools'))
     from build_docs import _SIG_WIDTH, _split_params
     assert _split_params("a:int=1, b:dict[str, int]={'x, y': (1, 2)}, c='#', # doc") == \
         (['a:int=1', "b:dict[str, int]={'x, y': (1, 2)}", "c='#'"], '# doc')
@@ -418,7 +418,6 @@ _LOCAL = ('file:', 'data:', 'blob:', 'about:', 'http://127.0.0.1')
 def test_pages_offline_in_browser(site, browser):
     """Every page opened from file:// with no network: no request leaves the machine, the math is MathML (no TeX
     left as text), code in the prose wraps, and no cell of checks only (`test_eq`, `assert`) is shown (issue 42)"""
-    sys.path.insert(0, str(ROOT/'tools'))
     from build_docs import _checks_only
     problems = []
     for page in PAGES.values():
@@ -439,23 +438,19 @@ def test_pages_offline_in_browser(site, browser):
 
 def test_figures_legible():
     "every PNG saved in a notebook is drawn at 100 dpi or more (issue 42: the 64 dpi ones were hard to read)"
-    import base64, struct
+    import struct
+    from shrink_figures import saved_pngs
     low = []
     for nb in NBS:
-        for c in read_nb(nb).cells:
-            for o in c.get('outputs', []) if c.cell_type == 'code' else []:
-                png = o.get('data', {}).get('image/png')
-                if not png: continue
-                b = base64.b64decode(png if isinstance(png, str) else ''.join(png))
-                i = b.find(b'pHYs')
-                dpi = round(struct.unpack('>I', b[i + 4:i + 8])[0] * 0.0254) if i > 0 else None
-                if dpi is None or dpi < 100: low.append(f'{nb.name}: {dpi} dpi')
+        for _, b in saved_pngs(json.loads(nb.read_text(encoding='utf-8'))):
+            i = b.find(b'pHYs')
+            dpi = round(struct.unpack('>I', b[i + 4:i + 8])[0] * 0.0254) if i > 0 else None
+            if dpi is None or dpi < 100: low.append(f'{nb.name}: {dpi} dpi')
     assert not low, low
 
 
 def test_figures_are_palette_pngs():
     "every PNG saved in a notebook is a 256-colour palette PNG (`python tools/shrink_figures.py` after a Jupyter run)"
-    sys.path.insert(0, str(ROOT/'tools'))
     from shrink_figures import shrink_notebook
     full = {nb.name: n for nb in NBS if (n := shrink_notebook(nb, write=False))}
     assert not full, f'full-colour figures (run python tools/shrink_figures.py): {full}'
@@ -467,7 +462,6 @@ def test_shrinking_a_figure_keeps_its_size_dpi_and_look():
     import matplotlib.pyplot as plt
     import numpy as np
     from PIL import Image
-    sys.path.insert(0, str(ROOT/'tools'))
     from shrink_figures import shrink_png
     fig, ax = plt.subplots(figsize=(4, 2.5))
     x = np.linspace(0, 6, 200)

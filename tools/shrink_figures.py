@@ -24,21 +24,20 @@ def shrink_png(data:bytes) -> bytes|None:
     return out.getvalue()
 
 
-def png_outputs(nb:dict):
-    "Each output dict of `nb` that holds an image/png."
+def saved_pngs(nb:dict):
+    "(output dict, PNG bytes) of each image/png output saved in the notebook `nb` (its JSON)."
     for cell in nb['cells']:
         for o in cell.get('outputs', []):
-            if 'image/png' in o.get('data', {}): yield o
+            if png := o.get('data', {}).get('image/png'):
+                yield o, base64.b64decode(png if isinstance(png, str) else ''.join(png))
 
 
 def shrink_notebook(path:Path, write:bool=True) -> int:
     "Re-encode the full-colour figures of the notebook at `path` (in place with `write`); how many there were."
     text = path.read_text(encoding='utf-8')
     nb, n = json.loads(text), 0
-    for o in png_outputs(nb):
-        png = o['data']['image/png']
-        small = shrink_png(base64.b64decode(png if isinstance(png, str) else ''.join(png)))
-        if small is None: continue
+    for o, png in saved_pngs(nb):
+        if (small := shrink_png(png)) is None: continue
         o['data']['image/png'] = base64.b64encode(small).decode('ascii')
         n += 1
     if n and write:      # nbdev's own layout: one-space indent, non-ASCII kept, a final newline
