@@ -66,7 +66,7 @@ class _Package(_types.ModuleType):
 
 _sys.modules[__name__].__class__ = _Package
 
-_LIGHT = frozenset(f'{__name__}.{m}' for m in ('_version', 'plain', 'cli', '_cli_facts', '_modidx'))   # need no torch
+_LIGHT = frozenset(f'{__name__}.{m}' for m in ('_version', 'plain', 'cli', '_modidx'))   # need no torch
 _depth, _loading = 0, False
 
 class _Completing:

@@ -11,7 +11,7 @@ from cquant.formats import format_module_names
 
 PKG = Path(cq.__file__).parent
 FORMAT_MODULES = {f'{m}.py' for m in format_module_names()} | {'tensor.py', '_modidx.py'}   # found by their declarations
-GENERATED = {'_modidx.py', '_cli_facts.py'}   # written by tools from the registries (nbdev's index, the CLI's facts)
+GENERATED = {'_modidx.py'}   # nbdev's index, written from the notebooks
 # (file, top-level name assigned) -> why a format name may appear there as a string constant
 QUANTOPS = {'float8_e4m3fn_rowwise', 'float8_e4m3fn_blockwise', 'int8_blockwise', 'hybrid_mxfp8'}   # ComfyUI-QuantOps' formats
 ALLOWED = set()      # none: the policy modes named after a format take the name from its declaration (NVFP4.name)
@@ -275,6 +275,29 @@ def test_no_name_defined_twice_in_a_module():
     assert not bad, 'names bound twice at module level:\n' + '\n'.join(bad)
     planted = 'def f(x): pass\n@patch\ndef g(self:A): pass\n@patch\ndef g(self:B): pass\nX = 1\nX = {k: 1 for k in X}\ndef f(): pass\n'
     assert defined_twice(planted) == ['X (lines 6, 7)', 'f (lines 1, 8)']
+
+# ---- Issue 41: notebooks in fastcore's rhythm, prose in short cells next to the code it explains ----
+PROSE_CAP = 200     # words in one markdown cell (whitespace-separated, tables included); the median cell is far shorter
+
+
+def long_prose_cells(paths) -> list:
+    "`notebook id: words` of each markdown cell over PROSE_CAP words."
+    import json, re
+    return [f"{p.name} {c.get('id')}: {n}" for p in paths for c in json.loads(p.read_text(encoding='utf-8'))['cells']
+            if c['cell_type'] == 'markdown' and (n := len(re.findall(r'\S+', ''.join(c['source'])))) > PROSE_CAP]
+
+
+def test_prose_cells_read():
+    long = long_prose_cells(sorted((PKG.parent/'nbs').glob('*.ipynb')))
+    assert not long, f'split these markdown cells at their seams, each part above the code it explains: {long}'
+
+
+def test_the_prose_check_finds_a_long_cell(tmp_path):
+    import json
+    cell = lambda n, kind='markdown': {'cell_type': kind, 'id': f'c{n}', 'metadata': {}, 'source': ['word ' * n]}
+    nb = tmp_path/'x.ipynb'
+    nb.write_text(json.dumps({'cells': [cell(PROSE_CAP), cell(PROSE_CAP + 1), cell(500, 'code')]}))
+    assert long_prose_cells([nb]) == [f'x.ipynb c{PROSE_CAP + 1}: {PROSE_CAP + 1}']
 
 # ---- Issue 15, third rule: `import cquant as cq` shows the public API (256: room for the third wave's contract names) ----
 # SPEC §2 (and the §4 names that exist so far): the contract that checks outside the project call
