@@ -277,27 +277,40 @@ def test_no_name_defined_twice_in_a_module():
     assert defined_twice(planted) == ['X (lines 6, 7)', 'f (lines 1, 8)']
 
 # ---- Issue 41: notebooks in fastcore's rhythm, prose in short cells next to the code it explains ----
-PROSE_CAP = 200     # words in one markdown cell (whitespace-separated, tables included); the median cell is far shorter
+PROSE_CAP, STRETCH_CAP = 200, 250   # words in one markdown cell; in the prose between two code cells (tables included)
+LANDING = {'index.ipynb'}           # the home page: a map of the other pages, prose by design (one cell cap only)
 
 
-def long_prose_cells(paths) -> list:
-    "`notebook id: words` of each markdown cell over PROSE_CAP words."
+def long_prose(paths) -> list:
+    "`notebook id: words` of each markdown cell over PROSE_CAP words and each stretch of prose (its first cell) over STRETCH_CAP."
     import json, re
-    return [f"{p.name} {c.get('id')}: {n}" for p in paths for c in json.loads(p.read_text(encoding='utf-8'))['cells']
-            if c['cell_type'] == 'markdown' and (n := len(re.findall(r'\S+', ''.join(c['source'])))) > PROSE_CAP]
+    out = []
+    for p in paths:
+        cells, run = json.loads(p.read_text(encoding='utf-8'))['cells'], None
+        for c in cells + [{'cell_type': 'code'}]:
+            if c['cell_type'] != 'markdown':
+                if run and run[1] > STRETCH_CAP and p.name not in LANDING: out.append(f'{p.name} {run[0]}: {run[1]} words before the next code')
+                run = None; continue
+            n = len(re.findall(r'\S+', ''.join(c['source'])))
+            if n > PROSE_CAP: out.append(f"{p.name} {c.get('id')}: {n} words in one cell")
+            run = [run[0], run[1] + n] if run else [c.get('id'), n]
+    return out
 
 
-def test_prose_cells_read():
-    long = long_prose_cells(sorted((PKG.parent/'nbs').glob('*.ipynb')))
-    assert not long, f'split these markdown cells at their seams, each part above the code it explains: {long}'
+def test_prose_reads():
+    long = long_prose(sorted((PKG.parent/'nbs').glob('*.ipynb')))
+    assert not long, f'split or move this prose to the code it explains, or show its claim in a small check cell: {long}'
 
 
-def test_the_prose_check_finds_a_long_cell(tmp_path):
+def test_the_prose_check_finds_long_prose(tmp_path):
     import json
     cell = lambda n, kind='markdown': {'cell_type': kind, 'id': f'c{n}', 'metadata': {}, 'source': ['word ' * n]}
     nb = tmp_path/'x.ipynb'
-    nb.write_text(json.dumps({'cells': [cell(PROSE_CAP), cell(PROSE_CAP + 1), cell(500, 'code')]}))
-    assert long_prose_cells([nb]) == [f'x.ipynb c{PROSE_CAP + 1}: {PROSE_CAP + 1}']
+    nb.write_text(json.dumps({'cells': [cell(PROSE_CAP), cell(500, 'code'), cell(PROSE_CAP + 1), cell(9), cell(41), cell(3, 'code')]}))
+    assert long_prose([nb]) == [f'x.ipynb c{PROSE_CAP + 1}: {PROSE_CAP + 1} words in one cell',
+                                f'x.ipynb c{PROSE_CAP + 1}: {PROSE_CAP + 51} words before the next code']
+    (tmp_path/'index.ipynb').write_text(nb.read_text())
+    assert long_prose([tmp_path/'index.ipynb']) == [f'index.ipynb c{PROSE_CAP + 1}: {PROSE_CAP + 1} words in one cell']
 
 # ---- Issue 15, third rule: `import cquant as cq` shows the public API (256: room for the third wave's contract names) ----
 # SPEC §2 (and the §4 names that exist so far): the contract that checks outside the project call
