@@ -139,7 +139,7 @@ def _add_outliers(model:DiT, g:torch.Generator):
 # %% ../nbs/13_models.ipynb #ac0dd55c
 def dit_model(seed:int=0, # everything (weights, outliers) is drawn from this seed
               dtype:torch.dtype=torch.float32, # parameter dtype
-              outliers:bool=True, # inject the outlier columns, rows, heavy tails and activation channels
+              outliers:bool=True, # inject the outlier columns, heavy tails and activation channels
               **kw, # DiT sizes: dim=256, depth=4, heads=4, mlp_ratio=4, in_ch=16, experts=4, classes=10
              ) -> DiT: # in eval mode
     "A deterministic DiT-shaped model with outliers where real DiTs have them; the global RNG is left untouched."
