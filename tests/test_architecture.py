@@ -1,6 +1,6 @@
 """Architecture rules of issue 15: every per-format fact lives in the format's declaration, and nothing outside
 the format modules tests a format's name."""
-import ast, functools, inspect
+import ast, functools, inspect, json, re
 from pathlib import Path
 import pytest
 import torch
@@ -283,7 +283,6 @@ LANDING = {'index.ipynb'}           # the home page: a map of the other pages, p
 
 def long_prose(paths) -> list:
     "`notebook id: words` of each markdown cell over PROSE_CAP words and each stretch of prose (its first cell) over STRETCH_CAP."
-    import json, re
     out = []
     for p in paths:
         cells, run = json.loads(p.read_text(encoding='utf-8'))['cells'], None
@@ -303,7 +302,6 @@ def test_prose_reads():
 
 
 def test_the_prose_check_finds_long_prose(tmp_path):
-    import json
     cell = lambda n, kind='markdown': {'cell_type': kind, 'id': f'c{n}', 'metadata': {}, 'source': ['word ' * n]}
     nb = tmp_path/'x.ipynb'
     nb.write_text(json.dumps({'cells': [cell(PROSE_CAP), cell(500, 'code'), cell(PROSE_CAP + 1), cell(9), cell(41), cell(3, 'code')]}))
